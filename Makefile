@@ -1,0 +1,35 @@
+# The course's two commands: `make lab` (start learning) and `make test` (prove it all works).
+# Each sets up .venv by itself on a fresh machine: install, then prepare the offline model.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: lab test test-fast model bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e .
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m minikv.cli prepare
+
+lab: model
+	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_tour.ipynb
+
+# unit + equivalence + property tests, then every notebook, exercise and solution through nbval
+test: model
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(NBVAL) notebooks exercises solutions
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench: model
+	$(PY) -m minikv.cli bench --help
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

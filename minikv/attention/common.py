@@ -1,0 +1,41 @@
+"""Attention over a padded [B, L] view of each sequence's keys: the math every torch backend shares."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minikv.attention.metadata import AttentionMetadata
+
+
+def attend(
+    q: torch.Tensor,  # [T, num_heads, head_dim]  the flattened new tokens
+    keys: torch.Tensor,  # [B, L, num_kv_heads, head_dim]  key at position j of sequence b is keys[b, j]
+    values: torch.Tensor,  # [B, L, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each new token over its own sequence's positions [0, its position].
+
+    The queries are scattered into a padded [B, max_query_len] grid, one masked SDPA call runs
+    over all sequences at once (no Python loop), and the result is gathered back to [T, ...].
+    """
+    T, num_heads, head_dim = q.shape
+    B, L, num_kv_heads, _ = keys.shape
+    max_q = meta.max_query_len
+    q_pad = q.new_zeros(B, max_q, num_heads, head_dim)
+    q_pad[meta.token_seq, meta.token_qpos] = q
+    # absolute position of each padded query; padding rows look at position 0 only (never NaN)
+    q_pos = torch.zeros(B, max_q, dtype=torch.long, device=q.device)
+    q_pos[meta.token_seq, meta.token_qpos] = meta.token_pos
+    k_pos = torch.arange(L, device=q.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, L]  causal, and < seq_len
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    group = num_heads // num_kv_heads  # grouped-query attention: each KV head serves `group` q heads
+    k = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
+    v = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale
+    )  # [B, num_heads, max_q, head_dim]
+    return out.transpose(1, 2)[meta.token_seq, meta.token_qpos]

@@ -1,0 +1,60 @@
+"""Turn a scheduled batch into ONE flattened model call and return the logits to sample from.
+
+    seq A prefill (5 tokens) + seq B decode (1) + seq C chunk (3):
+    input_ids    [a0 a1 a2 a3 a4 | b7 | c0 c1 c2]
+    positions    [ 0  1  2  3  4 |  7 |  0  1  2]
+    slot_mapping [physical slot of each token]          (paged)
+    logits for A and B only: C's chunk does not reach the end of its prompt, nothing to sample yet
+"""
+from __future__ import annotations
+
+import torch
+
+from minikv.attention.metadata import AttentionMetadata
+from minikv.engine.simple_scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, backend, device, block_size: int | None = None):
+        self.model = model
+        self.backend = backend
+        self.device = torch.device(device)
+        self.block_size = block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        ids, pos, query_lens, seq_lens, sample_rows = [], [], [], [], []
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
+            end = start + n
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            query_lens.append(n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # every known token computed: the next one can be sampled
+                sample_rows.append(i)
+        extra = {}
+        if self.backend.name == "contiguous":
+            extra["cache_rows"] = self._long([s.cache_row for s in batch.seqs])
+        elif self.block_size is not None:  # paged layouts
+            extra["slot_mapping"] = self._long(self.slot_mapping(batch))
+            width = max(len(s.block_table) for s in batch.seqs)
+            extra["block_tables"] = self._long([s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs])
+        meta = AttentionMetadata.build(query_lens, seq_lens, self.device, **extra)
+        return self._long(ids), self._long(pos), meta, sample_rows
+
+    def slot_mapping(self, batch: ScheduledBatch) -> list[int]:
+        """Physical slot of every new token: block_table[pos // block_size] * block_size + pos % block_size."""
+        bs, slots = self.block_size, []
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return slots
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Returns (logits [len(sample_rows), vocab] float32, sample_rows)."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        last = (meta.query_start_loc[1:] - 1)[sample_rows]  # last new token of each sampling sequence
+        logits = self.model(input_ids, positions, meta, self.backend, logits_indices=last)
+        return logits, sample_rows
+
+    def _long(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -1,0 +1,78 @@
+"""One request's state as it moves through the engine.
+
+    WAITING -> RUNNING -> FINISHED
+                 |  ^
+    (preempted)  v  |
+            WAITING (recompute) or SWAPPED (KV copied to CPU)
+
+    token_ids = prompt_token_ids + output_token_ids
+    [0, num_computed_tokens)              K/V already in the cache
+    [num_computed_tokens, num_tokens)     still to run through the model
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from minikv.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 cache_salt: str | None = None, prompt: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.block_table: list[int] = []  # paged: physical block ids, in order
+        self.cache_row: int | None = None  # contiguous: the row it owns
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.generator: torch.Generator | None = None
+        # timings (perf_counter seconds)
+        self.arrival_time = time.perf_counter()
+        self.token_times: list[float] = []
+        self.num_preemptions = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
