@@ -45,6 +45,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.block_table: list[int] = []  # paged: physical block ids, in order
         self.cache_row: int | None = None  # contiguous: the row it owns
+        self.swap_table: list[int] = []  # swapped: CPU swap blocks holding its KV, in order
         self.finish_reason: str | None = None
         self.text = ""
         self.generator: torch.Generator | None = None

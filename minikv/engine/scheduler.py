@@ -1,0 +1,185 @@
+"""Rung 5: continuous batching. Every step, decide which sequences run and how many tokens each.
+
+    queues:  waiting (new or preempted by recompute) | running | swapped (KV parked in CPU memory)
+
+    one step, token budget = max_num_batched_tokens:
+      1. running sequences, oldest first: a decode takes 1 token, an unfinished prefill takes the
+         next chunk of its prompt (chunked prefill). A sequence that needs a new block and finds
+         none preempts the least important running sequence (lowest priority, then newest).
+      2. if nothing was preempted: swapped sequences come back when their blocks fit
+      3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow
+
+Preemption modes: "recompute" frees the victim's blocks and requeues it at the front of waiting
+(its prompt AND generated tokens are prefilled again later); "swap" copies its blocks to the CPU
+swap space and frees them (falls back to recompute if the swap space is full).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from minikv.cache.block_manager import BlockManager, blocks_needed
+from minikv.cache.swap import SwapSpace
+from minikv.engine.sequence import Sequence, SequenceStatus
+from minikv.engine.simple_scheduler import ScheduledBatch
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, preemption: str = "recompute",
+                 swap_space: SwapSpace | None = None):
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
+        if preemption == "swap" and swap_space is None:
+            raise ValueError("preemption='swap' needs a swap space (swap_blocks > 0)")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill
+        self.preemption = preemption
+        self.swap = swap_space
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.num_recomputes = 0
+        self.num_swaps = 0
+        self.log: list[tuple[int, str, str]] | None = None  # (step, request_id, event) when tracing
+        self.step_index = 0
+
+    # ---- queues ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._trace(seq, "arrive")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _trace(self, seq: Sequence, event: str) -> None:
+        if self.log is not None:
+            self.log.append((self.step_index, seq.request_id, event))
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted_now = False
+
+        # 1. running sequences, oldest first (they hold blocks already)
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._tokens_to_run(seq, budget)
+            if n == 0:
+                continue
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self._pick_victim(exclude=batch.seqs)
+                self._preempt(victim, batch)
+                preempted_now = True
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.add(seq, seq.num_computed_tokens, n)
+            budget -= n
+
+        # 2. swapped sequences come back first, in the order they left
+        while self.swapped and not preempted_now and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = self._tokens_to_run(seq, budget)
+            if n == 0 or blocks_needed(seq.num_computed_tokens + n, self.bm.block_size) > self.bm.num_free_blocks:
+                break
+            self.swapped.popleft()
+            self._swap_in(seq)
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.add(seq, seq.num_computed_tokens, n)
+            budget -= n
+
+        # 3. admit waiting sequences
+        while self.waiting and not preempted_now and not self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._tokens_to_run(seq, budget)
+            if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._trace(seq, "admit")
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.add(seq, seq.num_computed_tokens, n)
+            budget -= n
+        self.step_index += 1
+        return batch
+
+    def _tokens_to_run(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` that go into this step: 1 for a decode, a chunk (or all) of a prefill."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.chunked_prefill else 0
+
+    def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
+        """Least important running sequence not yet placed in this step's batch: largest priority
+        value, then the newest arrival. The sequence asking for a block is always a candidate."""
+        candidates = [s for s in self.running if s not in exclude]
+        return max(candidates, key=lambda s: (s.params.priority, s.arrival_time, s.seq_id))
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        batch.preempted.append(seq)
+        use_swap = (self.preemption == "swap" and self.swap is not None
+                    and self.swap.num_free_blocks >= len(seq.block_table))
+        if use_swap:
+            self.num_swaps += 1
+            seq.swap_table = self.swap.swap_out(seq.block_table)
+            self.bm.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self._trace(seq, "swap_out")
+        else:
+            self.num_recomputes += 1
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            self._trace(seq, "preempt")
+
+    def _swap_in(self, seq: Sequence) -> None:
+        self.bm.grow(seq, len(seq.swap_table) * self.bm.block_size)
+        self.swap.swap_in(seq.swap_table, seq.block_table)
+        seq.swap_table = []
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._trace(seq, "swap_in")
+
+    # ---- after the model ran --------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch) -> None:
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
+            seq.num_computed_tokens = start + n
+        for seq in [s for s in self.running if s.is_finished]:
+            self.finish(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        self._trace(seq, "finish" if seq.finish_reason != "abort" else "abort")
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.finish(seq)
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap.release(seq.swap_table)
+            seq.swap_table = []
+        self.bm.free(seq)
+        self._trace(seq, "abort")
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.waiting) + self.running + list(self.swapped)
