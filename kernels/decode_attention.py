@@ -1,0 +1,259 @@
+"""Paged decode attention: one new token per sequence attends over its whole cached context.
+
+Decode is memory-bound: every step reads each sequence's K and V once and does ~2 FLOPs per byte
+read, so the kernel's one job is to stream the pool at the card's bandwidth. It reads K/V in place
+through the block table (no gather into a contiguous copy) and keeps everything else in registers.
+
+    grid = (batch, num_kv_heads, num_splits)   one program = one KV head of one sequence, one split
+
+    GQA: a program serves all `group = num_heads // num_kv_heads` query heads of its KV head, so
+    each K/V byte is read once for the whole group (never repeated per query head).
+
+    split-K: a long context is cut into `num_splits` ranges read by separate programs, so a small
+    batch still fills the GPU. Each split writes a partial result normalised by its own softmax sum
+    plus its log-sum-exp; a second kernel merges the splits.
+
+    sequence b, seq_len = 70, block_size = 16, num_splits = 2, tile BLOCK_N = 32:
+    positions   [0 ............ 31 | 32 ........... 63]  [64 .. 69]
+    split 0:    tiles [0, 32) [32, 64)                   split 1: tile [64, 70) (rest masked)
+    each tile's token p lives at  k_cache[block_table[b, p // block_size], p % block_size, kv_head]
+
+Inner loop (online softmax): for each tile, with scores s = q . k * scale, keep per query head a
+running max m, a running sum l = sum exp(s - m) and an accumulator acc = sum exp(s - m) v; when a
+tile raises the max, rescale l and acc by exp(m_old - m_new). The result is acc / l.
+Exponentials are base 2 (exp2 is one instruction on a GPU): scores carry a factor log2(e).
+
+Limits: head_dim any (padded to a power of two), block_size any >= 1 (the engine uses powers of
+two), any context length, group size any (padded to 16 rows for the tensor-core dot). fp16 and
+bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of keys/values into the running softmax of every query head of the group.
+
+    q [GROUP_PAD, D]  k, v [BLOCK_N, D]  valid [BLOCK_N] (False: beyond the range, masked)
+    m_i, l_i [GROUP_PAD] fp32: running max (log2 units) and sum;  acc [GROUP_PAD, D] fp32
+    DOT_PRECISION: "ieee" for fp32 inputs (a GPU would round them to TF32), None otherwise
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PAD, BLOCK_N] log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)  # how much the old max overstated: rescale what we have
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same layout and strides as k_cache
+    block_tables_ptr,  # [B, max_blocks] physical block ids (-1 = none, never read)
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [B, num_heads, head_dim]   written directly when NUM_SPLITS == 1
+    part_out_ptr,  # [B, num_heads, num_splits, HEAD_PAD] fp32  each split's normalised output
+    part_lse_ptr,  # [B, num_heads, num_splits] fp32            each split's log2-sum-exp2
+    trace_ptr,  # [B, num_kv_heads, max_blocks] int32: which split read each block (TRACE only)
+    scale_log2e,
+    window,  # sliding window (keys in (pos - window, pos]); <= 0: none
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_bt,
+    stride_ob, stride_oh,
+    stride_trace,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per pool block
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per tile of the inner loop
+    DOT_PRECISION: tl.constexpr,
+    TRACE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+
+    # this split's token range [start, end) of the sequence's keys [lo, seq_len)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:  # a short sequence leaves the last splits empty; the merge skips them
+        return
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)  # the query heads of this KV head
+    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)  # token positions of this tile
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # physical blocks
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        m_i, l_i, acc = online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
+        if TRACE:
+            tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
+                     split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
+
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        part = (b * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split  # [GROUP_PAD] rows
+        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + d[None, :], out, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,  # [B, num_heads, head_dim]
+    part_out_ptr,  # [B, num_heads, num_splits, HEAD_PAD] fp32
+    part_lse_ptr,  # [B, num_heads, num_splits] fp32
+    seq_lens_ptr,
+    window,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes joined."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len - lo, chunk)  # splits that had tokens (the same arithmetic as above)
+    d = tl.arange(0, HEAD_PAD)
+    base = (b * tl.num_programs(1) + head) * NUM_SPLITS
+    m = tl.load(part_lse_ptr + base)  # split 0 always has tokens
+    l = tl.full([], 1.0, tl.float32)
+    acc = tl.load(part_out_ptr + base * HEAD_PAD + d)
+    for s in range(1, used):
+        lse = tl.load(part_lse_ptr + base + s)
+        o = tl.load(part_out_ptr + (base + s) * HEAD_PAD + d)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + o * w
+        l = l * alpha + w
+        m = m_new
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, (acc / l).to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                       min_tokens_per_split: int = 256) -> int:
+    """Enough splits that batch x kv_heads x splits programs fill the GPU about twice over, but no
+    split shorter than `min_tokens_per_split` tokens (below that the merge costs more than it saves).
+    A power of two, so a serving loop compiles a handful of variants at most."""
+    if device.type != "cuda":
+        programs = 2  # the interpreter runs one program at a time: fewer is faster
+    else:
+        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    want = math.ceil(programs / max(batch * num_kv_heads, 1))
+    most = max(1, max_seq_len // min_tokens_per_split)
+    n = max(1, min(want, most, 128))
+    return 1 << (n - 1).bit_length() if n & (n - 1) else n
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]  the one new query token of each sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]  (one layer)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    seq_lens: torch.Tensor,  # [B] context length including the new token (its K/V already stored)
+    scale: float,
+    num_splits: int | None = None,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,  # host copy of seq_lens.max(), saves a device sync
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    trace: torch.Tensor | None = None,  # [B, num_kv_heads, max_blocks] int32: filled with split ids
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim] to write into (else a new tensor)
+) -> torch.Tensor:
+    """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim]."""
+    B, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kd = k_cache.shape
+    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
+                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    if block_tables.shape[0] != B or seq_lens.shape[0] != B:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+                         f"need one row per sequence ({B})")
+    group = num_heads // num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    window = sliding_window or 0
+    span = min(max_seq_len, window) if window > 0 else max_seq_len
+    if num_splits is None:
+        num_splits = default_num_splits(B, num_kv_heads, span, q.device)
+    interp = q.device.type != "cuda"
+    if block_n is None:
+        block_n = 64
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be shaped like q {tuple(q.shape)}, head_dim contiguous")
+    if num_splits > 1:
+        part_out = torch.empty(B, num_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    if trace is None:
+        trace_arg, trace_stride = out, 0
+    else:
+        trace_arg, trace_stride = trace, trace.stride(1)
+    launch = {} if interp else {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
+    _decode_split_kernel[(B, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
+        scale * math.log2(math.e), window,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        trace_stride,
+        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None,
+        **launch,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(B, num_heads)](
+            out, part_out, part_lse, seq_lens, window, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
+            **({} if interp else {"num_warps": 1}),
+        )
+    return out

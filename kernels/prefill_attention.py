@@ -1,0 +1,156 @@
+"""Paged prefill attention: causal attention of each sequence's new tokens over its paged context.
+
+The new tokens of sequence b sit at the end of its context; their K/V are already in the pool:
+
+    query_start_loc[b] .. query_start_loc[b+1]   its rows of q (q_len of them)
+    [0, seq_len - q_len)        context already cached (earlier chunks, or a cached prefix)
+    [seq_len - q_len, seq_len)  the new tokens; the one at position p attends over keys [0, p]
+
+This one kernel covers a whole prompt, a chunk of a long prompt (chunked prefill), a prompt whose
+prefix came from the prefix cache, and a decode row mixed into the batch (q_len = 1).
+
+    grid = (B, num_heads, cdiv(max_query_len, BLOCK_M))   one program = BLOCK_M query rows of one head
+
+Each program streams key tiles [0, last position of its rows] through the block table with the
+same online softmax as the decode kernel; a tile's mask is causal (key pos <= query pos) and, with
+a sliding window, key pos > query pos - window.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [B, max_blocks]
+    query_start_loc_ptr,  # [B+1]
+    seq_lens_ptr,  # [B]
+    out_ptr,  # [T, num_heads, head_dim]
+    scale_log2e,
+    window,  # keys in (pos - window, pos] when SLIDING
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_bt,
+    stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    m_tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + b + 1).to(tl.int32) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    first = seq_len - q_len  # position of the first new token
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
+    row_ok = rows < q_len
+    q_pos = first + rows  # absolute positions of this program's queries
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    kv_head = head // GROUP
+    hi = tl.minimum(first + (m_tile + 1) * BLOCK_M, seq_len)  # keys [lo, hi) can be seen by some row
+    lo = 0
+    if SLIDING:  # the first row's window starts here; earlier tiles are seen by no row
+        lo = (tl.maximum(first + m_tile * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+    # a finite start (not -inf): a row may see no key of a tile under a sliding window
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        see = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            see = see & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows past q_len
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]  the flattened new tokens of B sequences
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]  (one layer)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: torch.Tensor,  # [B+1] offsets of each sequence's rows in q
+    seq_lens: torch.Tensor,  # [B] context length after this step
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,  # [T, num_heads, head_dim] to write into (else a new tensor)
+) -> torch.Tensor:
+    """Causal varlen attention of the new tokens over their paged context: [T, num_heads, head_dim]."""
+    T, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kd = k_cache.shape
+    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
+                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    B = seq_lens.shape[0]
+    if query_start_loc.shape[0] != B + 1 or block_tables.shape[0] != B:
+        raise ValueError(f"query_start_loc needs B+1 = {B + 1} entries and block_tables B rows")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be shaped like q {tuple(q.shape)}, head_dim contiguous")
+    if T == 0:
+        return out
+    interp = q.device.type != "cuda"
+    block_m = block_m or 64
+    block_n = block_n or 64
+    launch = {} if interp else {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
+    grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * math.log2(math.e), sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, SLIDING=bool(sliding_window),
+        **launch,
+    )
+    return out

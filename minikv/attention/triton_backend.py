@@ -1,0 +1,52 @@
+"""Rung 7: the paged backend with its hot loops in Triton. Same pool, same block tables, same
+metadata as `PagedBackend` (rung 4); only `forward` changes:
+
+    store_kvcache            k, v -> pool slots                 (replaces an indexed copy)
+    paged_decode_attention   decode-only steps: K/V read in place through the block table,
+                             split-K over long contexts         (replaces gather + masked SDPA)
+    paged_prefill_attention  any step with prefill rows (whole prompts, chunks, cached prefixes,
+                             decode rows mixed in)
+
+Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read once, from the
+pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
+pool must be float32 or float16, since the interpreter's bfloat16 arithmetic is wrong.
+"""
+from __future__ import annotations
+
+import torch
+
+from minikv.attention.common import attend
+from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.paged import PagedBackend
+from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+
+class TritonPagedBackend(PagedBackend):
+    attention = "triton"
+    # prefill steps: "triton" (the paged prefill kernel) or "torch" (rung 4's gather + masked SDPA)
+    prefill_impl = "triton"
+    # decode split count; None = chosen per step from the batch and the longest context
+    decode_num_splits: int | None = None
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, sliding_window: int | None = None):
+        if torch.device(device).type != "cuda" and dtype == torch.bfloat16:
+            raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
+                             "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, sliding_window)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kvcache(k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping)
+
+    def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.store(layer, k, v, meta.slot_mapping)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        if meta.is_decode_only:  # one token per sequence: q [B, num_heads, head_dim]
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                          num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
+                                          max_seq_len=meta.max_seq_len)
+        if self.prefill_impl == "torch":
+            keys, values = self.gather(layer, meta)
+            return attend(q, keys, values, meta, scale, self.sliding_window)
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                       scale, meta.max_query_len, sliding_window=self.sliding_window)

@@ -1,0 +1,191 @@
+"""Rung 7: the Triton kernels equal the torch paged reference (rung 4) and a float64 reference.
+
+Runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1 is set before the kernels are defined).
+Every case scatters the sequences' blocks over a shuffled pool, mixes ragged context lengths
+(1, exact block multiples, odd lengths), and poisons the output with NaN first, so an element the
+kernel forgets to write fails the comparison.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before minikv.kernels defines the kernels
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minikv.attention.common import attend  # noqa: E402
+from minikv.attention.metadata import AttentionMetadata  # noqa: E402
+from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
+
+HEAD_DIM = 32
+SCALE = HEAD_DIM**-0.5
+
+
+def scattered_pool(seq_lens, block_size, num_kv_heads, dtype, seed=0, spare_blocks=5):
+    """A pool with random K/V and one shuffled block table per sequence (-1 padded)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + spare_blocks
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def reference(q, k_cache, v_cache, tables, meta, window=None, dtype=torch.float64):
+    """Rung 4's math: gather each sequence's blocks into a padded view, one masked SDPA."""
+    B, L, bs = meta.num_seqs, meta.max_seq_len, k_cache.shape[1]
+    t = tables.clamp(min=0)
+    keys = k_cache[t].reshape(B, -1, *k_cache.shape[2:])[:, :L]
+    values = v_cache[t].reshape(B, -1, *v_cache.shape[2:])[:, :L]
+    return attend(q.to(dtype), keys.to(dtype), values.to(dtype), meta, SCALE, window)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def assert_close(have, want, atol, what):
+    assert not have.isnan().any(), f"{what}: {have.isnan().sum().item()} elements left unwritten (NaN)"
+    err = (have.double() - want.double()).abs().max().item()
+    assert err <= atol, f"{what}: max error {err:.2e} > {atol:.0e}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_decode_matches_torch_paged_and_float64(block_size, group, num_splits):
+    seq_lens = [1, block_size, 3 * block_size, 2 * block_size + 5, 70]
+    num_kv_heads = 2
+    k_cache, v_cache, tables = scattered_pool(seq_lens, block_size, num_kv_heads, torch.float32, seed=block_size)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, HEAD_DIM)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=num_splits,
+                                 out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, "vs float64")
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta, dtype=torch.float32), 2e-6, "vs torch paged fp32")
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_float16_matches_references(group):
+    seq_lens = [1, 16, 45, 130]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 2, torch.float16, seed=3)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens)
+    q = torch.randn(len(seq_lens), 2 * group, HEAD_DIM).half()
+    out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=3,
+                                 out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
+    torch_fp16 = reference(q, k_cache, v_cache, tables, meta, dtype=torch.float32).half()
+    assert_close(out, torch_fp16, 2e-3, "fp16 vs torch paged")
+
+
+def test_decode_split_counts_agree_and_short_sequences_leave_splits_empty():
+    seq_lens = [1, 9, 300]  # 8 splits of a 1-token sequence: 7 of them empty
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 1, torch.float32, seed=5)
+    q = torch.randn(3, 4, HEAD_DIM)
+    lens = torch.tensor(seq_lens)
+    outs = [paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE, num_splits=n,
+                                   out=poisoned(q.shape, q.dtype)) for n in (1, 2, 5, 8)]
+    for n, o in zip((2, 5, 8), outs[1:]):
+        assert_close(o, outs[0], 1e-6, f"{n} splits vs 1")
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_decode_sliding_window_sees_the_last_window_keys(window):
+    seq_lens = [1, 6, 33, 90]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 8, 2, torch.float32, seed=window)
+    meta = AttentionMetadata.build([1] * 4, seq_lens)
+    q = torch.randn(4, 6, HEAD_DIM)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=3,
+                                 sliding_window=window, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta, window), 2e-6, f"window {window}")
+
+
+def test_decode_trace_shows_every_block_read_by_exactly_the_split_that_owns_it():
+    seq_lens = [5, 64, 100]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 8, 2, torch.float32, seed=7)
+    q = torch.randn(3, 4, HEAD_DIM)
+    trace = torch.full((3, 2, tables.shape[1]), -1, dtype=torch.int32)
+    paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens), SCALE, num_splits=2,
+                           block_n=16, trace=trace)
+    for b, s in enumerate(seq_lens):
+        n = math.ceil(s / 8)
+        assert (trace[b, :, :n] >= 0).all(), f"sequence {b}: a block of its context was never read"
+        assert (trace[b, :, n:] == -1).all(), f"sequence {b}: a block past its context was read"
+        assert (trace[b, :, :n].diff(dim=-1) >= 0).all(), "splits read consecutive ranges in order"
+
+
+def mixed_batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, seed):
+    k_cache, v_cache, tables = scattered_pool(seq_lens, block_size, num_kv_heads, dtype, seed=seed)
+    meta = AttentionMetadata.build(query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, HEAD_DIM).to(dtype)
+    return q, k_cache, v_cache, tables, meta
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_prefill_matches_references_for_prompts_chunks_cached_prefixes_and_decode_rows(block_size, group):
+    # whole prompt | one-token prompt | chunk after 40 cached | prefix-cached prompt | decode row | long prompt
+    query_lens = [13, 1, 24, 5, 1, 70]
+    seq_lens = [13, 1, 64, 2 * block_size + 5, 50, 70]
+    q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, block_size, 2, group, torch.float32,
+                                                    seed=block_size + group)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, "vs float64")
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta, dtype=torch.float32), 2e-6, "vs torch paged")
+
+
+@pytest.mark.parametrize("window", [3, 40])
+def test_prefill_sliding_window(window):
+    q, k_cache, v_cache, tables, meta = mixed_batch([30, 1, 70], [60, 9, 70], 16, 2, 3, torch.float32, seed=11)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                  meta.max_query_len, sliding_window=window, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta, window), 2e-6, f"window {window}")
+
+
+def test_prefill_float16_matches_references():
+    q, k_cache, v_cache, tables, meta = mixed_batch([20, 1, 66], [50, 17, 66], 16, 2, 3, torch.float16, seed=13)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
+
+
+def test_store_kvcache_writes_each_token_to_its_slot_and_nothing_else():
+    num_blocks, block_size, H = 6, 8, 2
+    k_cache = poisoned((num_blocks, block_size, H, HEAD_DIM), torch.float32)
+    v_cache = poisoned((num_blocks, block_size, H, HEAD_DIM), torch.float32)
+    k, v = torch.randn(5, H, HEAD_DIM), torch.randn(5, H, HEAD_DIM)
+    slots = torch.tensor([17, 3, -1, 47, 0])  # -1: a padding token, no slot
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, H, HEAD_DIM), v_cache.view(-1, H, HEAD_DIM)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t]), f"token {t} not in slot {s}"
+    written = (~flat_k.isnan()).all(dim=(1, 2))
+    assert written.nonzero().flatten().tolist() == [0, 3, 17, 47], "a slot outside the mapping was written"
+
+
+def test_store_kvcache_writes_into_one_layer_of_the_pool():
+    pool = torch.zeros(3, 4, 8, 2, HEAD_DIM, dtype=torch.float16)  # [layers, blocks, block_size, heads, dim]
+    k = torch.randn(2, 2, HEAD_DIM).half()
+    store_kvcache(k, k, pool[1], pool[1], torch.tensor([9, 30]))
+    assert torch.equal(pool[1].view(-1, 2, HEAD_DIM)[[9, 30]], k)
+    assert pool[0].abs().sum() == 0 and pool[2].abs().sum() == 0, "another layer was written"
+
+
+def test_shape_errors_name_the_problem():
+    k_cache, v_cache, tables = scattered_pool([10], 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention(torch.randn(1, 3, HEAD_DIM), k_cache, v_cache, tables, torch.tensor([10]), SCALE)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        paged_decode_attention(torch.randn(2, 2, HEAD_DIM), k_cache, v_cache, tables, torch.tensor([10]), SCALE)
+    with pytest.raises(ValueError, match="one slot per token"):
+        store_kvcache(torch.randn(2, 2, HEAD_DIM), torch.randn(2, 2, HEAD_DIM), k_cache, v_cache, torch.tensor([1]))
