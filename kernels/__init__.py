@@ -10,11 +10,21 @@ otherwise. The interpreter is exact for float32 and float16; its bfloat16 arithm
 use float32 or float16 on the CPU.
 """
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
+    _imported_before = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton.language as _tl
+    from triton.runtime.jit import JITFunction as _JITFunction
+
+    if _imported_before and isinstance(_tl.max, _JITFunction):
+        raise ImportError(
+            "triton was imported before minikv.kernels on a machine without CUDA, so its own helpers "
+            "(tl.max, tl.sum, ...) were built for a GPU and the interpreter cannot run them. Restart Python "
+            "and import minikv.kernels first, or set TRITON_INTERPRET=1 before importing triton.")
 
 from minikv.kernels.decode_attention import default_num_splits, paged_decode_attention  # noqa: E402
 from minikv.kernels.prefill_attention import paged_prefill_attention  # noqa: E402

@@ -29,6 +29,7 @@ bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,18 +62,19 @@ def _decode_split_kernel(
     v_cache_ptr,  # same layout and strides as k_cache
     block_tables_ptr,  # [B, max_blocks] physical block ids (-1 = none, never read)
     seq_lens_ptr,  # [B]
-    out_ptr,  # [B, num_heads, head_dim]   written directly when NUM_SPLITS == 1
+    out_ptr,  # [B, num_heads, head_dim]   written directly when SINGLE_SPLIT
     part_out_ptr,  # [B, num_heads, num_splits, HEAD_PAD] fp32  each split's normalised output
     part_lse_ptr,  # [B, num_heads, num_splits] fp32            each split's log2-sum-exp2
     trace_ptr,  # [B, num_kv_heads, max_blocks] int32: which split read each block (TRACE only)
     scale_log2e,
     window,  # sliding window (keys in (pos - window, pos]); <= 0: none
+    num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_bt,
     stride_ob, stride_oh,
     stride_trace,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly, no merge
     BLOCK_SIZE: tl.constexpr,  # tokens per pool block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
@@ -90,7 +92,7 @@ def _decode_split_kernel(
     # this split's token range [start, end) of the sequence's keys [lo, seq_len)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start >= end:  # a short sequence leaves the last splits empty; the merge skips them
@@ -121,11 +123,11 @@ def _decode_split_kernel(
                      split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
 
     out = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
     else:
-        part = (b * (num_kv_heads * GROUP) + heads) * NUM_SPLITS + split  # [GROUP_PAD] rows
+        part = (b * (num_kv_heads * GROUP) + heads) * num_splits + split  # [GROUP_PAD] rows
         tl.store(part_out_ptr + part[:, None] * HEAD_PAD + d[None, :], out, mask=head_ok[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
@@ -137,8 +139,8 @@ def _decode_merge_kernel(
     part_lse_ptr,  # [B, num_heads, num_splits] fp32
     seq_lens_ptr,
     window,
+    num_splits,
     stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -148,10 +150,10 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len - lo, chunk)  # splits that had tokens (the same arithmetic as above)
     d = tl.arange(0, HEAD_PAD)
-    base = (b * tl.num_programs(1) + head) * NUM_SPLITS
+    base = (b * tl.num_programs(1) + head) * num_splits
     m = tl.load(part_lse_ptr + base)  # split 0 always has tokens
     l = tl.full([], 1.0, tl.float32)
     acc = tl.load(part_out_ptr + base * HEAD_PAD + d)
@@ -168,19 +170,24 @@ def _decode_merge_kernel(
              mask=d < HEAD_DIM)
 
 
+# launch settings on a GPU (the interpreter ignores warps and stages); tuned on an H100, see
+# benchmarks/decode_attention_gpu.json
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                        min_tokens_per_split: int = 256) -> int:
     """Enough splits that batch x kv_heads x splits programs fill the GPU about twice over, but no
-    split shorter than `min_tokens_per_split` tokens (below that the merge costs more than it saves).
-    A power of two, so a serving loop compiles a handful of variants at most."""
-    if device.type != "cuda":
-        programs = 2  # the interpreter runs one program at a time: fewer is faster
-    else:
-        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    split shorter than `min_tokens_per_split` tokens (below that the merge costs more than it saves)."""
+    # the interpreter runs one program at a time: fewer is faster there
+    programs = 2 * _num_sms(device) if device.type == "cuda" else 2
     want = math.ceil(programs / max(batch * num_kv_heads, 1))
-    most = max(1, max_seq_len // min_tokens_per_split)
-    n = max(1, min(want, most, 128))
-    return 1 << (n - 1).bit_length() if n & (n - 1) else n
+    return max(1, min(want, max_seq_len // min_tokens_per_split, 128))
 
 
 def paged_decode_attention(
@@ -220,8 +227,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(B, num_kv_heads, span, q.device)
     interp = q.device.type != "cuda"
-    if block_n is None:
-        block_n = 64
+    block_n = block_n or DECODE_CONFIG["block_n"]
     head_pad = max(16, triton.next_power_of_2(head_dim))
     if out is None:
         out = torch.empty_like(q)
@@ -236,24 +242,25 @@ def paged_decode_attention(
         trace_arg, trace_stride = out, 0
     else:
         trace_arg, trace_stride = trace, trace.stride(1)
-    launch = {} if interp else {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
+    launch = {} if interp else {"num_warps": num_warps or DECODE_CONFIG["num_warps"],
+                                "num_stages": num_stages or DECODE_CONFIG["num_stages"]}
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
-        scale * math.log2(math.e), window,
+        scale * math.log2(math.e), window, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         trace_stride,
-        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        SINGLE_SPLIT=num_splits == 1, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None,
         **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](
-            out, part_out, part_lse, seq_lens, window, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
+            out, part_out, part_lse, seq_lens, window, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
             **({} if interp else {"num_warps": 1}),
         )
     return out

@@ -101,6 +101,10 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+# launch settings on a GPU (the interpreter ignores warps and stages)
+PREFILL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]  the flattened new tokens of B sequences
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]  (one layer)
@@ -137,9 +141,10 @@ def paged_prefill_attention(
     if T == 0:
         return out
     interp = q.device.type != "cuda"
-    block_m = block_m or 64
-    block_n = block_n or 64
-    launch = {} if interp else {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
+    block_m = block_m or PREFILL_CONFIG["block_m"]
+    block_n = block_n or PREFILL_CONFIG["block_n"]
+    launch = {} if interp else {"num_warps": num_warps or PREFILL_CONFIG["num_warps"],
+                                "num_stages": num_stages or PREFILL_CONFIG["num_stages"]}
     grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
