@@ -22,16 +22,9 @@ def attend(
     """
     T, num_heads, head_dim = q.shape
     B, L, num_kv_heads, _ = keys.shape
-    max_q = meta.max_query_len
-    q_pad = q.new_zeros(B, max_q, num_heads, head_dim)
+    q_pad = q.new_zeros(B, meta.max_query_len, num_heads, head_dim)
     q_pad[meta.token_seq, meta.token_qpos] = q
-    # absolute position of each padded query; padding rows look at position 0 only (never NaN)
-    q_pos = torch.zeros(B, max_q, dtype=torch.long, device=q.device)
-    q_pos[meta.token_seq, meta.token_qpos] = meta.token_pos
-    k_pos = torch.arange(L, device=q.device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, L]  causal, and < seq_len
-    if sliding_window is not None:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = causal_mask(meta, L, sliding_window)
     group = num_heads // num_kv_heads  # grouped-query attention: each KV head serves `group` q heads
     k = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
     v = values.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -39,3 +32,20 @@ def attend(
         q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale
     )  # [B, num_heads, max_q, head_dim]
     return out.transpose(1, 2)[meta.token_seq, meta.token_qpos]
+
+
+def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, max_query_len, L] bool: may padded query (b, i) see key position j? Built once per step
+    and reused by every layer."""
+    key = ("causal_mask", L, sliding_window)
+    if key not in meta.cache:
+        B, max_q = meta.num_seqs, meta.max_query_len
+        # absolute position of each padded query; padding rows see position 0 only (never NaN)
+        q_pos = torch.zeros(B, max_q, dtype=torch.long, device=meta.token_pos.device)
+        q_pos[meta.token_seq, meta.token_qpos] = meta.token_pos
+        k_pos = torch.arange(L, device=q_pos.device)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also keeps j < seq_len
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        meta.cache[key] = mask
+    return meta.cache[key]

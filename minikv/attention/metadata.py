@@ -12,7 +12,7 @@ One step's batch is flattened: the new tokens of B sequences laid end to end.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class AttentionMetadata:
     token_seq: torch.Tensor | None = None  # [T] sequence index of each token
     token_qpos: torch.Tensor | None = None  # [T] index of each token among its sequence's new tokens
     token_pos: torch.Tensor | None = None  # [T] absolute position of each token in its sequence
+    cache: dict = field(default_factory=dict)  # per-step values backends derive once for all layers
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from minikv.model.named import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (real model)")
