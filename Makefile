@@ -29,7 +29,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
 bench: model
-	$(PY) -m minikv.cli bench --help
+	$(PY) -m minikv.cli bench $(NAME)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,6 +2,7 @@
 
     minikv prepare                                   fetch + convert the offline model (once)
     minikv generate --model smollm2-135m --prompt "Why is the sky blue?"
+    minikv bench <name> [options]                    run minikv/bench/<name>.py (e.g. cache_speedup)
 """
 from __future__ import annotations
 
@@ -24,7 +25,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--kv-backend", default="contiguous")
     g.add_argument("--device", default=None)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    b = sub.add_parser("bench", help="run a benchmark from minikv/bench (its own --help lists options)")
+    b.add_argument("name", help="benchmark module, e.g. cache_speedup, throughput, prefix_ttft, decode_attention")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+
+    if args.cmd == "bench":
+        import importlib.util
+        import runpy
+
+        module = f"minikv.bench.{args.name}"
+        if importlib.util.find_spec(module) is None:
+            import pkgutil
+
+            import minikv.bench
+
+            names = sorted(m.name for m in pkgutil.iter_modules(minikv.bench.__path__))
+            print(f"error: no benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
+            return 2
+        sys.argv = [module] + args.rest
+        runpy.run_module(module, run_name="__main__")
+        return 0
 
     if args.cmd == "prepare":
         from minikv.model.named import prepare_smollm2
