@@ -143,6 +143,7 @@ def _decode_merge_kernel(
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes joined."""
@@ -152,27 +153,22 @@ def _decode_merge_kernel(
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len - lo, chunk)  # splits that had tokens (the same arithmetic as above)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < used
     d = tl.arange(0, HEAD_PAD)
-    base = (b * tl.num_programs(1) + head) * num_splits
-    m = tl.load(part_lse_ptr + base)  # split 0 always has tokens
-    l = tl.full([], 1.0, tl.float32)
-    acc = tl.load(part_out_ptr + base * HEAD_PAD + d)
-    for s in range(1, used):
-        lse = tl.load(part_lse_ptr + base + s)
-        o = tl.load(part_out_ptr + (base + s) * HEAD_PAD + d)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + o * w
-        l = l * alpha + w
-        m = m_new
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, (acc / l).to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    rows = (b * tl.num_programs(1) + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))  # empty splits weigh 2^-inf = 0
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(part_out_ptr + rows[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# launch settings on a GPU (the interpreter ignores warps and stages); tuned on an H100, see
-# benchmarks/decode_attention_gpu.json
+# launch settings on a GPU (the interpreter ignores warps and stages), and the split-K heuristic:
+# aim for PROGRAMS_PER_SM programs per SM, none shorter than MIN_TOKENS_PER_SPLIT positions.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+PROGRAMS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,14 +176,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                       min_tokens_per_split: int = 256) -> int:
-    """Enough splits that batch x kv_heads x splits programs fill the GPU about twice over, but no
-    split shorter than `min_tokens_per_split` tokens (below that the merge costs more than it saves)."""
-    # the interpreter runs one program at a time: fewer is faster there
-    programs = 2 * _num_sms(device) if device.type == "cuda" else 2
-    want = math.ceil(programs / max(batch * num_kv_heads, 1))
-    return max(1, min(want, max_seq_len // min_tokens_per_split, 128))
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits that batch x kv_heads x splits programs keep every SM busy with several programs
+    (memory latency is hidden by having many loads in flight), but no split so short that the merge
+    costs more than it saves. Any count is correct: each sequence divides its own length."""
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time: fewer is faster there
+    want = math.ceil(PROGRAMS_PER_SM * _num_sms(device) / max(batch * num_kv_heads, 1))
+    return max(1, min(want, max_seq_len // MIN_TOKENS_PER_SPLIT, 128))
 
 
 def paged_decode_attention(
@@ -260,7 +256,7 @@ def paged_decode_attention(
     if num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](
             out, part_out, part_lse, seq_lens, window, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
-            **({} if interp else {"num_warps": 1}),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            **({} if interp else {"num_warps": max(1, min(8, triton.next_power_of_2(num_splits) * head_pad // 1024))}),
         )
     return out

@@ -14,6 +14,10 @@ Times are medians of CUDA-event timings after warmup, with L2 flushed before eac
 The prefill kernel is timed against the torch reference too. Everything is written to one JSON.
 
     python -m minikv.bench.decode_attention --out benchmarks/   [--sweep] [--smoke]
+
+With --sweep the decode kernel's split heuristic and launch settings are first tuned on these
+shapes (summed CUDA-graph time), and the figures below are measured with the chosen ones; the
+JSON records what was tried and chosen ("tuning").
 """
 from __future__ import annotations
 
@@ -72,6 +76,18 @@ class Clock:
         return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
+def kernel_time(clock: Clock, fn) -> float:
+    """Median GPU time of fn replayed from a CUDA graph (no Python launch cost); eager on a CPU."""
+    if clock.device.type != "cuda":
+        return clock(fn)
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return clock(graph.replay)
+
+
 def copy_bandwidth(clock: Clock, nbytes: int = 2**30) -> float:
     """GB/s of a device-to-device copy, counting bytes read + bytes written."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=clock.device)
@@ -113,25 +129,39 @@ def rel_err(a, b) -> float:
     return d / b.float().norm().item() if math.isfinite(d) else float("inf")
 
 
-def bench_decode(B, L, block_size, dtype, device, clock, flex, sweep, deadline, heads):
-    from minikv.attention.common import attend
-    from minikv.attention.metadata import AttentionMetadata
-    from minikv.kernels import default_num_splits, paged_decode_attention
-
+def decode_case(B, L, block_size, dtype, device, heads):
+    """Inputs of one decode workload: a shuffled pool, its block tables, the same K/V laid out contiguously."""
     Hq, Hkv, D = heads
-    scale = D**-0.5
     k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=B + L + block_size,
                                           kv_heads=Hkv, head_dim=D)
-    seq_lens = torch.full((B,), L, dtype=torch.long, device=device)
     q = torch.randn(B, Hq, D, device=device).to(dtype)
+    return {"B": B, "L": L, "block_size": block_size, "heads": heads, "q": q, "k_cache": k_cache,
+            "v_cache": v_cache, "tables": tables, "seq_lens": torch.full((B,), L, dtype=torch.long, device=device),
+            "scale": D**-0.5, "kv_bytes": 2 * B * L * Hkv * D * k_cache.element_size()}
+
+
+def triton_decode(c, **kw):
+    from minikv.kernels import paged_decode_attention
+
+    return lambda: paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], c["scale"],
+                                          max_seq_len=c["L"], **kw)
+
+
+def bench_decode(c, device, clock, flex):
+    from minikv.attention.common import attend
+    from minikv.attention.metadata import AttentionMetadata
+    from minikv.kernels import default_num_splits
+
+    B, L, block_size = c["B"], c["L"], c["block_size"]
+    Hq, Hkv, D = c["heads"]
+    q, k_cache, v_cache, tables, scale = c["q"], c["k_cache"], c["v_cache"], c["tables"], c["scale"]
     q4 = q[:, :, None, :]  # [B, H, 1, D]
     kc, vc = contiguous_kv(k_cache, tables, L).contiguous(), contiguous_kv(v_cache, tables, L).contiguous()
     kx, vx = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
     meta = AttentionMetadata.build([1] * B, [L] * B, device, block_tables=tables)
-    kv_bytes = 2 * B * L * Hkv * D * k_cache.element_size()
-    splits = default_num_splits(B, Hkv, L, q.device)
+    kv_bytes = c["kv_bytes"]
     methods = {
-        "triton_paged": lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=L),
+        "triton_paged": triton_decode(c),
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
         # K/V repeated per query head beforehand (not timed): reads 7x the bytes, but always takes a fused kernel
         "sdpa_expanded": lambda: F.scaled_dot_product_attention(q4, kx, vx, scale=scale),
@@ -144,72 +174,65 @@ def bench_decode(B, L, block_size, dtype, device, clock, flex, sweep, deadline, 
         methods["flex_contiguous"] = lambda: flex(q4, kc, vc, scale=scale, enable_gqa=True)
     ref = fp32_decode_reference(q, kc, vc, scale)
     row = {"batch": B, "context": L, "block_size": block_size, "num_heads": Hq, "num_kv_heads": Hkv,
-           "head_dim": D, "dtype": str(dtype).replace("torch.", ""), "kv_bytes": kv_bytes, "num_splits": splits,
-           "time_us": {}, "bandwidth_GBps": {}, "rel_err_vs_fp32": {}, "errors": {}}
+           "head_dim": D, "dtype": str(q.dtype).replace("torch.", ""), "kv_bytes": kv_bytes,
+           "num_splits": default_num_splits(B, Hkv, L, q.device), "time_us": {}, "eager_time_us": {},
+           "bandwidth_GBps": {}, "rel_err_vs_fp32": {}, "errors": {}}
     for name, fn in methods.items():
-        if name == "flex_contiguous" and block_size != BLOCK_SIZES[0]:
-            continue  # contiguous K/V: the block size does not matter, time it once per shape
         try:
-            out = fn()
-            row["rel_err_vs_fp32"][name] = rel_err(out.reshape(B, Hq, D), ref)
-            us = clock(fn)
-            row["time_us"][name] = round(us, 2)
-            row["bandwidth_GBps"][name] = round(kv_bytes / us / 1e3, 1)
+            row["rel_err_vs_fp32"][name] = rel_err(fn().reshape(B, Hq, D), ref)
+            row["eager_time_us"][name] = round(clock(fn), 2)
         except Exception as e:  # a baseline that does not run on this stack is reported, not fatal
             row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
-    row["ok"] = row["rel_err_vs_fp32"].get("triton_paged", float("inf")) <= TOL
-    if device.type == "cuda":  # the same kernel replayed from a CUDA graph: no launch overhead at all
+            continue
         try:
-            graph = torch.cuda.CUDAGraph()
-            methods["triton_paged"]()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                methods["triton_paged"]()
-            us = clock(graph.replay)
-            row["time_us"]["triton_paged_graph"] = round(us, 2)
-            row["bandwidth_GBps"]["triton_paged_graph"] = round(kv_bytes / us / 1e3, 1)
+            us = kernel_time(clock, fn)
         except Exception as e:
-            row["errors"]["triton_paged_graph"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if sweep and time.time() < deadline:
-        row["sweep"] = sweep_decode(q, k_cache, v_cache, tables, seq_lens, scale, L, kv_bytes, clock, deadline)
+            row["errors"][name + " (graph)"] = f"{type(e).__name__}: {str(e)[:300]}"
+            us = row["eager_time_us"][name]
+        row["time_us"][name] = round(us, 2)
+        row["bandwidth_GBps"][name] = round(kv_bytes / us / 1e3, 1)
+    row["ok"] = row["rel_err_vs_fp32"].get("triton_paged", float("inf")) <= TOL
     return row
 
 
-def sweep_decode(q, k_cache, v_cache, tables, seq_lens, scale, L, kv_bytes, clock, deadline):
-    """Split counts with the default launch settings, then launch settings at the best split count."""
-    from minikv.kernels import paged_decode_attention
+def tune_decode(cases, clock, deadline) -> dict:
+    """Pick the split heuristic (programs per SM) and the launch settings that minimise the summed
+    kernel time over all decode cases, and make them the defaults for the rest of this run."""
+    import minikv.kernels.decode_attention as dec
 
-    results = []
+    log = {"programs_per_sm": {}, "configs": [], "start": {"programs_per_sm": dec.PROGRAMS_PER_SM,
+                                                          **dec.DECODE_CONFIG}}
 
-    def run(**kw):
+    def total(**kw):
+        t = 0.0
+        for c in cases:
+            t += kernel_time(clock, triton_decode(c, **kw))
+        return round(t, 2)
+
+    for p in (2, 4, 8, 16):
         if time.time() > deadline:
-            return None
-        fn = lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=L, **kw)  # noqa: E731
-        try:
-            fn()
-            us = clock(fn)
-        except Exception as e:
-            results.append({**kw, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            return None
-        results.append({**kw, "time_us": round(us, 2), "bandwidth_GBps": round(kv_bytes / us / 1e3, 1)})
-        return us
-
-    split_times = {}
-    for n in (1, 2, 4, 8, 16, 32, 64):
-        if L // n >= 64:
-            t = run(num_splits=n)
-            if t is not None:
-                split_times[n] = t
-    if not split_times:
-        return results
-    best = min(split_times, key=split_times.get)
-    for block_n, warps, stages in [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
-                                   (128, 8, 2), (64, 4, 1), (64, 4, 4), (128, 4, 3)]:
-        run(num_splits=best, block_n=block_n, num_warps=warps, num_stages=stages)
-    return results
+            break
+        dec.PROGRAMS_PER_SM = p
+        log["programs_per_sm"][p] = total()
+    dec.PROGRAMS_PER_SM = min(log["programs_per_sm"], key=log["programs_per_sm"].get)
+    for stages in (2, 3, 4):
+        for block_n, warps in ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
+            if time.time() > deadline:
+                break
+            kw = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            try:
+                log["configs"].append({**kw, "total_us": total(**kw)})
+            except Exception as e:
+                log["configs"].append({**kw, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    timed = [x for x in log["configs"] if "total_us" in x]
+    if timed:
+        best = min(timed, key=lambda x: x["total_us"])
+        dec.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "num_warps", "num_stages")})
+    log["chosen"] = {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}
+    return log
 
 
-def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, sweep, deadline, heads):
+def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
     from minikv.attention.common import attend
     from minikv.attention.metadata import AttentionMetadata
     from minikv.kernels import paged_prefill_attention
@@ -238,25 +261,15 @@ def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, sweep, dea
         methods["sdpa_causal_contiguous"] = lambda: F.scaled_dot_product_attention(
             qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2).reshape(B * L, Hq, D)
     row["rel_err_vs_fp32"] = {}
+    row["eager_time_us"] = {}
     for mname, fn in methods.items():
         try:
             row["rel_err_vs_fp32"][mname] = rel_err(fn(), ref)
-            row["time_us"][mname] = round(clock(fn), 2)
+            row["eager_time_us"][mname] = round(clock(fn), 2)
+            row["time_us"][mname] = round(kernel_time(clock, fn), 2)
         except Exception as e:
             row["errors"][mname] = f"{type(e).__name__}: {str(e)[:300]}"
     row["ok"] = row["rel_err_vs_fp32"].get("triton_paged", float("inf")) <= TOL
-    if sweep:
-        row["sweep"] = []
-        for bm, bn, w, st in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2),
-                              (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]:
-            if time.time() > deadline:
-                break
-            kw = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
-            try:
-                triton_fn(**kw)
-                row["sweep"].append({**kw, "time_us": round(clock(lambda: triton_fn(**kw)), 2)})
-            except Exception as e:
-                row["sweep"].append({**kw, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     return row
 
 
@@ -332,8 +345,11 @@ def engine_check(device, smoke: bool = False) -> dict:
             outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
         same = sum(a == b for x, y in zip(outs["torch"], outs["triton"]) for a, b in zip(x, y))
         total = sum(len(x) for x in outs["torch"])
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                      for x, y in zip(outs["torch"], outs["triton"])]
         result[dtype] = {"tokens_equal": same, "tokens": total, "sequences_identical":
-                         sum(x == y for x, y in zip(outs["torch"], outs["triton"])), "sequences": len(prompts)}
+                         sum(x == y for x, y in zip(outs["torch"], outs["triton"])), "sequences": len(prompts),
+                         "first_differing_token": first_diff}
     return result
 
 
@@ -361,23 +377,24 @@ def environment(device) -> dict:
 def print_tables(record: dict) -> None:
     print(f"\n{record['env']['device']}  torch {record['env']['torch']}  triton {record['env']['triton']}")
     print(f"copy bandwidth (read + write): {record['copy_bandwidth_GBps']:.0f} GB/s")
-    cols = ["triton_paged", "triton_paged_graph", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa",
-            "torch_paged_ref", "flex_contiguous"]
-    print("\ndecode  (time us / K+V bandwidth GB/s)")
-    print(f"{'batch':>5} {'ctx':>6} {'bs':>4} {'splits':>6} " + " ".join(f"{c:>19}" for c in cols) + "  rel err")
+    cols = ["triton_paged", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa", "torch_paged_ref", "flex_contiguous"]
+    print("\ndecode, CUDA-graph time us / K+V bandwidth GB/s  (triton eager = launched from Python)")
+    print(f"{'batch':>5} {'ctx':>6} {'bs':>4} {'splits':>6} " + " ".join(f"{c:>17}" for c in cols)
+          + f" {'triton eager':>12}  rel err")
     for r in record["decode"]:
         cells = []
         for c in cols:
             t = r["time_us"].get(c)
-            cells.append(f"{t:8.1f} /{r['bandwidth_GBps'][c]:6.0f}" if t else f"{'-':>19}")
+            cells.append(f"{t:7.1f} /{r['bandwidth_GBps'][c]:6.0f}" if t else f"{'-':>15}")
         err = r["rel_err_vs_fp32"].get("triton_paged", float("nan"))
+        eager = r["eager_time_us"].get("triton_paged", float("nan"))
         print(f"{r['batch']:>5} {r['context']:>6} {r['block_size']:>4} {r['num_splits']:>6} " + " ".join(
-            f"{c:>19}" for c in cells) + f"  {err:.1e} {'ok' if r['ok'] else 'FAIL'}")
-    print("\nprefill (time us)")
+            f"{c:>17}" for c in cells) + f" {eager:>12.1f}  {err:.1e} {'ok' if r['ok'] else 'FAIL'}")
+    print("\nprefill, CUDA-graph time us")
     for r in record["prefill"]:
         ts = "  ".join(f"{k} {v:.0f}" for k, v in r["time_us"].items())
         err = r["rel_err_vs_fp32"].get("triton_paged", float("nan"))
-        print(f"{r['case']:>18} B={r['batch']} new={r['new_tokens']} ctx={r['context']}: {ts}  err {err:.1e}")
+        print(f"{r['case']:>18} B={r['batch']} new={r['new_tokens']} ctx={r['context']}: {ts}  rel err {err:.1e}")
     if record.get("engine_check"):
         print("\nengine greedy tokens, triton vs torch attention:", record["engine_check"])
 
@@ -385,7 +402,8 @@ def print_tables(record: dict) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_attention_gpu.json")
-    ap.add_argument("--sweep", action="store_true", help="also sweep split counts and launch settings")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first tune the split heuristic and launch settings on these shapes, then measure with them")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400, help="skip optional parts past this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
@@ -409,7 +427,9 @@ def main(argv=None) -> dict:
     record = {"env": environment(device), "workload": {
         "decode_shapes": shapes, "block_sizes": block_sizes, "num_heads": heads[0], "num_kv_heads": heads[1],
         "head_dim": heads[2], "dtype": str(dtype).replace("torch.", ""),
-        "timing": f"median of {clock.reps} CUDA-event timings after {clock.warmup} warmups, L2 flushed before each"},
+        "timing": f"time_us: median of {clock.reps} CUDA-event timings of a CUDA graph replaying one call (GPU "
+                  f"time, no Python launch cost) after {clock.warmup} warmups, L2 flushed before each; eager_time_us: "
+                  "the same call launched from Python (includes launch overhead when it exceeds the GPU time)"},
         "decode": [], "prefill": []}
 
     def save():
@@ -425,15 +445,19 @@ def main(argv=None) -> dict:
             flex = torch.compile(flex_attention, dynamic=False)
         except Exception as e:
             record["flex_error"] = f"{type(e).__name__}: {e}"
-    for B, L in shapes:
-        for bs in block_sizes:
-            use_flex = flex if time.time() < deadline - 60 else None
-            record["decode"].append(bench_decode(B, L, bs, dtype, device, clock, use_flex, args.sweep, deadline, heads))
-            save()
-            print(f"decode B={B} L={L} bs={bs}: {record['decode'][-1]['time_us']}", flush=True)
+    cases = [decode_case(B, L, bs, dtype, device, heads) for B, L in shapes for bs in block_sizes]
+    if args.sweep:
+        record["tuning"] = tune_decode(cases, clock, t_start + 0.6 * args.budget_s)
+        print("tuning:", record["tuning"]["programs_per_sm"], record["tuning"]["chosen"], flush=True)
+        save()
+    for c in cases:
+        use_flex = flex if c["block_size"] == block_sizes[0] and time.time() < deadline - 60 else None
+        record["decode"].append(bench_decode(c, device, clock, use_flex))
+        save()
+        print(f"decode B={c['B']} L={c['L']} bs={c['block_size']}: {record['decode'][-1]['time_us']}", flush=True)
+    del cases
     for name, B, qlen, L in prefill_cases:
-        record["prefill"].append(bench_prefill(name, B, qlen, L, prefill_bs, dtype, device, clock,
-                                               args.sweep and time.time() < deadline, deadline, heads))
+        record["prefill"].append(bench_prefill(name, B, qlen, L, prefill_bs, dtype, device, clock, heads))
         save()
     try:
         dtypes = [torch.float32] if args.smoke else [torch.bfloat16, torch.float16, torch.float32]
