@@ -36,6 +36,13 @@ class PagedBackend:
         """K and V of one block over all layers."""
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's K and V in every layer (done before the forward)."""
+        src = torch.tensor([s for s, _ in pairs], device=self.k_cache.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k_cache.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V [T, num_kv_heads, head_dim] into their physical slots."""
         H, D = k.shape[1:]

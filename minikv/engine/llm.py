@@ -17,7 +17,9 @@ from minikv.attention.naive import NaiveBackend
 from minikv.attention.paged import PagedBackend
 from minikv.cache.block_manager import BlockManager
 from minikv.cache.swap import SwapSpace
-from minikv.engine.outputs import RequestMetrics, RequestOutput, StreamEvent
+from minikv.engine.beam import BeamSearch, take_beam_rows
+from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
+from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
@@ -203,13 +205,25 @@ class LLM:
         ids, text, salt = self.encode(prompt)
         seq = Sequence(ids, params, request_id=request_id, cache_salt=salt, prompt=text)
         seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        if params.n > 1:
+            if self.block_size is not None:  # paged: prefill once, then fork (minikv/engine/fork.py)
+                if params.n > self.scheduler.max_num_seqs:
+                    raise ValueError(f"n={params.n} parallel samples run at once but max_num_seqs is "
+                                     f"{self.scheduler.max_num_seqs}; raise max_num_seqs or lower n")
+                seq.num_pending_forks = params.n - 1
+            else:  # no blocks to share: n independent sequences, each prefilled on its own
+                for i in range(1, params.n):
+                    sample = clone(seq, i)
+                    sample.generator = sample_generator(seq, i, self._generator)
+                    seq.forks.append(sample)
         return seq
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
         """Queue one request (validated now: a bad one raises and leaves the engine untouched).
         Drive the engine with `step()` until `has_unfinished()` is False."""
         seq = self.make_sequence(prompt, params or SamplingParams(), request_id)
-        self.scheduler.add(seq)
+        for s in samples_of(seq):
+            self.scheduler.add(s)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -224,11 +238,11 @@ class LLM:
         try:
             while self.scheduler.has_unfinished():
                 for seq, token, delta in self.step():
-                    yield StreamEvent(index[seq.seq_id], seq.request_id, token, delta, seq.is_finished, seq.finish_reason)
+                    yield StreamEvent(index[seq.root.seq_id], seq.root.request_id, token, delta, seq.is_finished,
+                                      seq.finish_reason, sample_index=seq.index)
         finally:  # a consumer that stops early must not leave requests holding cache
             for seq in seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
+                self.abort(seq)
         self._last = seqs
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
@@ -249,13 +263,18 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all before queuing any
-        for s in seqs:
-            self.scheduler.add(s)
+        if self.block_size is not None:
+            self.block_manager.reset_sharing_stats()
+        for seq in seqs:
+            for s in samples_of(seq):
+                self.scheduler.add(s)
         return seqs
 
     def step(self) -> list[tuple[Sequence, int, str]]:
         """One engine step. Returns (sequence, new token, new text) for each sequence that sampled."""
         batch = self.scheduler.schedule()
+        while not batch and self.block_size is not None and self.scheduler.preempt_stalled():
+            batch = self.scheduler.schedule()  # stalled beams made room for a waiting sequence
         if not batch:
             if self.scheduler.has_unfinished():  # never spin: say what is stuck
                 raise RuntimeError(f"the scheduler could run nothing this step while requests wait "
@@ -264,9 +283,15 @@ class LLM:
             return []
         logits, rows = self.runner.run(batch)
         seqs = [batch.seqs[r] for r in rows]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        searches = []
+        if self.block_size is not None:
+            seqs, logits = fork_samples(self.scheduler, seqs, logits, self._generator)  # n > 1: prompt done
+            seqs, logits, searches = take_beam_rows(seqs, logits)  # beams are not sampled: they are ranked
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
         events = [(seq, tok, self._append(seq, tok)) for seq, tok in zip(seqs, tokens)]
         self.scheduler.update(batch)
+        for search in searches:
+            search.advance(self.scheduler)
         return events
 
     def _append(self, seq: Sequence, token: int) -> str:
@@ -293,12 +318,60 @@ class LLM:
             seq.status = SequenceStatus.FINISHED
         return seq.text[len(old):] if seq.text.startswith(old) else seq.text
 
+    def beam_search(self, prompts: Prompt | list[Prompt], beam_width: int = 4, max_tokens: int = 16,
+                    length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
+        """Beam search on the paged pool: beams share blocks (fork + copy-on-write), see minikv/engine/beam.py.
+
+        Returns one RequestOutput per prompt; `outputs` holds the best `beam_width` beams, best first, each
+        with its `cumulative_logprob` (`token_ids` / `text` at the top level are the best beam's). Beams
+        are ranked by cumulative_logprob / num_generated_tokens ** length_penalty. vLLM spells it
+        `LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ignore_eos, length_penalty=...))`
+        and returns `BeamSearchOutput(sequences=[...])`, best first. All beams run at once: keep
+        max_num_seqs >= beam_width x prompts, or some forks wait their turn and share nothing.
+        """
+        if self.block_size is None:
+            raise ValueError("beam search shares blocks between beams: use kv_backend='paged'")
+        if not isinstance(beam_width, int) or not 1 <= beam_width <= self.scheduler.max_num_seqs:
+            raise ValueError(f"beam_width must be an integer in [1, max_num_seqs={self.scheduler.max_num_seqs}], "
+                             f"got {beam_width!r}; raise max_num_seqs for wider beams")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # beams stop by BeamSearch's rules
+        seqs = [self.make_sequence(p, params) for p in prompts]
+        searches = [BeamSearch(s, beam_width, max_tokens, self.eos_token_ids, ignore_eos, self.max_model_len)
+                    for s in seqs]
+        self.block_manager.reset_sharing_stats()
+        for s in seqs:
+            self.scheduler.add(s)
+        self._last = seqs
+        try:
+            while not all(search.done for search in searches):
+                self.step()
+        finally:  # an error mid-way must not leave beams holding cache
+            for search in searches:
+                for beam in search.beams:
+                    if not beam.is_finished:
+                        beam.status, beam.finish_reason = SequenceStatus.FINISHED, "abort"
+                        self.scheduler.abort(beam)
+        outs = []
+        for seq, search in zip(seqs, searches):
+            beams = [CompletionOutput(i, h.token_ids, self._decode(h.token_ids), h.finish_reason, h.cumulative_logprob)
+                     for i, h in enumerate(search.results(length_penalty))]
+            best = search.results(length_penalty)[0]
+            outs.append(RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, list(best.token_ids),
+                                      beams[0].text, best.finish_reason, RequestMetrics(seq.arrival_time, best.token_times),
+                                      outputs=beams))
+        return outs
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
     def abort(self, seq: Sequence) -> None:
-        """Stop a request now; whatever cache it holds goes back."""
-        if seq.is_finished:
-            return
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        self.scheduler.abort(seq)
+        """Stop a request (all its samples) now; whatever cache it holds goes back."""
+        for s in samples_of(seq):
+            if not s.is_finished:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+                self.scheduler.abort(s)
 
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
@@ -312,6 +385,11 @@ class LLM:
                 swapped_out_blocks=sch.swap.blocks_out if sch.swap else 0,
                 swapped_in_blocks=sch.swap.blocks_in if sch.swap else 0,
                 swap_bytes=(sch.swap.blocks_out + sch.swap.blocks_in) * sch.swap.bytes_per_block if sch.swap else 0,
+                # sharing (parallel samples, beams), since the last generate / beam_search:
+                # peak_blocks_unshared = peak of the blocks the same block tables would take without sharing
+                forks=bm.num_forks, cow_copies=bm.num_cow_copies,
+                shared_blocks=sum(1 for r in bm.ref_count if r > 1),
+                peak_used_blocks=bm.peak_used_blocks, peak_blocks_unshared=bm.peak_refs,
             )
         out["requests"] = [
             {"request_id": s.request_id, "time_to_first_token": o.time_to_first_token,
@@ -321,6 +399,9 @@ class LLM:
         return out
 
     def output(self, seq: Sequence) -> RequestOutput:
+        """The request `seq` started: its first sample at the top level, every sample in `outputs`."""
+        completions = [CompletionOutput(s.index, list(s.output_token_ids), s.text, s.finish_reason)
+                       for s in samples_of(seq)]
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -331,4 +412,5 @@ class LLM:
             metrics=RequestMetrics(seq.arrival_time, list(seq.token_times)),
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
+            outputs=completions,
         )

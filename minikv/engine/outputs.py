@@ -30,7 +30,26 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request: one of its n parallel samples, or one of its final beams."""
+
+    index: int  # which sample / beam (beams: 0 = the best)
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cumulative_logprob: float | None = None  # beam search: sum of the log-probabilities of token_ids
+
+
+@dataclass
 class RequestOutput:
+    """The result of one request.
+
+    `token_ids`, `text` and `finish_reason` are those of its first completion. With
+    `SamplingParams(n=...)` or `LLM.beam_search`, `outputs` holds every completion, as in vLLM's
+    RequestOutput: `out.outputs[i].text` is the i-th sample (or the i-th best beam), and
+    `out.text == out.outputs[0].text`.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -40,6 +59,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -60,3 +80,4 @@ class StreamEvent:
     text_delta: str
     finished: bool
     finish_reason: str | None = None
+    sample_index: int = 0  # which of the request's n parallel samples

@@ -51,6 +51,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [len(sample_rows), vocab] float32, sample_rows)."""
+        if batch.blocks_to_copy:  # copy-on-write: private copies of shared blocks this step writes into
+            self.backend.copy_blocks(batch.blocks_to_copy)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         last = (meta.query_start_loc[1:] - 1)[sample_rows]  # last new token of each sampling sequence
         logits = self.model(input_ids, positions, meta, self.backend, logits_indices=last)

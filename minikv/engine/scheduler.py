@@ -12,6 +12,11 @@
 Preemption modes: "recompute" frees the victim's blocks and requeues it at the front of waiting
 (its prompt AND generated tokens are prefilled again later); "swap" copies its blocks to the CPU
 swap space and frees them (falls back to recompute if the swap space is full).
+
+Forks (parallel samples, beams) share blocks: a step that writes into a shared block first gets a
+private copy (`BlockManager.copy_on_write`; the (src, dst) pairs travel in `batch.blocks_to_copy`).
+Freeing or swapping out a forked sequence only drops ITS references: shared blocks stay with the
+others. A running sequence with nothing to run (a beam waiting for its siblings) is "stalled".
 """
 from __future__ import annotations
 
@@ -82,6 +87,7 @@ class Scheduler:
             if seq not in self.running:
                 continue
             self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
 
@@ -103,11 +109,14 @@ class Scheduler:
             n = self._tokens_to_run(seq, budget)
             if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
                 break
+            if len(self.running) + seq.num_pending_forks >= self.max_num_seqs:  # its n samples need seats
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._trace(seq, "admit")
             self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
         self.step_index += 1
@@ -131,7 +140,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.running.remove(seq)
         batch.preempted.append(seq)
-        use_swap = (self.preemption == "swap" and self.swap is not None
+        stalled = seq.num_computed_tokens == seq.num_tokens  # nothing to run: it could never swap back in
+        use_swap = (self.preemption == "swap" and self.swap is not None and not stalled
                     and self.swap.num_free_blocks >= len(seq.block_table))
         if use_swap:
             self.num_swaps += 1
@@ -147,6 +157,34 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
             self._trace(seq, "preempt")
+
+    def preempt_stalled(self) -> bool:
+        """When a step could run nothing: free the blocks of the newest stalled sequence (recompute) so a
+        waiting one can get in. It queues behind the one it makes room for. False if there is none."""
+        stalled = [s for s in self.running if s.num_computed_tokens == s.num_tokens]
+        if not stalled or not self.waiting:
+            return False
+        victim = self._pick_victim(exclude=[s for s in self.running if s not in stalled])
+        self._preempt(victim, ScheduledBatch())
+        self.waiting.remove(victim)
+        self.waiting.append(victim)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """`child` continues from `parent`, whose K/V of tokens [0, num_computed_tokens) are in its blocks.
+        A running parent shares its blocks with the child (copy-on-write on the next write into a shared
+        one). A parent without blocks (waiting, swapped), or no free seat, gives a child that is prefilled
+        from its own tokens, like a recomputed sequence."""
+        if parent.status == SequenceStatus.RUNNING and parent.block_table and len(self.running) < self.max_num_seqs:
+            self.bm.fork(parent, child)
+            child.num_computed_tokens = num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = SequenceStatus.WAITING
+            self.waiting.append(child)
+        self._trace(child, "fork")
 
     def _swap_in(self, seq: Sequence) -> None:
         self.bm.grow(seq, len(seq.swap_table) * self.bm.block_size)

@@ -49,6 +49,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.generator: torch.Generator | None = None
+        # forks (parallel sampling, beam search; see minikv/engine/fork.py)
+        self.index = 0  # which of its request's samples / beams this sequence is
+        self.root: Sequence = self  # the sequence its request started as (forks point to it)
+        self.num_pending_forks = 0  # n - 1 until the prompt's logits come, then the samples are forked
+        self.forks: list[Sequence] = []  # the samples forked from this one, in index order
+        self.beam_search = None  # the BeamSearch this sequence is a beam of, if any
+        self.cumulative_logprob = 0.0
         # timings (perf_counter seconds)
         self.arrival_time = time.perf_counter()
         self.token_times: list[float] = []

@@ -19,6 +19,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence runs this step
     starts: list[int] = field(default_factory=list)  # first position each sequence runs this step
     preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
 
     def __len__(self) -> int:
         return len(self.seqs)
