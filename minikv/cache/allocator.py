@@ -54,3 +54,49 @@ class FreeListAllocator:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+
+class EvictableBlocks(Protocol):
+    """What `CachingAllocator` needs from a prefix cache (see minikv/cache/prefix_cache.py)."""
+
+    @property
+    def num_evictable(self) -> int: ...
+
+    def keep(self, block_id: int) -> bool: ...
+
+    def take(self, block_id: int) -> None: ...
+
+    def evict(self, num_blocks: int) -> list[int]: ...
+
+
+class CachingAllocator:
+    """The free pool once a prefix cache is on. Free blocks come in two kinds:
+
+        empty    in the inner allocator; handed out first
+        cached   unused, but their K/V may still serve a hit; evicted (policy order) only when no
+                 empty block is left, and taken back by a hit without any copy
+
+    free() asks the cache whether to keep the block's content; allocate() evicts when it must.
+    """
+
+    def __init__(self, inner: BlockAllocator, cache: EvictableBlocks):
+        self.inner, self.cache = inner, cache
+        self.num_blocks = inner.num_blocks
+
+    def allocate(self) -> int:
+        if self.inner.num_free_blocks == 0:
+            for block in self.cache.evict(1):
+                self.inner.free(block)
+        return self.inner.allocate()
+
+    def free(self, block_id: int) -> None:
+        if not self.cache.keep(block_id):
+            self.inner.free(block_id)
+
+    def take(self, block_id: int) -> None:
+        """A hit on an unused cached block: it leaves the free pool with its content."""
+        self.cache.take(block_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.inner.num_free_blocks + self.cache.num_evictable

@@ -12,12 +12,18 @@ copies the K/V of `(src, dst)` on the device) and drops its reference to the sha
 
     parent [0 1 2]  child [0 1 2]      block 2 = positions 8-9 of 10, ref_count 2
     parent writes position 10  ->  parent [0 1 5] (5 = copy of 2), child [0 1 2], both ref 1
+
+Prefix caching (rung 6, `attach_prefix_cache`): a block whose ref_count drops to 0 may keep its
+K/V in the prefix cache (unused, evictable) instead of going back empty; an admitted sequence first
+takes the blocks of its cached prefix (`acquire_prefix`), and its newly full blocks join the cache
+after each step (`cache_blocks`). Cached blocks are never written: writes start past the prefix.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minikv.cache.allocator import BlockAllocator, FreeListAllocator, NoFreeBlocksError
+from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
+from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
 
 if TYPE_CHECKING:
     from minikv.engine.sequence import Sequence
@@ -32,6 +38,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.allocator = allocator if allocator is not None else FreeListAllocator(num_blocks)
         self.ref_count = [0] * num_blocks
+        self.prefix_cache: PrefixCache | None = None
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
         self.reset_sharing_stats()
@@ -81,10 +88,14 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.decref(block)
         seq.block_table = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq)
 
     def incref(self, block: int) -> None:
         if self.ref_count[block] < 1:
-            raise RuntimeError(f"block {block} is free; cannot share it")
+            if self.prefix_cache is None or not self.prefix_cache.holds(block):
+                raise RuntimeError(f"block {block} is free; cannot share it")
+            self.allocator.take(block)  # an unused cached block: back in use, content and all
         self.ref_count[block] += 1
         self.num_refs += 1
 
@@ -129,6 +140,60 @@ class BlockManager:
         self._track_peaks()
         return copies
 
+    # ---- prefix cache (rung 6) -------------------------------------------------------------------
+    def attach_prefix_cache(self, cache: PrefixCache) -> None:
+        """Turn prefix caching on (before any block is in use)."""
+        if self.num_refs or self.prefix_cache is not None:
+            raise RuntimeError("attach the prefix cache to a fresh BlockManager, before any block is in use")
+        self.prefix_cache = cache
+        cache.bind(self.ref_count)
+        self.allocator = CachingAllocator(self.allocator, cache)
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
+        if self.prefix_cache is None or seq.block_table:
+            return PrefixMatch()
+        return self.prefix_cache.lookup(seq)
+
+    def can_admit(self, seq: Sequence, hit: PrefixMatch, num_tokens: int) -> bool:
+        """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
+        if not hit.blocks:
+            return self.can_grow(seq, num_tokens)
+        revived = sum(1 for b in hit.blocks if self.ref_count[b] == 0)
+        return blocks_needed(num_tokens, self.block_size) - len(hit.blocks) + revived <= self.num_free_blocks
+
+    def acquire_prefix(self, seq: Sequence, hit: PrefixMatch) -> None:
+        """Start the sequence on its cached prefix: [0, hit.num_tokens) needs no compute."""
+        if self.prefix_cache is None or seq.block_table:
+            return
+        for b in hit.blocks:
+            self.incref(b)
+        seq.block_table = list(hit.blocks)
+        seq.num_computed_tokens = hit.num_tokens
+        if seq.num_preemptions == 0:  # what the request saved on arrival (a recompute may hit more)
+            seq.num_cached_tokens = hit.num_tokens
+        self.prefix_cache.record(seq, hit)
+        self._track_peaks()
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """After a step: the sequence's newly full blocks join the cache. A block the cache already
+        holds under another id (computed twice) is swapped for the cached one, and ours goes back."""
+        if self.prefix_cache is None:
+            return
+        for i, block in self.prefix_cache.insert(seq).items():
+            self.incref(block)
+            self.decref(seq.block_table[i])
+            seq.block_table[i] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after the weights change, say). Refused while any is in use."""
+        busy = self.prefix_cache.blocks_in_use()
+        if busy:
+            raise RuntimeError(f"{len(busy)} blocks of the prefix cache are in use by running requests; let them "
+                               "finish (or abort them) and reset again, or reset with defer=True")
+        for b in self.prefix_cache.clear():
+            self.allocator.inner.free(b)
+
     def check(self, seqs: list[Sequence]) -> None:
         """Invariants: refcounts equal block-table membership; used + free == total."""
         counts = [0] * self.num_blocks
@@ -142,5 +207,13 @@ class BlockManager:
             raise AssertionError(f"num_refs is {self.num_refs} but block tables hold {sum(counts)} entries; "
                                  "change ref_count only through grow / incref / decref / copy_on_write")
         in_use = sum(1 for c in counts if c)
-        if in_use + self.num_free_blocks != self.num_blocks:
+        pinned_idle = 0  # prefix cache: pinned blocks nobody uses are neither in use nor free
+        if self.prefix_cache is not None:
+            self.prefix_cache.check(seqs)
+            pinned_idle = sum(1 for b in self.prefix_cache.pinned if self.ref_count[b] == 0)
+            empty, cached = self.allocator.inner.num_free_blocks, self.prefix_cache.num_evictable
+            if in_use + pinned_idle + empty + cached != self.num_blocks:
+                raise AssertionError(f"{in_use} in use + {pinned_idle} pinned idle + {empty} empty + {cached} cached "
+                                     f"unused != {self.num_blocks} blocks: a block is lost or counted twice")
+        if in_use + pinned_idle + self.num_free_blocks != self.num_blocks:
             raise AssertionError(f"{in_use} blocks in use + {self.num_free_blocks} free != {self.num_blocks}")

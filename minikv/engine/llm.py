@@ -16,6 +16,7 @@ from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.naive import NaiveBackend
 from minikv.attention.paged import PagedBackend
 from minikv.cache.block_manager import BlockManager
+from minikv.cache.prefix_cache import EVICTION_POLICIES, PrefixCache, make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
@@ -31,6 +32,8 @@ from minikv.model.loader import load_model
 KV_BACKENDS = ("naive", "contiguous", "paged")
 ATTENTION_IMPLS = ("torch", "triton")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 1024
+PREFIX_CACHING = ("hash", "radix")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 Prompt = str | list[int] | dict
 
@@ -55,6 +58,9 @@ class LLM:
         swap_blocks: int | None = None,
         block_allocator=None,
         attention: str = "torch",
+        prefix_caching: str | PrefixCache | None = None,
+        eviction: str = "lru",
+        schedule_policy: str = "fcfs",
     ):
         """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-5).
 
@@ -63,6 +69,11 @@ class LLM:
         enable_chunked_prefill, preemption ("recompute" or "swap"), swap_blocks (CPU swap space,
         default num_blocks), block_allocator (a class called with num_blocks, see minikv.cache),
         attention ("torch" reference or "triton" kernels).
+
+        Prefix caching (rung 6, paged only): prefix_caching None (off), "hash" (vLLM's hashed block
+        chain) or "radix" (SGLang's radix tree); eviction "lru" or "fifo" (which unused cached block
+        goes first); schedule_policy "fcfs" or "lpm" (longest cached prefix first). Requests with
+        different `cache_salt` never share cached blocks.
         """
         if kv_backend not in KV_BACKENDS:
             raise ValueError(f"unknown kv_backend {kv_backend!r}; choose one of {', '.join(KV_BACKENDS)}")
@@ -72,6 +83,16 @@ class LLM:
             raise ValueError("attention='triton' runs on the paged pool; use kv_backend='paged'")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
+        if prefix_caching is not None and kv_backend != "paged":
+            raise ValueError("prefix caching shares KV blocks between requests; use kv_backend='paged'")
+        if isinstance(prefix_caching, str) and prefix_caching not in PREFIX_CACHING:
+            raise ValueError(f"prefix_caching must be None or one of {', '.join(PREFIX_CACHING)}, got {prefix_caching!r}")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {schedule_policy!r}")
+        if schedule_policy == "lpm" and prefix_caching is None:
+            raise ValueError("schedule_policy='lpm' orders requests by their cached prefix; turn prefix_caching on")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -104,6 +125,12 @@ class LLM:
                               block_allocator, attention)
         self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size)
         self._last: list[Sequence] = []
+        self.prefix_cache: PrefixCache | None = None
+        self._reset_pending = False
+        if prefix_caching is not None:
+            self.prefix_cache = make_prefix_cache(prefix_caching, self.block_size, eviction)
+            self.block_manager.attach_prefix_cache(self.prefix_cache)
+            self.scheduler.policy = schedule_policy
 
     def _build_paged(self, block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs,
                      max_num_batched_tokens, chunked, preemption, swap_blocks, block_allocator, attention) -> None:
@@ -292,6 +319,8 @@ class LLM:
         self.scheduler.update(batch)
         for search in searches:
             search.advance(self.scheduler)
+        if self._reset_pending and not self._holds_blocks():
+            self.reset_prefix_cache()  # the deferred reset: no request holds blocks any more
         return events
 
     def _append(self, seq: Sequence, token: int) -> str:
@@ -373,6 +402,46 @@ class LLM:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
                 self.scheduler.abort(s)
 
+    # ---- prefix cache (rung 6) ----------------------------------------------------------------
+    def _need_prefix_cache(self, what: str) -> PrefixCache:
+        if self.prefix_cache is None:
+            raise ValueError(f"{what} needs a prefix cache; build the LLM with prefix_caching='hash' or 'radix'")
+        return self.prefix_cache
+
+    def reset_prefix_cache(self, defer: bool = False) -> bool:
+        """Forget every cached block: call it after changing the weights (cached K/V would be stale).
+
+        Refused with an error while running requests hold cached blocks. With defer=True it waits
+        instead: no hits and no new entries from now on, and the cache is cleared as soon as no
+        request holds KV blocks. Returns True if the cache was cleared now."""
+        self._need_prefix_cache("reset_prefix_cache")
+        if defer and self._holds_blocks():
+            self.prefix_cache.enabled = False
+            self._reset_pending = True
+            return False
+        self.block_manager.reset_prefix_cache()
+        self._reset_pending = False
+        return True
+
+    def _holds_blocks(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.swapped)
+
+    def pin_prefix(self, prompt: Prompt) -> int:
+        """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.
+        Computes the prompt first if it is not cached yet. Returns the number of tokens pinned (whole
+        blocks: a partial last block is never cached). Undo with `unpin_prefix`."""
+        cache = self._need_prefix_cache("pin_prefix")
+        ids, _, salt = self.encode(prompt)
+        full = len(ids) // self.block_size * self.block_size
+        if cache.match(ids, salt).num_tokens < full and cache.enabled:
+            self.generate({"prompt_token_ids": ids, "cache_salt": salt}, SamplingParams(max_tokens=1))
+        return cache.pin(ids, salt)
+
+    def unpin_prefix(self, prompt: Prompt) -> int:
+        """Let the pinned blocks of this prefix be evicted again. Returns the number of tokens unpinned."""
+        ids, _, salt = self.encode(prompt)
+        return self._need_prefix_cache("unpin_prefix").unpin(ids, salt)
+
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
         out: dict = {"kv_backend": self.kv_backend}
@@ -393,9 +462,12 @@ class LLM:
             )
         out["requests"] = [
             {"request_id": s.request_id, "time_to_first_token": o.time_to_first_token,
-             "inter_token_latency": o.inter_token_latency, "num_preemptions": s.num_preemptions}
+             "inter_token_latency": o.inter_token_latency, "num_preemptions": s.num_preemptions,
+             "num_cached_tokens": s.num_cached_tokens}
             for s in self._last for o in [self.output(s)]
         ]
+        if self.prefix_cache is not None:  # queries and hits count tokens, summed over admissions
+            out["prefix_cache"] = self.prefix_cache.stats()
         return out
 
     def output(self, seq: Sequence) -> RequestOutput:

@@ -17,6 +17,15 @@ Forks (parallel samples, beams) share blocks: a step that writes into a shared b
 private copy (`BlockManager.copy_on_write`; the (src, dst) pairs travel in `batch.blocks_to_copy`).
 Freeing or swapping out a forked sequence only drops ITS references: shared blocks stay with the
 others. A running sequence with nothing to run (a beam waiting for its siblings) is "stalled".
+
+Prefix caching (rung 6): a waiting sequence starts on the longest cached prefix of its tokens,
+
+    [0, hit)            blocks taken from the prefix cache, no compute
+    [hit, num_tokens)   prefilled as usual (chunked if long)
+
+and after every step its newly full blocks join the cache. policy="lpm" admits the waiting
+sequence with the longest cached prefix first (SGLang's cache-aware scheduling): more hits, but a
+request that shares nothing can wait as long as others that share keep arriving (starvation).
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ class Scheduler:
         self.num_swaps = 0
         self.log: list[tuple[int, str, str]] | None = None  # (step, request_id, event) when tracing
         self.step_index = 0
+        self.policy = "fcfs"  # or "lpm": longest cached prefix first (needs a prefix cache)
 
     # ---- queues ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,10 +114,14 @@ class Scheduler:
             budget -= n
 
         # 3. admit waiting sequences
+        if self.policy == "lpm":
+            self._longest_prefix_first()
         while self.waiting and not preempted_now and not self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = self._tokens_to_run(seq, budget)
-            if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+            hit = self.bm.match_prefix(seq)  # [0, hit.num_tokens) already in the prefix cache
+            start = max(seq.num_computed_tokens, hit.num_tokens)
+            n = self._tokens_to_run(seq, budget, start)
+            if n == 0 or not self.bm.can_admit(seq, hit, start + n):
                 break
             if len(self.running) + seq.num_pending_forks >= self.max_num_seqs:  # its n samples need seats
                 break
@@ -115,6 +129,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._trace(seq, "admit")
+            self.bm.acquire_prefix(seq, hit)
             self.bm.grow(seq, seq.num_computed_tokens + n)
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
@@ -122,12 +137,17 @@ class Scheduler:
         self.step_index += 1
         return batch
 
-    def _tokens_to_run(self, seq: Sequence, budget: int) -> int:
+    def _tokens_to_run(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of `seq` that go into this step: 1 for a decode, a chunk (or all) of a prefill."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
         if remaining <= budget:
             return remaining
         return budget if self.chunked_prefill else 0
+
+    def _longest_prefix_first(self) -> None:
+        """Reorder the waiting queue: longest cached prefix first, arrival order among equals."""
+        if self.bm.prefix_cache is not None and 1 < len(self.waiting) <= 128:  # SGLang's cut-off too
+            self.waiting = deque(sorted(self.waiting, key=lambda s: -self.bm.match_prefix(s).num_tokens))
 
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         """Least important running sequence not yet placed in this step's batch: largest priority
@@ -198,6 +218,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch) -> None:
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             seq.num_computed_tokens = start + n
+            self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
 

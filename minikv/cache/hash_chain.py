@@ -1,0 +1,215 @@
+"""The hashed block chain (vLLM's automatic prefix caching).
+
+Every FULL block gets a key that stands for its whole prefix, because it hashes its parent's key:
+
+    tokens   [ t0 .. t15 | t16 .. t31 | t32 .. t47 | t48 t49 ]   block_size 16
+    key      k0 = H(None, t0..t15, (salt,))                       the salt enters the first block
+             k1 = H(k0,   t16..t31, ())                           ... and flows down the chain
+             k2 = H(k1,   t32..t47, ())
+             (t48 t49: a partial block, never cached)
+
+    table    {k0: block 7, k1: block 2, k2: block 9}              one dict lookup per block
+
+A lookup hashes the request's blocks in order and stops at the first key not in the table. Change
+one early token and every later key changes: a prefix cache reuses prefixes, nothing else.
+
+H is sha256 over a fixed text form, stable across processes (Python's `hash()` is salted per
+process). Each entry also stores what it hashed, and a hit compares it, so even a hash collision
+cannot serve another prefix's K/V.
+
+Unused cached blocks wait in a free queue (LRU: least recently released first). A finished
+request releases its blocks tail first, so its last blocks are evicted before its prefix: the
+prefix is what the next request is most likely to share.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence as Seq
+
+from minikv.cache.prefix_cache import EvictionQueue, PrefixCache, PrefixMatch
+
+if TYPE_CHECKING:
+    from minikv.engine.sequence import Sequence
+
+BlockHash = bytes
+HashFn = Callable[[BlockHash | None, tuple, tuple], BlockHash]
+
+
+def hash_block(parent: BlockHash | None, token_ids: Seq[int], extra_keys: tuple = ()) -> BlockHash:
+    """Key of one full block: sha256 of (parent key, its token ids, its extra keys)."""
+    text = repr((parent.hex() if parent is not None else None, tuple(int(t) for t in token_ids), tuple(extra_keys)))
+    return hashlib.sha256(text.encode()).digest()
+
+
+def extra_keys(block_index: int, cache_salt: str | None = None) -> tuple:
+    """What else, besides the tokens, decides a block's K/V. Only the first block carries the salt;
+    every later key inherits it through its parent. (vLLM also puts LoRA ids and image hashes here.)"""
+    if block_index == 0 and cache_salt is not None:
+        return (("cache_salt", cache_salt),)
+    return ()
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None,
+                 hash_fn: HashFn = hash_block) -> list[BlockHash]:
+    """Keys of every full block of `token_ids`, chained from the first."""
+    keys: list[BlockHash] = []
+    for i in range(len(token_ids) // block_size):
+        parent = keys[-1] if keys else None
+        keys.append(hash_fn(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys(i, cache_salt)))
+    return keys
+
+
+@dataclass
+class CachedBlock:
+    block: int  # physical block id
+    key: BlockHash
+    parent: BlockHash | None  # what was hashed, compared on every hit
+    token_ids: tuple
+    extra: tuple
+    salt: str | None
+    born: int  # clock when it entered the cache (FIFO)
+    last_used: int  # clock when it was last used (LRU)
+
+
+class HashChainCache(PrefixCache):
+    design = "hash"
+
+    def __init__(self, block_size: int, eviction: str = "lru", hash_fn: HashFn = hash_block):
+        super().__init__(block_size, eviction)
+        self.hash_fn = hash_fn
+        self.table: dict[BlockHash, CachedBlock] = {}  # key -> entry
+        self.by_block: dict[int, CachedBlock] = {}  # physical block -> entry
+        self.free_queue = EvictionQueue()  # unused, unpinned cached blocks, next to evict first
+        self._seq_keys: dict[int, list[BlockHash]] = {}  # seq_id -> keys of its full blocks so far
+        self.num_collisions = 0
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def _key(self, parent: BlockHash | None, token_ids: Seq[int], i: int, salt: str | None) -> tuple:
+        bs = self.block_size
+        toks, extra = tuple(token_ids[i * bs:(i + 1) * bs]), extra_keys(i, salt)
+        return self.hash_fn(parent, toks, extra), toks, extra
+
+    def _same(self, entry: CachedBlock, parent: BlockHash | None, toks: tuple, extra: tuple) -> bool:
+        if (entry.parent, entry.token_ids, entry.extra) == (parent, toks, extra):
+            return True
+        self.num_collisions += 1  # equal keys, different content: never serve it
+        return False
+
+    def match(self, token_ids: Seq[int], salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        blocks: list[int] = []
+        parent = None
+        for i in range(limit // self.block_size):
+            key, toks, extra = self._key(parent, token_ids, i, salt)
+            entry = self.table.get(key)
+            if entry is None or not self._same(entry, parent, toks, extra):
+                break
+            blocks.append(entry.block)
+            parent = key
+        return PrefixMatch(blocks, len(blocks) * self.block_size)
+
+    def touch(self, blocks: list[int]) -> None:
+        now = self.tick()
+        for b in blocks:
+            self.by_block[b].last_used = now
+
+    # ---- filling --------------------------------------------------------------------------------
+    def insert(self, seq: Sequence) -> dict[int, int]:
+        if not self.enabled:
+            return {}
+        keys = self._seq_keys.setdefault(seq.seq_id, [])
+        adopt: dict[int, int] = {}
+        for i in range(len(keys), seq.num_computed_tokens // self.block_size):
+            parent = keys[-1] if keys else None
+            key, toks, extra = self._key(parent, seq.token_ids, i, seq.cache_salt)
+            keys.append(key)
+            block, entry = seq.block_table[i], self.table.get(key)
+            if entry is None:
+                if block not in self.by_block:
+                    now = self.tick()
+                    self.table[key] = self.by_block[block] = CachedBlock(block, key, parent, toks, extra,
+                                                                         seq.cache_salt, now, now)
+            elif entry.block != block and self._same(entry, parent, toks, extra):
+                adopt[i] = entry.block  # computed twice (two requests in flight): keep one copy
+        return adopt
+
+    def forget(self, seq: Sequence) -> None:
+        self._seq_keys.pop(seq.seq_id, None)
+
+    # ---- unused blocks --------------------------------------------------------------------------
+    def holds(self, block: int) -> bool:
+        return block in self.by_block
+
+    def _priority(self, entry: CachedBlock) -> int:
+        return entry.last_used if self.eviction == "lru" else entry.born
+
+    def keep(self, block: int) -> bool:
+        entry = self.by_block.get(block)
+        if entry is None:
+            return False
+        entry.last_used = self.tick()  # blocks freed tail first: the tail gets the older time
+        if block not in self.pinned:
+            self.free_queue.push(block, self._priority(entry))
+        return True
+
+    def take(self, block: int) -> None:
+        self.free_queue.discard(block)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.free_queue)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        out = []
+        while len(out) < num_blocks and len(self.free_queue):
+            block = self.free_queue.pop()
+            entry = self.by_block.pop(block)
+            del self.table[entry.key]  # later blocks of the chain stay, unreachable until it returns
+            out.append(block)
+        self.num_evicted += len(out)
+        return out
+
+    def cached_blocks(self) -> list[int]:
+        return list(self.by_block)
+
+    def _on_pin(self, block: int) -> None:
+        self.free_queue.discard(block)
+
+    def _on_unpin(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            self.free_queue.push(block, self._priority(self.by_block[block]))
+
+    def _clear(self) -> None:
+        self.table.clear()
+        self.by_block.clear()
+        self.free_queue = EvictionQueue()
+        self._seq_keys.clear()
+
+    def salt_of(self, block: int) -> str | None:
+        return self.by_block[block].salt
+
+    # ---- invariants -----------------------------------------------------------------------------
+    def check(self, seqs=()) -> None:
+        """Table and block index agree; the free queue is exactly the unused unpinned blocks; each
+        sequence's cached blocks sit under the keys of its own tokens; salts never cross."""
+        seqs = list(seqs)
+        super().check(seqs)
+        for key, entry in self.table.items():
+            if entry.key != key or self.by_block.get(entry.block) is not entry:
+                raise AssertionError(f"table entry {key.hex()[:8]} and block {entry.block} disagree")
+        if len(self.table) != len(self.by_block):
+            raise AssertionError(f"{len(self.table)} keys but {len(self.by_block)} cached blocks")
+        for b in self.free_queue.ordered():
+            if self.free_queue.priority(b) != self._priority(self.by_block[b]):
+                raise AssertionError(f"block {b} sits in the free queue with a stale {self.eviction} time")
+        queued = set(self.free_queue.ordered())
+        unused = {b for b in self.by_block if self.is_unused(b)}
+        if queued != unused:
+            raise AssertionError(f"free queue holds {sorted(queued)} but the unused cached blocks are {sorted(unused)}")
+        for s in seqs:
+            for i, key in enumerate(self._seq_keys.get(s.seq_id, [])):
+                entry = self.by_block.get(s.block_table[i]) if i < len(s.block_table) else None
+                if entry is not None and entry.key != key:
+                    raise AssertionError(f"request {s.request_id}: block {entry.block} at index {i} is cached "
+                                         "under another prefix's key")

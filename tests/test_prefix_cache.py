@@ -1,0 +1,457 @@
+"""Rung 6, prefix caching: the hashed block chain and the radix tree, each proven equal to caching off."""
+import random
+
+import pytest
+
+from minikv import LLM, SamplingParams
+from minikv.cache.block_manager import BlockManager
+from minikv.cache.hash_chain import HashChainCache, block_hashes, extra_keys, hash_block
+from minikv.cache.prefix_cache import make_prefix_cache
+from minikv.cache.radix import RadixCache
+from minikv.engine.sequence import Sequence
+
+DESIGNS = ("hash", "radix")
+BS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """tiny-random is far too small for two threads to pay; on a busy machine they spin-wait."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+class Manager(BlockManager):
+    """A BlockManager that remembers its live sequences, to check its invariants after each call."""
+
+    def __init__(self, design: str, num_blocks: int = 16, eviction: str = "lru"):
+        super().__init__(num_blocks, BS)
+        self.attach_prefix_cache(make_prefix_cache(design, BS, eviction))
+        self.live: list[Sequence] = []
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        if seq in self.live:
+            self.live.remove(seq)
+            self.check(self.live)
+
+
+manager = Manager
+
+
+def run(bm: Manager, tokens: list[int], salt: str | None = None) -> Sequence:
+    """Admit a sequence the way the scheduler does and compute all its tokens (no model)."""
+    seq = Sequence(tokens, SamplingParams(), cache_salt=salt)
+    hit = bm.match_prefix(seq)
+    bm.acquire_prefix(seq, hit)
+    bm.grow(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_blocks(seq)
+    bm.live.append(seq)
+    bm.check(bm.live)
+    return seq
+
+
+def checked(llm: LLM) -> LLM:
+    """Check the block manager's (and the prefix cache's) invariants after every engine step."""
+    step = llm.step
+
+    def step_and_check():
+        events = step()
+        llm.block_manager.check(llm.scheduler.all_sequences())
+        return events
+
+    llm.step = step_and_check
+    return llm
+
+
+def paged(prefix_caching=None, **kw) -> LLM:
+    return checked(LLM("tiny-random", kv_backend="paged", prefix_caching=prefix_caching,
+                       **{"block_size": BS, "num_blocks": 128, **kw}))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+# ---- the hash chain -----------------------------------------------------------------------------
+def test_block_key_is_a_stable_sha256_not_pythons_salted_hash():
+    key = hash_block(None, (1, 2, 3, 4))
+    assert key == hash_block(None, [1, 2, 3, 4]) and isinstance(key, bytes) and len(key) == 32
+    # pinned: the same digest in every process and on every machine (PYTHONHASHSEED plays no part)
+    assert key.hex()[:16] == "23c23c1fad4e0ac3"
+
+
+def test_block_key_chains_its_parent_so_one_early_token_changes_every_later_key():
+    a = block_hashes(list(range(12)), BS)
+    b = block_hashes([99] + list(range(1, 12)), BS)
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))
+    assert a[1] == hash_block(a[0], (4, 5, 6, 7))
+
+
+def test_only_full_blocks_get_a_key():
+    assert len(block_hashes(list(range(11)), BS)) == 2
+    assert block_hashes(list(range(3)), BS) == []
+
+
+def test_salt_enters_the_first_block_and_flows_down_the_chain():
+    toks = list(range(12))
+    plain, red, blue = (block_hashes(toks, BS, s) for s in (None, "red", "blue"))
+    assert extra_keys(0, "red") == (("cache_salt", "red"),) and extra_keys(1, "red") == ()
+    assert all(len({p, r, b}) == 3 for p, r, b in zip(plain, red, blue))  # every block differs
+    assert red == block_hashes(toks, BS, "red")
+
+
+def test_hash_collision_is_caught_by_comparing_tokens():
+    cache = HashChainCache(BS, hash_fn=lambda parent, toks, extra: b"same key for everything")
+    bm = Manager("hash")
+    bm.prefix_cache = None
+    bm.allocator = bm.allocator.inner
+    bm.attach_prefix_cache(cache)
+    bm.free(run(bm, [1, 2, 3, 4, 5]))
+    assert cache.match([9, 9, 9, 9, 9]).num_tokens == 0 and cache.num_collisions > 0
+    assert cache.match([1, 2, 3, 4, 5]).num_tokens == BS
+
+
+def test_engine_with_a_colliding_hash_still_gives_the_uncached_tokens():
+    prompts = [tokens(9, s) for s in range(4)]
+    ref = [o.token_ids for o in paged().generate(prompts, GREEDY)]
+    always = HashChainCache(BS, hash_fn=lambda parent, toks, extra: b"collide")
+    assert [o.token_ids for o in paged(always).generate(prompts, GREEDY)] == ref
+
+
+def test_freed_blocks_keep_their_key_and_wait_in_an_lru_queue_tail_first():
+    bm = manager("hash")
+    seq = run(bm, list(range(12)))
+    a, b, c = seq.block_table
+    bm.free(seq)
+    cache = bm.prefix_cache
+    assert cache.free_queue.ordered() == [c, b, a]  # the tail goes first, the prefix stays longest
+    assert bm.num_free_blocks == 16 and cache.num_evictable == 3
+
+
+def test_a_hit_takes_the_block_out_of_the_free_queue_and_raises_its_refcount():
+    bm = manager("hash")
+    first = run(bm, list(range(9)))
+    a, b = first.block_table[:2]
+    second = run(bm, list(range(8)) + [50, 51])  # shares blocks a and b while `first` still runs
+    assert second.block_table[:2] == [a, b] and bm.ref_count[a] == 2
+    assert second.num_cached_tokens == 8
+    bm.free(first)
+    bm.free(second)
+    assert bm.ref_count[a] == 0 and a in bm.prefix_cache.free_queue
+    third = run(bm, list(range(8)) + [60])
+    assert third.block_table[:2] == [a, b] and bm.ref_count[a] == 1 and a not in bm.prefix_cache.free_queue
+    bm.check([third])
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_empty_blocks_are_used_before_any_cached_block_is_evicted(design):
+    bm = manager(design, num_blocks=8)
+    bm.free(run(bm, list(range(12))))  # 3 cached blocks, 5 empty
+    bm.free(run(bm, list(range(100, 120))))  # 5 blocks: exactly the empty ones
+    assert bm.prefix_cache.num_evicted == 0 and len(bm.prefix_cache.cached_blocks()) == 8
+    bm.free(run(bm, list(range(200, 204))))  # one more: now something must go
+    assert bm.prefix_cache.num_evicted == 1
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lru_evicts_the_least_recently_used_prefix_and_fifo_the_oldest(design):
+    for eviction, survivor in (("lru", "old"), ("fifo", "new")):
+        bm = manager(design, num_blocks=6, eviction=eviction)
+        old, new = list(range(8)), list(range(100, 108))
+        bm.free(run(bm, old + [1]))
+        bm.free(run(bm, new + [1]))
+        bm.free(run(bm, old + [2]))  # `old` is used again: the most recent under LRU, still the oldest for FIFO
+        bm.free(run(bm, list(range(200, 208)) + [3]))  # needs 3 blocks: 2 empty + 1 evicted
+        cache = bm.prefix_cache
+        kept = "old" if cache.match(old).num_tokens == 8 else "new" if cache.match(new).num_tokens == 8 else None
+        assert kept == survivor, f"{design}/{eviction} kept {kept}"
+
+
+def test_radix_splits_a_node_where_two_prompts_diverge_and_grows_a_leaf_for_the_next_turn():
+    bm = manager("radix", num_blocks=32)
+    cache = bm.prefix_cache
+    sys_prompt = list(range(8))
+    a = run(bm, sys_prompt + [50, 51, 52, 53])
+    assert [len(n.blocks) for n, _ in cache.nodes()] == [0, 3]  # root, one leaf of 3 blocks
+    b = run(bm, sys_prompt + [60, 61, 62, 63])
+    assert [(len(n.blocks), d) for n, d in cache.nodes()] == [(0, 0), (2, 1), (1, 2), (1, 2)]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    a.output_token_ids = [70, 71, 72, 73]  # the answer; the next turn extends the same leaf
+    bm.grow(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_blocks(a)
+    assert [len(n.blocks) for n, _ in cache.nodes()] == [0, 2, 2, 1]
+    bm.check([a, b])
+
+
+def evict(bm: Manager, n: int) -> list[int]:
+    """Evict up to n unused cached blocks the way the allocator does, handing them back empty."""
+    out = bm.prefix_cache.evict(n)
+    for b in out:
+        bm.allocator.inner.free(b)
+    bm.check(bm.live)
+    return out
+
+
+def test_radix_evicts_unused_leaves_tail_first_and_a_bare_parent_becomes_a_leaf():
+    bm = manager("radix", num_blocks=8)
+    cache = bm.prefix_cache
+    sys_prompt = list(range(8))
+    a = run(bm, sys_prompt + [50, 51, 52, 53, 54, 55, 56, 57, 1])
+    b = run(bm, sys_prompt + [60, 61, 62, 63, 1])
+    a_tail = a.block_table[2:4]
+    bm.free(a)
+    assert evict(bm, 1) == [a_tail[1]]  # the last block of a's leaf goes first
+    assert evict(bm, 5) == [a_tail[0]]  # then its first; the rest is in use by b
+    assert [len(n.blocks) for n, _ in cache.nodes()] == [0, 2, 1]
+    bm.free(b)
+    assert len(evict(bm, 5)) == 3 and cache.roots == {}  # b's leaf, then the bare parent
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_a_pinned_prefix_survives_eviction(design):
+    bm = manager(design, num_blocks=6)
+    sys_prompt = list(range(8))
+    bm.free(run(bm, sys_prompt + [1]))
+    assert bm.prefix_cache.pin(sys_prompt) == 8
+    for s in range(4):  # churn through the rest of the pool
+        bm.free(run(bm, tokens(12, s)))
+    assert bm.prefix_cache.match(sys_prompt).num_tokens == 8
+    bm.check([])
+    bm.prefix_cache.unpin(sys_prompt)
+    bm.free(run(bm, tokens(20, 9)))
+    assert bm.prefix_cache.match(sys_prompt).num_tokens < 8
+
+
+# ---- the engine: caching on == caching off -------------------------------------------------------
+def shared_system_prompt_workload(n=8, seed=0):
+    rng = random.Random(seed)
+    system = tokens(23, seed)  # 5 full blocks + 3 tokens: the shared prefix ends inside a block
+    prompts = [system + tokens(rng.randint(1, 9), seed + 1 + i) for i in range(n)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def system_prompt_reference():
+    prompts = shared_system_prompt_workload()
+    return prompts, [o.token_ids for o in paged().generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_shared_system_prompt_outputs_equal_caching_off(design, system_prompt_reference):
+    prompts, ref = system_prompt_reference
+    llm = paged(design)
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    assert [o.token_ids for o in first + rest] == ref
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 20 for o in rest)  # 5 full blocks; the partial 6th is recomputed
+    s = llm.stats()["prefix_cache"]
+    assert s["hits"] == 20 * 7 and s["queries"] == sum(len(p) for p in prompts)
+    assert s["hit_rate"] == pytest.approx(s["hits"] / s["queries"])
+    assert llm.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_a_chat_hits_on_its_previous_turns_answer_and_stays_exact(design):
+    cached, plain = paged(design), paged()
+    history = tokens(10, 1)
+    for turn in range(3):
+        a = cached.generate(history, GREEDY)[0]
+        b = plain.generate(history, GREEDY)[0]
+        assert a.token_ids == b.token_ids
+        if turn:  # everything before this turn's new message was cached, the answer included
+            assert a.num_cached_tokens == (len(history) - 4 - 1) // BS * BS
+        history = history + a.token_ids + tokens(4, 10 + turn)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_a_prompt_that_is_all_cached_still_computes_its_last_token(design):
+    llm = paged(design)
+    prompt = tokens(12, 3)  # exactly 3 blocks
+    first = llm.generate(prompt, GREEDY)[0]
+    again = llm.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens == 8 and again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_cache_salt_isolates_tenants(design):
+    llm = paged(design)
+    prompt = tokens(17, 4)
+    llm.generate({"prompt_token_ids": prompt, "cache_salt": "alice"}, GREEDY)
+    bob = llm.generate({"prompt_token_ids": prompt, "cache_salt": "bob"}, GREEDY)[0]
+    anon = llm.generate(prompt, GREEDY)[0]
+    alice = llm.generate({"prompt_token_ids": prompt, "cache_salt": "alice"}, GREEDY)[0]
+    assert (bob.num_cached_tokens, anon.num_cached_tokens, alice.num_cached_tokens) == (0, 0, 16)
+    assert bob.token_ids == anon.token_ids == alice.token_ids
+
+
+PRESSURE = {
+    "recompute": dict(num_blocks=24, max_model_len=64),
+    "swap": dict(num_blocks=24, max_model_len=64, preemption="swap"),
+    "chunked": dict(num_blocks=40, max_num_batched_tokens=7),
+}
+
+
+@pytest.mark.parametrize("variant", list(PRESSURE))
+@pytest.mark.parametrize("design", DESIGNS)
+def test_outputs_equal_caching_off_under_eviction_and_preemption(design, variant):
+    rng = random.Random(7)
+    families = [tokens(rng.randint(5, 14), 100 + f) for f in range(3)]
+    prompts = [rng.choice(families) + tokens(rng.randint(1, 12), 200 + i) for i in range(12)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in prompts]
+    ref = [o.token_ids for o in paged(**PRESSURE[variant]).generate(prompts, params)]
+    llm = paged(design, **PRESSURE[variant])
+    outs = llm.generate(prompts[:6], params[:6]) + llm.generate(prompts[6:], params[6:])
+    assert [o.token_ids for o in outs] == ref
+    s = llm.stats()
+    assert s["prefix_cache"]["hits"] > 0 and s["used_blocks"] == 0
+    if variant != "chunked":
+        assert s["num_preemptions"] > 0 and s["prefix_cache"]["evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_abort_mid_prefill_and_mid_decode_leaves_nothing_held(design):
+    llm = paged(design, max_num_batched_tokens=6)
+    prompt = tokens(30, 5)
+    seqs = [llm.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(3)]
+    for _ in range(3):
+        llm.step()
+    llm.abort(seqs[0])
+    while llm.has_unfinished():
+        llm.step()
+        llm.abort(seqs[1])
+    assert llm.stats()["used_blocks"] == 0
+    again = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert again.token_ids == seqs[2].output_token_ids and again.num_cached_tokens == 28
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_parallel_samples_share_the_cached_prompt(design):
+    prompt = tokens(14, 6)
+    sp = SamplingParams(max_tokens=8, temperature=0.9, n=3, seed=3)
+    ref = [[c.token_ids for c in o.outputs] for o in paged().generate([prompt, prompt], sp)]
+    llm = paged(design)
+    outs = llm.generate([prompt], sp) + llm.generate([prompt], sp)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == ref
+    assert outs[1].num_cached_tokens == 12
+
+
+# ---- control: reset, pin, policies ---------------------------------------------------------------
+@pytest.mark.parametrize("design", DESIGNS)
+def test_reset_is_refused_while_cached_blocks_are_in_use_and_deferred_on_request(design):
+    llm = paged(design)
+    prompt = tokens(13, 8)
+    llm.generate(prompt, GREEDY)
+    seq = llm.add_request(prompt, GREEDY)
+    llm.step()
+    with pytest.raises(RuntimeError, match="in use by running requests"):
+        llm.reset_prefix_cache()
+    assert llm.reset_prefix_cache(defer=True) is False
+    late = llm.add_request(prompt, GREEDY)  # arrives while the reset waits: no hit on stale blocks
+    while llm.has_unfinished():
+        llm.step()
+    assert late.num_cached_tokens == 0 and seq.num_cached_tokens == 12
+    assert llm.prefix_cache.cached_blocks() == [] and llm.prefix_cache.enabled
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+    assert llm.reset_prefix_cache() is True and llm.stats()["prefix_cache"]["resets"] == 2
+
+
+def test_reset_after_changing_the_weights_serves_no_stale_blocks():
+    import torch
+
+    llm = paged("radix")
+    prompt = tokens(21, 9)
+    llm.generate(prompt, GREEDY)
+    with torch.no_grad():
+        llm.model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    llm.reset_prefix_cache()
+    fresh = LLM("tiny-random", kv_backend="paged", block_size=BS, num_blocks=128)
+    with torch.no_grad():
+        fresh.model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == fresh.generate(prompt, GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_pin_prefix_computes_then_pins_a_system_prompt(design):
+    llm = paged(design, num_blocks=20)
+    system = tokens(16, 11)
+    assert llm.pin_prefix(system) == 16
+    for i in range(6):
+        llm.generate(tokens(30, 20 + i), GREEDY)  # fills the pool over and over
+    assert llm.generate(system + [5], GREEDY)[0].num_cached_tokens == 16
+    assert llm.unpin_prefix(system) == 16
+    with pytest.raises(ValueError, match="prefix_caching"):
+        paged().pin_prefix(system)
+
+
+def test_longest_prefix_first_serves_more_hits_but_can_starve_a_loner():
+    system = tokens(16, 12)
+    loner = tokens(20, 13)
+
+    def admission_order(policy):
+        llm = paged("radix", max_num_seqs=1, schedule_policy=policy)
+        llm.generate(system + [1], SamplingParams(max_tokens=1))
+        llm.scheduler.log = []
+        llm.add_request(loner, SamplingParams(max_tokens=2), request_id="loner")
+        for i in range(4):
+            llm.add_request(system + tokens(3, 30 + i), SamplingParams(max_tokens=2), request_id=f"shared{i}")
+        while llm.has_unfinished():
+            llm.step()
+        return [rid for _, rid, ev in llm.scheduler.log if ev == "admit"]
+
+    assert admission_order("fcfs")[0] == "loner"
+    assert admission_order("lpm")[-1] == "loner"  # the shared ones jump ahead of it, every time
+
+
+def test_bad_prefix_cache_options_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="kv_backend='paged'"):
+        LLM("tiny-random", prefix_caching="hash")
+    with pytest.raises(ValueError, match="prefix_caching must be"):
+        LLM("tiny-random", kv_backend="paged", prefix_caching="trie")
+    with pytest.raises(ValueError, match="eviction must be"):
+        LLM("tiny-random", kv_backend="paged", prefix_caching="hash", eviction="random")
+    with pytest.raises(ValueError, match="turn prefix_caching on"):
+        LLM("tiny-random", kv_backend="paged", schedule_policy="lpm")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM("tiny-random", kv_backend="paged", block_size=8, prefix_caching=RadixCache(4))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2-135m", kv_backend="paged", num_blocks=64)
+
+
+def with_prefix_cache(llm: LLM, design) -> LLM:
+    """The same loaded model on a fresh block pool with `design` (loading SmolLM2 twice is slow)."""
+    bm = BlockManager(llm.block_manager.num_blocks, llm.block_size)
+    if design is not None:
+        bm.attach_prefix_cache(make_prefix_cache(design, llm.block_size))
+    llm.block_manager = llm.scheduler.bm = bm
+    llm.prefix_cache = bm.prefix_cache
+    return llm
+
+
+@pytest.mark.slow
+def test_smollm2_shared_system_prompt_with_caching_equals_caching_off(smollm2):
+    system = "You are a concise assistant for a course on the KV cache. Answer in one short sentence."
+    prompts = [smollm2.chat_prompt(q, system=system) for q in ("What is a KV cache?", "Why share a prefix?")]
+    sp = SamplingParams(max_tokens=8)
+    ref = [o.text for o in with_prefix_cache(smollm2, None).generate(prompts, sp)]
+    for design in DESIGNS:
+        llm = with_prefix_cache(smollm2, design)
+        outs = llm.generate(prompts[:1], sp) + llm.generate(prompts[1:], sp)
+        assert [o.text for o in outs] == ref, design
+        assert outs[1].num_cached_tokens >= 16, design
