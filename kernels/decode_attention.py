@@ -166,8 +166,10 @@ def _decode_merge_kernel(
 
 # launch settings on a GPU (the interpreter ignores warps and stages), and the split-K heuristic:
 # aim for PROGRAMS_PER_SM programs per SM, none shorter than MIN_TOKENS_PER_SPLIT positions.
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-PROGRAMS_PER_SM = 4
+# Tuned on an H200 with Triton 3.6 (benchmarks/decode_attention_gpu.json, "tuning"): 2 programs per
+# SM was 20% slower than 8; the launch settings all landed within 15% of each other.
+DECODE_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2}
+PROGRAMS_PER_SM = 8
 MIN_TOKENS_PER_SPLIT = 128
 
 
