@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attention", default="torch", choices=["torch", "triton"])
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--warmup-len", type=int, default=None, help="warm-up prompt tokens (default: 64 on CPU, "
+                    "the full prompt length on CUDA, where the first long prefill pays one-time setup)")
+    ap.add_argument("--commit", default=None, help="record this commit (a copy of the tree without .git)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "prefix_ttft_cpu.json"))
     ap.add_argument("--no-record", action="store_true", help="print the record, write nothing")
     args = ap.parse_args(argv)
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                 attention=args.attention, prefix_caching=m) for m in MODES}
     first = engines["off"]
     prompts = build_prompts(first.tokenizer, first.config.vocab_size, args.prefix_len, args.suffix_len, args.requests)
-    warm_prompt = build_prompts(None, first.config.vocab_size, 64, 1, 1)[0]
+    warmup_len = args.warmup_len or (args.prefix_len + args.suffix_len if args.device.startswith("cuda") else 64)
+    warm_prompt = build_prompts(None, first.config.vocab_size, warmup_len - 1, 1, 1)[0]
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up on an unrelated short prompt (kernels, allocator)
         llm.generate(warm_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             s = llm.stats()["prefix_cache"]
             results[k].update(prefix_cache_queries=s["queries"], prefix_cache_hits=s["hits"], hit_rate=s["hit_rate"])
     env = environment()
+    if args.commit:
+        env["commit"] = args.commit
     if args.device.startswith("cuda"):
         env["device"] = torch.cuda.get_device_name(0)
     record = {
