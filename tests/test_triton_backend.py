@@ -121,3 +121,21 @@ def test_llm_with_triton_attention_generates_the_same_tokens_as_torch_attention(
 def test_bfloat16_pool_is_refused_on_the_cpu(tiny):
     with pytest.raises(ValueError, match="float32 or float16"):
         make_backend(TritonPagedBackend, tiny.config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("prefix_caching", ["hash", "radix"])
+def test_llm_with_triton_attention_and_prefix_caching_generates_the_same_tokens(prefix_caching):
+    """Prompts sharing a cached prefix: the prefill kernel starts mid-sequence, over blocks it did not write."""
+    from minikv.engine.llm import LLM
+    from minikv.engine.sampling_params import SamplingParams
+
+    shared = list(range(30, 54))  # three full blocks of 8
+    prompts = [shared + [1, 2, 3], shared + [9], shared + list(range(60, 71))]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = {}
+    for attention in ("torch", "triton"):
+        llm = LLM("tiny-random", device="cpu", kv_backend="paged", attention=attention, block_size=8, num_blocks=48,
+                  max_num_batched_tokens=64, prefix_caching=prefix_caching)
+        llm.generate(prompts[:1], params)  # warm the cache with the shared prefix
+        outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["torch"]

@@ -288,7 +288,6 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
             lens = [1, block_size, 3 * block_size, 2 * block_size + 5, 1000, 4099] if not smoke else [1, 8, 21]
             qlens = [1, 1, 2 * block_size, 7, 300, 1] if not smoke else [1, 3, 10]
             B, Hkv = len(lens), 2
-            k_cache, v_cache, _ = paged_pool(1, 1, block_size, dtype, device, kv_heads=Hkv, head_dim=head_dim)
             per = [math.ceil(n / block_size) for n in lens]
             k_cache = torch.randn(sum(per) + 3, block_size, Hkv, head_dim, generator=g).to(device, dtype)
             v_cache = torch.randn_like(k_cache)
@@ -311,9 +310,9 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
                     out = torch.full_like(q, float("nan"))
                     paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, scale, num_splits=splits,
                                            sliding_window=window, out=out)
-                    rows.append({"kernel": "decode", "dtype": str(dtype).replace("torch.", ""), "block_size": block_size,
-                                 "group": group, "head_dim": head_dim, "window": window, "num_splits": splits,
-                                 "rel_err": rel_err(out, ref)})
+                    rows.append({"kernel": "decode", "dtype": str(dtype).replace("torch.", ""),
+                                 "block_size": block_size, "group": group, "head_dim": head_dim, "window": window,
+                                 "num_splits": splits, "rel_err": rel_err(out, ref)})
                 meta = AttentionMetadata.build(qlens, lens, device)
                 q = torch.randn(sum(qlens), Hkv * group, head_dim, generator=g).to(device, dtype)
                 ref = attend(q.double(), keys, values, meta, scale, window)

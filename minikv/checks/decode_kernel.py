@@ -32,8 +32,9 @@ BLOCK = 16  # tokens per pool block, and per tile of the inner loop, in these ch
 
 def _require_interpreter() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError("this check runs the kernel in Triton's interpreter: set os.environ['TRITON_INTERPRET'] = '1' "
-                           "in the first cell, before anything imports triton, and restart the kernel")
+        raise RuntimeError("this check runs the kernel in Triton's interpreter: set "
+                           "os.environ['TRITON_INTERPRET'] = '1' in the first cell, before anything imports triton, "
+                           "and restart the kernel")
 
 
 def _as_jit(fn):
@@ -154,7 +155,7 @@ def check_online_softmax_block(fn, seed: int = 0) -> None:
         cases, scale_log2e = _step_cases(seed)
         for name, q, k, v, valid, m, l, acc in cases:
             G, D = acc.shape
-            outs = [torch.full_like(m, float("nan")), torch.full_like(l, float("nan")), torch.full_like(acc, float("nan"))]
+            outs = [torch.full_like(t, float("nan")) for t in (m, l, acc)]
             _run_kernel(lambda: kernel[(1,)](q, k, v, valid.to(torch.int8), m, l, acc, *outs, scale_log2e,
                                              G=G, N=k.shape[0], D=D))
             want = reference_step(q, k, v, valid, m, l, acc, scale_log2e)
@@ -169,7 +170,8 @@ def check_online_softmax_block(fn, seed: int = 0) -> None:
                             hint = text
                             break
                     fail(f"one call on {name}", f"the {label} you return is wrong", problem, hint)
-        passed(len(cases), "online_softmax_block matches the float64 formulas on a first, a later and a part-masked tile")
+        passed(len(cases), "online_softmax_block matches the float64 formulas on a first, a later and a "
+                           "part-masked tile")
 
 
 # ---- stage 2: the whole kernel -------------------------------------------------------------------
@@ -274,4 +276,5 @@ def check_decode_kernel_in_engine(fn, max_tokens: int = 6) -> None:
             fail(f"request {i} (prompt of {len(prompts[i])} tokens)", "the generated tokens differ",
                  f"token {j}: the engine with your inner loop says {h[j]}, rung 4 says {w[j]}\n"
                  f"yours: {h}\nrung 4: {w}")
-    passed(len(prompts), f"tiny-random generates the same {max_tokens} greedy tokens with your inner loop as with rung 4")
+    passed(len(prompts), f"tiny-random generates the same {max_tokens} greedy tokens with your inner loop "
+                         "as with rung 4")
