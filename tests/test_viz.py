@@ -1,0 +1,170 @@
+"""The pool and timeline views read a real engine run correctly, and draw without a display."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+from minikv import LLM, SamplingParams
+from minikv.viz.pool import (
+    block_fill,
+    block_owners,
+    plot_pool,
+    plot_pool_steps,
+    pool_widget,
+    record_trace,
+    slot_mapping,
+    step_lines,
+)
+from minikv.viz.timeline import (
+    batch_lines,
+    plot_timeline,
+    request_latencies,
+    request_states,
+    segments,
+    state_rows,
+    timeline_widget,
+)
+
+PROMPTS = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate((9, 14, 5, 10, 7))]
+PARAMS = SamplingParams(max_tokens=14, ignore_eos=True)
+
+
+def paged(**kw) -> LLM:
+    args = dict(kv_backend="paged", num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    return LLM("tiny-random", **(args | kw))
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return record_trace(paged(), PROMPTS, PARAMS, arrivals=[0, 0, 2, 5, 9])
+
+
+@pytest.fixture(scope="module", params=["recompute", "swap"])
+def pressure_trace(request):
+    return record_trace(paged(num_blocks=12, preemption=request.param), PROMPTS, PARAMS, arrivals=[0, 0, 2, 5, 9])
+
+
+def test_recording_does_not_change_what_the_engine_generates(trace):
+    outputs = paged().generate(PROMPTS, PARAMS)
+    assert [trace.outputs[str(i)] for i in range(len(PROMPTS))] == [o.token_ids for o in outputs]
+
+
+def test_recorder_leaves_the_scheduler_as_it_was():
+    llm = paged()
+    record_trace(llm, PROMPTS[:2], PARAMS)
+    assert "schedule" not in vars(llm.scheduler) and llm.scheduler.log is None
+
+
+def test_requests_arrive_at_their_step(trace):
+    first_seen = {rid: next(i for i, s in enumerate(trace.steps) if rid in s.seqs) for rid in trace.request_ids}
+    assert first_seen == {"0": 0, "1": 0, "2": 2, "3": 5, "4": 9}
+
+
+def test_every_step_respects_the_token_budget_and_block_tables_cover_the_tokens(trace):
+    for snap in trace.steps:
+        assert snap.num_batched_tokens <= trace.max_num_batched_tokens
+        for s in snap.batch:
+            assert len(s.block_table) * trace.block_size >= s.start + s.scheduled
+
+
+def test_snapshot_slots_are_the_engines_slot_mapping(trace):
+    for step, snap in enumerate(trace.steps):
+        for s in snap.batch:
+            slots = trace.slots(step, s.request_id)
+            assert slots == slot_mapping(s.block_table, list(s.positions), trace.block_size)
+            assert len(set(slots)) == len(slots)
+
+
+def test_no_block_has_two_owners_without_sharing(trace):
+    for snap in trace.steps:
+        owners = block_owners(snap, trace.num_blocks)
+        assert all(len(o) <= 1 for o in owners)
+        assert [len(o) for o in owners] == snap.ref_count
+
+
+def test_block_fill_counts_the_tokens_in_the_pool(trace):
+    for step, snap in enumerate(trace.steps):
+        live = [s for s in snap.seqs.values() if s.block_table]
+        assert sum(block_fill(trace, step)) == sum(s.num_computed_tokens + s.scheduled for s in live)
+
+
+def test_step_lines_spell_out_the_slot_arithmetic(trace):
+    text = "\n".join(step_lines(trace, 1))
+    assert "slot of position" in text and "table[" in text and "step 1" in text
+
+
+def test_timeline_states_follow_a_request_life(trace):
+    states = request_states(trace)
+    for rid, row in states.items():
+        seen = [s for s in row if s is not None]
+        assert seen[0] in ("waiting", "prefill")
+        assert "decode" in seen and seen[-1] in ("decode", "done")
+        first_decode = seen.index("decode")
+        assert "prefill" not in seen[first_decode:], f"req {rid}: prefill after decode without a preemption"
+    assert states["3"][:5] == [None] * 5
+
+
+def test_segments_join_runs_of_one_state():
+    assert segments([None, "waiting", "waiting", "prefill", "decode", "decode"]) == [
+        (1, 2, "waiting"), (3, 1, "prefill"), (4, 2, "decode")]
+
+
+def test_memory_pressure_shows_up_as_preempted_or_swapped(pressure_trace):
+    states = {s for row in request_states(pressure_trace).values() for s in row}
+    assert states & {"preempted", "swapped"}, states
+    if "preempted" in states:
+        assert "recompute" in states  # a preempted request with outputs re-runs prompt + output
+
+
+def test_latencies_are_positive_and_ordered(trace):
+    for lat in request_latencies(trace).values():
+        assert 0 < lat["ttft"] <= lat["e2e"]
+
+
+def test_text_views(trace):
+    rows = state_rows(trace)
+    assert len(rows) == 5 and rows[0].startswith("req 0")
+    assert "budget" in batch_lines(trace, 3)[0]
+
+
+def test_plots_draw_without_a_display(trace, pressure_trace):
+    import matplotlib.pyplot as plt
+
+    for fig in (plot_pool(trace, 4), plot_pool_steps(trace, [0, 5, 10]), plot_timeline(trace),
+                plot_timeline(pressure_trace, x="time", mark_step=3)):
+        assert fig.axes
+        plt.close(fig)
+    with pytest.raises(ValueError, match="x must be"):
+        plot_timeline(trace, x="tokens")
+
+
+def test_widgets_update_when_the_slider_moves(trace):
+    for make in (pool_widget, timeline_widget):
+        w = make(trace)
+        slider, image, text = w.children
+        first_text, first_png = text.value, image.value
+        slider.value = 6
+        assert "step 6" in text.value and text.value != first_text and image.value != first_png
+
+
+def test_record_trace_refuses_a_contiguous_engine():
+    with pytest.raises(ValueError, match="paged"):
+        record_trace(LLM("tiny-random", kv_backend="contiguous"), PROMPTS[:1], PARAMS)
+
+
+def test_blocks_shared_by_forked_samples_have_every_owner():
+    llm = paged()
+    trace = record_trace(llm, [PROMPTS[1]], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=1,
+                                                          ignore_eos=True))
+    shared = [(i, b) for i, snap in enumerate(trace.steps) for b, r in enumerate(snap.ref_count) if r > 1]
+    if not shared:
+        pytest.skip("this engine does not share blocks between parallel samples")
+    step, block = shared[0]
+    owners = block_owners(trace.steps[step], trace.num_blocks)[block]
+    assert len(owners) == trace.steps[step].ref_count[block] and len(trace.request_ids) == 2
+    import matplotlib.pyplot as plt
+
+    plt.close(plot_pool(trace, step))  # the hatched "shared" legend entry is drawn
