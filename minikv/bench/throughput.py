@@ -1,0 +1,355 @@
+"""Offline throughput: minikv's paged engine against transformers, same process, same device, same requests.
+
+    python -m minikv.bench.throughput --out benchmarks/throughput_gpu.json     (GPU, the recorded run)
+    python -m minikv.bench.throughput --small                                   (CPU smoke test, ~1 min)
+
+The workload is nano-vllm's: random.seed(0), 256 requests, prompt and output lengths uniform in
+[100, 1024], prompt ids uniform in [0, 10000], EOS ignored (133,966 output tokens), on a model with
+Qwen2.5-0.5B's shapes and random bf16 weights (speed does not depend on what the weights say).
+
+    1. correctness first: minikv's greedy tokens against transformers' `generate` on a few short
+       requests, in float32 (must be equal) and in the benchmark dtype (a small mismatch rate is
+       expected: two implementations round differently, and one flipped argmax changes the rest)
+    2. minikv paged, torch attention (the rung-4 reference) and, when it imports and passes 1.,
+       attention="triton"
+    3. transformers continuous batching (`ContinuousBatchingManager`, what `generate_batch` drives;
+       used directly because it takes a max_new_tokens per request)
+    4. transformers padded `generate` on the first requests of the workload (one padded batch:
+       every row runs until the longest output is done; useful tokens are counted)
+
+Every engine gets a time cap; a run that hits it reports the tokens it made so far and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN25_05B_SHAPE = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+# --small: the same architecture, narrow and shallow, so a CPU runs the whole script in about a minute
+SMALL_SHAPE = dict(QWEN25_05B_SHAPE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=10240)
+
+
+def workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024, max_id: int = 10000,
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """[(prompt ids, output length)], drawn in nano-vllm's order: all prompts first, then all lengths."""
+    random.seed(seed)
+    prompts = [[random.randint(0, max_id) for _ in range(random.randint(min_len, max_len))]
+               for _ in range(num_requests)]
+    outputs = [random.randint(min_len, max_len) for _ in range(num_requests)]
+    return list(zip(prompts, outputs))
+
+
+def make_random_checkpoint(shape: dict, path: Path, seed: int = 0) -> Path:
+    """A transformers checkpoint (config.json + safetensors, no tokenizer) with seeded random weights.
+
+    Weights are drawn wider than transformers' default init (std 0.02 makes every logit nearly equal,
+    so greedy decoding would hinge on rounding noise): the correctness check needs decisive argmaxes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1, generator=g)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0, generator=g)
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=g)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path, device: str, dtype: torch.dtype, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device).eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def release(device: str) -> None:
+    """Give freed GPU memory back, so the next engine sizes its KV pool from what is really free."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ---- 1. correctness ---------------------------------------------------------------------------
+def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "torch", num_requests: int = 4,
+                 max_tokens: int = 24, hf_model=None) -> dict:
+    """Greedy tokens of minikv (paged) and transformers on the same short prompts.
+
+    `token_match` counts positions equal up to each request's first divergence (after it, the two
+    continue from different text and a comparison means nothing)."""
+    from transformers import GenerationConfig
+
+    from minikv import LLM, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(8, 64))] for _ in range(num_requests)]
+    llm = LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", attention=attention, num_blocks=256,
+              max_model_len=512)
+    ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+    del llm
+    release(device)
+    hf = hf_model if hf_model is not None else load_hf(ckpt, device, dtype)
+    cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    theirs = []
+    with torch.no_grad():
+        for p in prompts:  # one at a time: no padding, so transformers runs its plainest path
+            out = hf.generate(torch.tensor([p], device=device), generation_config=cfg)
+            theirs.append(out[0, len(p):].tolist())
+    if hf_model is None:
+        del hf
+        release(device)
+    matched = []
+    for a, b in zip(ours, theirs):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        matched.append(n)
+    return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "num_requests": num_requests,
+            "max_tokens": max_tokens, "requests_identical": sum(a == b for a, b in zip(ours, theirs)),
+            "tokens_before_first_divergence": matched,
+            "token_match": sum(matched) / (num_requests * max_tokens)}
+
+
+# ---- 2. minikv ---------------------------------------------------------------------------------
+def run_minikv(ckpt: Path, requests, device: str, dtype: torch.dtype, attention: str = "torch",
+               cap_s: float = 1e9, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
+               block_size: int = 16) -> dict:
+    from minikv import LLM, SamplingParams
+
+    llm = LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", attention=attention, block_size=block_size,
+              max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    # warm up: one short request through prefill and decode (allocator, kernels, autotuning)
+    llm.generate([list(range(1, 65))], SamplingParams(max_tokens=8, ignore_eos=True))
+    seqs = [llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
+    sync(device)
+    t0 = time.perf_counter()
+    steps = 0
+    while llm.has_unfinished() and time.perf_counter() - t0 < cap_s:
+        llm.step()
+        steps += 1
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    made = sum(len(s.output_token_ids) for s in seqs)
+    target = sum(n for _, n in requests)
+    stats = llm.stats()
+    out = {"engine": "minikv", "attention": attention, "block_size": block_size, "max_num_seqs": max_num_seqs,
+           "max_num_batched_tokens": max_num_batched_tokens, "num_blocks": stats["num_blocks"],
+           "num_preemptions": stats["num_preemptions"], "steps": steps, "seconds": elapsed,
+           "output_tokens": made, "tokens_per_s": made / elapsed, "complete": made == target}
+    if made != target:
+        out["note"] = f"stopped at the {cap_s:.0f} s cap after {made:,} of {target:,} output tokens"
+    for s in seqs:
+        if not s.is_finished:
+            llm.abort(s)
+    del llm, seqs
+    release(device)
+    return out
+
+
+# ---- 3. transformers continuous batching -------------------------------------------------------
+def run_hf_continuous(model, requests, cap_s: float = 1e9) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           max_new_tokens=max(n for _, n in requests))
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests),
+                          max_generated_length=max(n for _, n in requests), num_requests=len(requests))
+    tokens: dict[str, int] = {}
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=10,
+                                                   workload_hints=hints) as manager:
+        attn = model.config._attn_implementation  # as the manager left it (it may switch to a paged one)
+        t0 = time.perf_counter()
+        for i, (p, n) in enumerate(requests):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        while len(tokens) < len(requests) and time.perf_counter() - t0 < cap_s:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+                tokens[result.request_id] = len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+        elapsed = time.perf_counter() - t0
+        if len(tokens) < len(requests):
+            manager.stop(block=True, timeout=10, hard_stop=True)
+    made = sum(tokens.values())
+    target = sum(n for _, n in requests)
+    out = {"engine": "transformers continuous batching", "attn_implementation": attn, "seconds": elapsed,
+           "output_tokens": made, "tokens_per_s": made / elapsed, "complete": len(tokens) == len(requests)}
+    if len(tokens) < len(requests):
+        out["note"] = (f"stopped at the {cap_s:.0f} s cap with {len(tokens)} of {len(requests)} requests finished "
+                       f"({made:,} of {target:,} output tokens counted, finished requests only)")
+    return out
+
+
+# ---- 4. transformers padded generate -----------------------------------------------------------
+def run_hf_padded(model, requests, device: str) -> dict:
+    """One left-padded batch: the classic `generate` (static batching, rung 3's baseline)."""
+    from transformers import GenerationConfig
+
+    longest_prompt, longest_out = max(len(p) for p, _ in requests), max(n for _, n in requests)
+    ids = torch.zeros(len(requests), longest_prompt, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(requests):
+        ids[i, longest_prompt - len(p):] = torch.tensor(p)
+        mask[i, longest_prompt - len(p):] = 1
+    cfg = GenerationConfig(max_new_tokens=longest_out, min_new_tokens=longest_out, do_sample=False, pad_token_id=0)
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        model.generate(ids[:, -16:], attention_mask=mask[:, -16:], generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, pad_token_id=0))  # warm up
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, generation_config=cfg)
+        sync(device)
+    elapsed = time.perf_counter() - t0
+    useful = sum(n for _, n in requests)
+    return {"engine": "transformers padded generate", "attn_implementation": model.config._attn_implementation,
+            "num_requests": len(requests), "seconds": elapsed, "output_tokens": useful,
+            "tokens_per_s": useful / elapsed, "padded_tokens_per_s": len(requests) * longest_out / elapsed,
+            "note": f"one batch of the first {len(requests)} requests; every row decodes {longest_out} tokens, "
+                    "only each request's own output length is counted"}
+
+
+# ---- the record --------------------------------------------------------------------------------
+def environment(device: str, commit: str | None) -> dict:
+    import transformers
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton_version,
+            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny model and workload: a CPU smoke test")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--num-requests", type=int, default=None, help="first N requests of the workload (default all)")
+    ap.add_argument("--padded-requests", type=int, default=32, help="requests in the padded-generate batch")
+    ap.add_argument("--cap", type=float, default=170.0, help="seconds each engine may run")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: triton,hf_cb,hf_padded")
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    shape = SMALL_SHAPE if args.small else QWEN25_05B_SHAPE
+    if args.small:
+        requests = workload(num_requests=args.num_requests or 8, min_len=8, max_len=48, max_id=shape["vocab_size"] - 1)
+        dtype = torch.float32
+    else:
+        requests = workload()[: args.num_requests]
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    record = {"benchmark": "offline throughput (nano-vllm workload)", **environment(args.device, args.commit),
+              "model": "Qwen2.5-0.5B shapes, random weights" if not args.small else "small qwen2 (smoke test)",
+              "dtype": str(dtype).replace("torch.", ""),
+              "workload": {"seed": 0, "num_requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
+                           "output_tokens": sum(n for _, n in requests), "ignore_eos": True},
+              "checks": [], "results": [], "errors": []}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+
+    def phase(name: str, fn):
+        t = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # a broken phase is reported, the others still run
+            record["errors"].append(f"{name}: {type(e).__name__}: {str(e)[:500]}")
+            print(f"[bench] {name} failed: {type(e).__name__}: {e}", flush=True)
+            result = None
+        print(f"[bench] {name}: {time.perf_counter() - t:.1f} s  {json.dumps(result)[:400]}", flush=True)
+        save()
+        return result
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_random_checkpoint(shape, Path(tmp) / "model")
+        dev = args.device
+        fp32 = phase("check float32", lambda: check_tokens(ckpt, dev, torch.float32))
+        record["checks"].append(fp32)
+        if dtype != torch.float32:
+            record["checks"].append(phase(f"check {dtype}", lambda: check_tokens(ckpt, dev, dtype)))
+        triton_ok = False
+        if "triton" not in skip and dev.startswith("cuda"):
+            hf = load_hf(ckpt, dev, dtype)
+            tri = phase("check triton", lambda: check_tokens(ckpt, dev, dtype, attention="triton", hf_model=hf))
+            del hf
+            release(dev)
+            record["checks"].append(tri)
+            triton_ok = tri is not None  # its match rate is in the record, next to the torch one
+        record["results"].append(phase("minikv torch", lambda: run_minikv(ckpt, requests, dev, dtype, cap_s=args.cap)))
+        if triton_ok:
+            record["results"].append(phase("minikv triton", lambda: run_minikv(ckpt, requests, dev, dtype, "triton",
+                                                                                cap_s=args.cap)))
+        hf = load_hf(ckpt, dev, dtype)
+        if "hf_cb" not in skip:
+            record["results"].append(phase("transformers continuous batching",
+                                           lambda: run_hf_continuous(hf, requests, cap_s=args.cap)))
+        if "hf_padded" not in skip:
+            del hf
+            release(dev)
+            hf = load_hf(ckpt, dev, dtype)  # a fresh model: continuous batching switched its attention
+            record["results"].append(phase("transformers padded generate",
+                                           lambda: run_hf_padded(hf, requests[: args.padded_requests], dev)))
+    record["results"] = [r for r in record["results"] if r is not None]
+    record["checks"] = [c for c in record["checks"] if c is not None]
+    save()
+    print(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
