@@ -86,6 +86,22 @@ def test_decode_float16_matches_references(group):
     assert_close(out, torch_fp16, 2e-3, "fp16 vs torch paged")
 
 
+@pytest.mark.parametrize("block_size", [4, 1024])  # the engine's smallest and largest block sizes
+def test_decode_and_prefill_at_the_engines_block_size_limits(block_size):
+    seq_lens = [1, 4, 13, 1030]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, block_size, 2, torch.float32, seed=17, spare_blocks=2)
+    meta = AttentionMetadata.build([1] * 4, seq_lens)
+    q = torch.randn(4, 6, HEAD_DIM)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=2,
+                                 out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, f"decode, block size {block_size}")
+    meta = AttentionMetadata.build([1, 3, 13, 30], seq_lens)
+    q = torch.randn(47, 6, HEAD_DIM)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, f"prefill, block size {block_size}")
+
+
 def test_decode_split_counts_agree_and_short_sequences_leave_splits_empty():
     seq_lens = [1, 9, 300]  # 8 splits of a 1-token sequence: 7 of them empty
     k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 1, torch.float32, seed=5)
