@@ -1,0 +1,119 @@
+"""Every exercise notebook has a solution twin, and the two never drift apart.
+
+The convention (exercises/NN_x.ipynb and solutions/NN_x.ipynb, same name):
+  tag `exercise`  the cells the learner completes: a stub ending in `raise NotImplementedError(...)`
+                  in the exercise, the completed code in the solution, defining the same names
+  tag `check`     cells that run a checker; in the exercise they also carry `raises-exception`
+  every other cell is identical in both notebooks, in the same order
+
+Run top to bottom, the exercise's check cells fail (the stubs are not written yet) and every cell of
+the solution passes. Pairs are discovered by glob, so a new exercise is covered the day it is added.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+SOLUTIONS = sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+
+
+def load(folder: str, name: str):
+    return nbformat.read(ROOT / folder / name, as_version=4)
+
+
+def tags(cell) -> set[str]:
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def defined_names(source: str) -> set[str]:
+    tree = ast.parse(source)
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+        t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+
+
+def ends_in_not_implemented(body: list[ast.stmt]) -> bool:
+    last = body[-1] if body else None
+    if not isinstance(last, ast.Raise) or last.exc is None:
+        return False
+    exc = last.exc.func if isinstance(last.exc, ast.Call) else last.exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def is_stub(source: str) -> bool:
+    """Every function the cell defines (or the cell itself, if it defines none) ends in raise NotImplementedError."""
+    tree = ast.parse(source)
+    funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    return all(ends_in_not_implemented(f.body) for f in funcs) if funcs else ends_in_not_implemented(tree.body)
+
+
+def run_code_cells(nb, name: str, monkeypatch) -> list[tuple[int, object, BaseException | None]]:
+    """exec each code cell in order in one fresh namespace, as a kernel would; (index, cell, exception)."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(ROOT / "exercises")
+    from IPython.display import display
+
+    namespace = {"__name__": "__main__", "display": display}
+    results = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        error = None
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                exec(compile(cell.source, f"<{name} cell {i}>", "exec"), namespace)
+            except Exception as e:  # noqa: BLE001  recorded, judged by the caller
+                error = e
+        results.append((i, cell, error))
+    return results
+
+
+def test_there_are_exercises_and_each_has_exactly_one_solution():
+    assert EXERCISES, "no notebooks in exercises/"
+    assert EXERCISES == SOLUTIONS, "exercises/ and solutions/ must hold notebooks of the same names"
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_exercise_and_solution_do_not_drift(name):
+    ex, sol = load("exercises", name), load("solutions", name)
+    assert len(ex.cells) == len(sol.cells), f"{name}: {len(ex.cells)} cells in the exercise, {len(sol.cells)} in the solution"
+    kinds = set()
+    for i, (a, b) in enumerate(zip(ex.cells, sol.cells)):
+        where = f"{name} cell {i}"
+        assert a.cell_type == b.cell_type, f"{where}: {a.cell_type} in the exercise, {b.cell_type} in the solution"
+        ta, tb = tags(a), tags(b)
+        assert ta - {"raises-exception"} == tb, f"{where}: tags {sorted(ta)} vs {sorted(tb)}"
+        kinds |= ta
+        if "exercise" in ta:
+            assert a.cell_type == "code", f"{where}: an exercise cell must be code"
+            assert is_stub(a.source), f"{where}: the exercise stub must end in raise NotImplementedError(...)"
+            assert "NotImplementedError" not in b.source, f"{where}: the solution still raises NotImplementedError"
+            assert defined_names(a.source) == defined_names(b.source), f"{where}: stub and solution define different names"
+        else:
+            assert a.source == b.source, f"{where}: not an exercise cell, but its source differs"
+        if "check" in ta:
+            assert "raises-exception" in ta, f"{where}: a check cell of the exercise needs the raises-exception tag"
+    assert {"exercise", "check"} <= kinds, f"{name}: needs at least one exercise cell and one check cell"
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_exercise_check_cells_fail_on_the_stubs(name, monkeypatch):
+    for i, cell, error in run_code_cells(load("exercises", name), name, monkeypatch):
+        if "check" in tags(cell):
+            assert isinstance(error, (NotImplementedError, AssertionError)), (
+                f"{name} cell {i}: the check should fail on the stub, but it "
+                + ("passed" if error is None else f"raised {type(error).__name__}: {error}"))
+        elif "raises-exception" not in tags(cell):
+            assert error is None, f"{name} cell {i} raised {type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_solution_runs_and_passes_every_check(name, monkeypatch):
+    for i, cell, error in run_code_cells(load("solutions", name), name, monkeypatch):
+        assert error is None, f"{name} cell {i} raised {type(error).__name__}: {error}"
