@@ -455,3 +455,39 @@ def test_smollm2_shared_system_prompt_with_caching_equals_caching_off(smollm2):
         outs = llm.generate(prompts[:1], sp) + llm.generate(prompts[1:], sp)
         assert [o.text for o in outs] == ref, design
         assert outs[1].num_cached_tokens >= 16, design
+
+
+# ---- the course's tools: pictures and checkers ---------------------------------------------------
+@pytest.mark.parametrize("design", DESIGNS)
+def test_snapshot_shows_every_cached_block_once_with_its_state_and_eviction_order(design):
+    from minikv.viz.prefix import hit_lines, run_and_snap, tree_lines
+
+    llm = paged(design, num_blocks=32)
+    system = tokens(12, 14)
+    run_and_snap(llm, "a", system + [5, 6, 7, 8, 9], GREEDY)
+    out, snaps = run_and_snap(llm, "b", system + [9, 9, 9, 9, 9], GREEDY)
+    during, after = snaps
+    assert sorted(b for box in after.boxes for b in box.blocks) == sorted(llm.prefix_cache.cached_blocks())
+    assert {box.state for box in during.boxes} == {"in use", "unused"} and {box.state for box in after.boxes} == {"unused"}
+    ranks = sorted(box.evict_rank for box in after.boxes if box.evict_rank)
+    assert ranks == list(range(1, len(ranks) + 1)) and ranks
+    assert after.pool.count("empty") == llm.block_manager.allocator.inner.num_free_blocks
+    assert len(tree_lines(after)) == len(after.boxes) + 1
+    assert hit_lines(llm, {"b": system + [9, 9, 9, 9, 9], "other": [1] + system}) == [
+        "b      ■■■■  4/4 blocks hit", "other  □□□  0/3 blocks hit"]
+
+
+def test_checkers_pass_the_engines_own_functions_and_explain_a_missing_parent():
+    from minikv.cache.radix import match_prefix
+    from minikv.checks.prefix import check_block_hashes, check_hash_block, check_radix_match
+
+    check_hash_block(hash_block)
+    check_block_hashes(block_hashes, hash_block, num_random=20)
+    check_radix_match(match_prefix, num_random=20)
+
+    def no_parent(token_ids, block_size, cache_salt=None):
+        return [hash_block(None, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys(i, cache_salt))
+                for i in range(len(token_ids) // block_size)]
+
+    with pytest.raises(AssertionError, match="the parent key is missing"):
+        check_block_hashes(no_parent, hash_block, num_random=0)

@@ -221,6 +221,7 @@ class PrefixCache(ABC):
         self._clear()
         self.enabled = True
         self.num_resets += 1
+        self.queries = self.hits = self.num_evicted = 0  # the figures describe the cache since its last reset
         return blocks
 
     @abstractmethod
