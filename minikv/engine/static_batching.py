@@ -69,6 +69,20 @@ class PaddedContiguousBackend(ContiguousBackend):
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
 
+    def padded_mask(self, meta: PaddedMetadata, L: int) -> torch.Tensor:
+        """[B, n, L] bool: may the query in column i of row b see the key in column j? Once per step."""
+        if "padded_mask" not in meta.cache:
+            B, n = meta.num_seqs, meta.max_query_len
+            q_col = meta.token_pos.view(B, n, 1)  # column of each query
+            k_col = torch.arange(L, device=q_col.device).view(1, 1, L)
+            pad = meta.pad_lens.view(B, 1, 1)
+            # causal; a real query never sees a pad, a pad query sees earlier pads (never an empty row)
+            mask = (k_col <= q_col) & ((k_col >= pad) | (q_col < pad))
+            if self.sliding_window is not None:
+                mask &= k_col > q_col - self.sliding_window
+            meta.cache["padded_mask"] = mask
+        return meta.cache["padded_mask"]
+
     def forward(self, layer, q, k, v, meta: PaddedMetadata, scale: float) -> torch.Tensor:
         if meta.max_seq_len > self.max_len:
             raise ValueError(f"batch reached column {meta.max_seq_len} but cache rows hold {self.max_len}")
@@ -79,13 +93,7 @@ class PaddedContiguousBackend(ContiguousBackend):
         T, num_heads, head_dim = q.shape
         keys = self.k_cache[layer, rows, :L]  # [B, L, num_kv_heads, head_dim]
         values = self.v_cache[layer, rows, :L]
-        q_col = meta.token_pos.view(B, n, 1)  # column of each query
-        k_col = torch.arange(L, device=q.device).view(1, 1, L)
-        pad = meta.pad_lens.view(B, 1, 1)
-        # causal; a real query never sees a pad, a pad query sees earlier pads (never an empty row)
-        mask = (k_col <= q_col) & ((k_col >= pad) | (q_col < pad))  # [B, n, L]
-        if self.sliding_window is not None:
-            mask &= k_col > q_col - self.sliding_window
+        mask = self.padded_mask(meta, L)  # [B, n, L]
         group = num_heads // keys.shape[2]  # grouped-query attention
         kk = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
         vv = values.transpose(1, 2).repeat_interleave(group, dim=1)
