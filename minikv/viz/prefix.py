@@ -195,11 +195,13 @@ def plot_snapshot(snap: CacheSnapshot, ax=None, max_columns: int = 14, columns: 
         _, ax = plt.subplots(figsize=(max(6, 1.9 * cols), 1.0 + 0.75 * rows))
     w, h = 0.9, 0.62
     by_id = {b.id: b for b in snap.boxes}
+    hidden: dict[int, int] = {}  # row -> boxes beyond the last column drawn
     for box in snap.boxes:
         x, y = pos[box.id]
-        if x >= max_columns:
+        if x >= cols:
+            hidden[y] = hidden.get(y, 0) + 1
             continue
-        if box.parent in pos and pos[box.parent][0] < max_columns:
+        if box.parent in pos and pos[box.parent][0] < cols:
             px, py = pos[box.parent]
             ax.plot([px + w, x], [-py - h / 2, -y - h / 2], color="#777777", lw=0.8, zorder=1)
         ax.add_patch(FancyBboxPatch((x, -y - h), w, h, boxstyle="round,pad=0.02,rounding_size=0.05",
@@ -213,6 +215,8 @@ def plot_snapshot(snap: CacheSnapshot, ax=None, max_columns: int = 14, columns: 
                     va="center", zorder=4, bbox=dict(boxstyle="circle,pad=0.15", fc="#d62728", ec="none"))
         if box.salt is not None and (box.parent is None or by_id[box.parent].salt != box.salt):
             ax.text(x, -y + 0.06, f"salt {box.salt!r}", fontsize=6, color="#7b3294", zorder=3)
+    for y, n in hidden.items():
+        ax.text(cols - 0.02, -y - h - 0.08, f"… {n} more to the right", fontsize=6, ha="right", va="top", color="#555555")
     strip_y = -rows - 0.35
     cell = cols / max(len(snap.pool), 1)
     for b, s in enumerate(snap.pool):
