@@ -245,3 +245,22 @@ def test_engine_traces_with_forks_match_the_roomy_run(seed, num_blocks, preempti
     llm = paged(block_size=block_size, num_blocks=num_blocks, preemption=preemption, max_model_len=30)
     assert completions(llm.generate(prompts, params)) == want
     assert llm.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("prefix_caching", ["hash", "radix"])
+def test_forks_and_beams_stay_exact_with_prefix_caching_under_pressure(prefix_caching):
+    """Cached prefix blocks and forked blocks are shared through the same ref_counts: a second run hits
+    the cache, forks on top of cached blocks, and still gives the tokens of a roomy run without caching."""
+    from minikv.engine.beam import reference_beam_search
+
+    prompts = [PROMPT, PROMPT + [99, 98], list(range(20, 37))]
+    sp = SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=2)
+    roomy = paged(num_blocks=256)
+    want = completions(roomy.generate(prompts, sp))
+    want_beams = [[h.token_ids for h in reference_beam_search(roomy.model, p, 3, 8, roomy.eos_token_ids)]
+                  for p in prompts]
+    llm = paged(num_blocks=14, prefix_caching=prefix_caching, max_num_batched_tokens=32)
+    for _ in range(2):  # the second round starts on cached prefixes
+        assert completions(llm.generate(prompts, sp)) == want
+        assert [[c.token_ids for c in o.outputs] for o in llm.beam_search(prompts, 3, 8)] == want_beams
+    assert llm.stats()["num_preemptions"] > 0

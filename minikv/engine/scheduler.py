@@ -180,9 +180,9 @@ class Scheduler:
 
     def preempt_stalled(self) -> bool:
         """When a step could run nothing: free the blocks of the newest stalled sequence (recompute) so a
-        waiting one can get in. It queues behind the one it makes room for. False if there is none."""
+        waiting or swapped one can get in. It queues behind the waiting ones. False if there is none."""
         stalled = [s for s in self.running if s.num_computed_tokens == s.num_tokens]
-        if not stalled or not self.waiting:
+        if not stalled or not (self.waiting or self.swapped):
             return False
         victim = self._pick_victim(exclude=[s for s in self.running if s not in stalled])
         self._preempt(victim, ScheduledBatch())
