@@ -64,12 +64,12 @@ def test_width_one_is_greedy(tiny):
     assert beam.token_ids == greedy.token_ids
 
 
-def test_beams_are_ranked_best_first_and_beat_greedy(tiny):
+def test_beams_are_ranked_best_first(tiny):
+    # (a wider beam need not beat greedy: the greedy path can be pruned on the way)
     out = tiny.beam_search(PROMPTS[0], beam_width=4, max_tokens=8)[0]
     scores = [c.cumulative_logprob for c in out.outputs]
     assert scores == sorted(scores, reverse=True)
-    greedy = tiny.beam_search(PROMPTS[0], beam_width=1, max_tokens=8)[0]
-    assert scores[0] >= greedy.outputs[0].cumulative_logprob - 1e-9
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
 
 
 def test_eos_ends_a_beam_as_a_finished_hypothesis(tiny):

@@ -88,7 +88,7 @@ class BeamSearch:
     def advance(self, scheduler) -> None:
         """Pick the best beam_width extensions, fork beams with several survivors, drop the others."""
         beams = self.beams
-        logprobs = torch.stack([self.pending[b.seq_id] for b in beams])
+        logprobs = torch.stack([self.pending[b.seq_id] for b in beams]).cpu()  # [beams, vocab]
         self.pending.clear()
         chosen = best_candidates([b.cumulative_logprob for b in beams], logprobs, self.beam_width)
         plan: list[tuple[Sequence, int, float]] = []

@@ -33,4 +33,6 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     probs = filtered_probs(logits.float(), p)
+    if gen is not None:  # the generators live on the CPU: draw there (the same draw whatever the device)
+        probs = probs.to(gen.device)
     return int(torch.multinomial(probs, 1, generator=gen).item())
