@@ -1,5 +1,6 @@
 """Copy-on-write fork and parallel sampling: n samples share the prompt's blocks and stay exact."""
 import random
+import re
 
 import pytest
 import torch
@@ -264,3 +265,60 @@ def test_forks_and_beams_stay_exact_with_prefix_caching_under_pressure(prefix_ca
         assert completions(llm.generate(prompts, sp)) == want
         assert [[c.token_ids for c in o.outputs] for o in llm.beam_search(prompts, 3, 8)] == want_beams
     assert llm.stats()["num_preemptions"] > 0
+
+
+# ---- the exercise checker (minikv/checks/cow.py) ------------------------------------------------------
+
+def _cow_never_copies(table, refs, start, end, bs, allocate):
+    return []
+
+
+def _cow_copies_every_shared_block(table, refs, start, end, bs, allocate):
+    copies = []
+    for i, src in enumerate(table):
+        if refs[src] > 1:
+            dst = allocate()
+            refs[dst], refs[src], table[i] = 1, refs[src] - 1, dst
+            copies.append((src, dst))
+    return copies
+
+
+def _cow_forgets_the_source_refcount(table, refs, start, end, bs, allocate):
+    copies = []
+    for i in range(start // bs, (end - 1) // bs + 1):
+        if refs[table[i]] > 1:
+            dst = allocate()
+            refs[dst] = 1
+            copies.append((table[i], dst))
+            table[i] = dst
+    return copies
+
+
+def test_cow_checker_passes_the_engine_rule_and_runs_it_in_the_engine():
+    from minikv.checks.cow import check_copy_on_write, check_copy_on_write_in_engine, reference_copy_on_write
+
+    check_copy_on_write(reference_copy_on_write)
+    check_copy_on_write_in_engine(paged(), reference_copy_on_write, PROMPT, n=3, max_tokens=6, beam_width=2)
+
+
+@pytest.mark.parametrize("wrong,says", [
+    (_cow_never_copies, "ref_count > 1 means another sequence reads this block"),
+    (_cow_copies_every_shared_block, "only the blocks that positions [start, end) fall in are written"),
+    (_cow_forgets_the_source_refcount, "decrement its ref_count"),
+])
+def test_cow_checker_names_the_mistake(wrong, says):
+    from minikv.checks.cow import check_copy_on_write
+
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        check_copy_on_write(wrong)
+
+
+def test_cow_checker_in_engine_catches_shared_writes_and_leaves_a_clean_pool():
+    from minikv.checks.cow import check_copy_on_write_in_engine
+
+    llm = paged()
+    with pytest.raises(AssertionError, match="tokens differ"):
+        check_copy_on_write_in_engine(llm, _cow_never_copies, PROMPT, n=3, max_tokens=6, beam_width=2)
+    with pytest.raises(AssertionError, match="bookkeeping broke"):
+        check_copy_on_write_in_engine(llm, _cow_forgets_the_source_refcount, PROMPT, n=3, max_tokens=6, beam_width=2)
+    assert llm.stats()["used_blocks"] == 0 and not llm.has_unfinished()

@@ -166,14 +166,18 @@ def _run_case(fn: Callable, case: CowCase, label: str) -> None:
                            "this sequence alone holds it")
         fail(label, f"copies: expected {expected}, got {got}", "\n".join(why) or "(no detail)", hint)
     if table != want_table:
-        i = next(i for i, (a, b) in enumerate(zip(want_table, table)) if a != b) if len(table) == len(want_table) else 0
+        if len(table) != len(want_table):
+            fail(label, f"block_table: expected {want_table}, got {table}",
+                 "copy-on-write replaces entries of the table, it never adds or removes one", hint)
+        i = next(i for i, (a, b) in enumerate(zip(want_table, table)) if a != b)
         fail(label, f"block_table: expected {want_table}, got {table}",
              f"first difference at logical block {i}: expected physical block {want_table[i]}, got {table[i]}", hint)
     if refs != want_refs:
         b = next(b for b, (w, g) in enumerate(zip(want_refs, refs)) if w != g)
+        involved = sorted(set(want_table) | set(case.block_table))
         fail(label, f"ref_count[{b}]: expected {want_refs[b]}, got {refs[b]}",
-             f"ref_count of the blocks involved: expected { {x: want_refs[x] for x in set(want_table) | set(case.block_table)} }, "
-             f"got { {x: refs[x] for x in set(want_table) | set(case.block_table)} }", hint)
+             f"ref_count of the blocks involved: expected { {x: want_refs[x] for x in involved} }, "
+             f"got { {x: refs[x] for x in involved} }", hint)
 
 
 def check_copy_on_write(fn: Callable, num_random: int = 300, seed: int = 0) -> None:
