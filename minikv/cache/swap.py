@@ -13,13 +13,15 @@ from minikv.cache.allocator import FreeListAllocator
 
 class SwapSpace:
     def __init__(self, backend, num_cpu_blocks: int):
+        if num_cpu_blocks < 0:
+            raise ValueError(f"swap space needs num_cpu_blocks >= 0, got {num_cpu_blocks}")
         self.backend = backend
         pin = backend.k_cache.is_cuda
         shape = (backend.k_cache.shape[0], num_cpu_blocks, *backend.k_cache.shape[2:])
         self.k_swap = torch.zeros(shape, dtype=backend.k_cache.dtype, pin_memory=pin)
         self.v_swap = torch.zeros(shape, dtype=backend.v_cache.dtype, pin_memory=pin)
         self.allocator = FreeListAllocator(num_cpu_blocks)
-        self.bytes_per_block = 2 * self.k_swap[:, 0].numel() * self.k_swap.element_size()
+        self.bytes_per_block = 2 * backend.k_cache[:, 0].numel() * backend.k_cache.element_size()  # K+V, all layers
         self.blocks_out = self.blocks_in = 0
 
     @property
