@@ -133,9 +133,10 @@ def results_line(rec: dict, json_name: str) -> str:
     return (f"- {rec['date']} · cache_speedup · {rec['device']}, {rec['cpu_count']} cores, "
             f"{rec['torch_threads']} torch threads · {w['model']} {w['dtype']}, {w['prompt_tokens']}-token prompt "
             f"+ {w['new_tokens']} new tokens, greedy, batch 1, fastest of {w['repeats']} runs "
-            f"({w['naive_repeats']} for naive), load average {rec['load_average_1min']['before']:.1f} · contiguous KV cache "
-            f"{r['contiguous']['tokens_per_s']:.2f} tok/s, naive (no cache) {r['naive']['tokens_per_s']:.2f} tok/s "
-            f"= **{s['contiguous_vs_naive']:.1f}x**; transformers generate {r['transformers']['tokens_per_s']:.2f} tok/s "
+            f"({w['naive_repeats']} for naive), load average {rec['load_average_1min']['before']:.1f} · "
+            f"contiguous KV cache {r['contiguous']['tokens_per_s']:.2f} tok/s, "
+            f"naive (no cache) {r['naive']['tokens_per_s']:.2f} tok/s = **{s['contiguous_vs_naive']:.1f}x**; "
+            f"transformers generate {r['transformers']['tokens_per_s']:.2f} tok/s "
             f"(contiguous / transformers = {s['contiguous_vs_transformers']:.2f}x) · tokens {same} · "
             f"commit {rec['commit']} · [{json_name}]({json_name})\n")
 

@@ -154,7 +154,8 @@ DECODE_CASES = [(1, 1, 1, 4, 4), (4, 2, 2, 8, 8), (6, 4, 2, 8, 8), (8, 4, 1, 8, 
 
 
 def reference_decode_step(q, k_new, v_new, k_cache, v_cache, pos: int, scale: float) -> torch.Tensor:
-    """The engine's rung-2 step (ContiguousBackend, one layer, one row); writes the caches in place like the exercise."""
+    """The engine's rung-2 step (ContiguousBackend, one layer, one row); writes the caches in place, as the
+    exercise does."""
     max_len, KV, D = k_cache.shape
     backend = ContiguousBackend(1, 1, max_len, KV, D, k_cache.dtype, k_cache.device)
     backend.k_cache[0, 0], backend.v_cache[0, 0] = k_cache, v_cache

@@ -31,7 +31,9 @@ class ModelShape:
     def attention(self) -> str:
         if self.num_kv_heads == self.num_heads:
             return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else f"GQA, {self.num_heads // self.num_kv_heads} query heads per kv head"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return f"GQA, {self.num_heads // self.num_kv_heads} query heads per kv head"
 
 
 MODELS: dict[str, ModelShape] = {
