@@ -57,7 +57,7 @@ class LLM:
         preemption: str = "recompute",
         swap_blocks: int | None = None,
         block_allocator=None,
-        attention: str = "torch",
+        attention: str | None = None,
         prefix_caching: str | PrefixCache | None = None,
         eviction: str = "lru",
         schedule_policy: str = "fcfs",
@@ -68,7 +68,8 @@ class LLM:
         (bytes) for the pool, max_num_seqs, max_num_batched_tokens (token budget per step),
         enable_chunked_prefill, preemption ("recompute" or "swap"), swap_blocks (CPU swap space,
         default num_blocks), block_allocator (a class called with num_blocks, see minikv.cache),
-        attention ("torch" reference or "triton" kernels).
+        attention ("torch" reference or "triton" kernels; default: "triton" for a paged pool on a GPU,
+        where it is measured faster, see benchmarks/RESULTS.md, and "torch" otherwise).
 
         Prefix caching (rung 6, paged only): prefix_caching None (off), "hash" (vLLM's hashed block
         chain) or "radix" (SGLang's radix tree); eviction "lru" or "fifo" (which unused cached block
@@ -77,6 +78,9 @@ class LLM:
         """
         if kv_backend not in KV_BACKENDS:
             raise ValueError(f"unknown kv_backend {kv_backend!r}; choose one of {', '.join(KV_BACKENDS)}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if attention is None:
+            attention = "triton" if kv_backend == "paged" and self.device.type == "cuda" else "torch"
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
         if attention == "triton" and kv_backend != "paged":
@@ -93,7 +97,6 @@ class LLM:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {schedule_policy!r}")
         if schedule_policy == "lpm" and prefix_caching is None:
             raise ValueError("schedule_policy='lpm' orders requests by their cached prefix; turn prefix_caching on")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -107,6 +110,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.kv_backend = kv_backend
+        self.attention = attention if kv_backend == "paged" else None
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         c = self.config
