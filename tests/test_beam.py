@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from minikv import LLM, SamplingParams
 from minikv.engine.beam import best_candidates, reference_beam_search
+from engine_checks import checked
 
 PROMPTS = [[7, 3, 91, 45, 12, 300, 8, 77, 150, 23], list(range(20, 37)), [5, 6, 7]]
 
@@ -15,18 +16,6 @@ PROMPTS = [[7, 3, 91, 45, 12, 300, 8, 77, 150, 23], list(range(20, 37)), [5, 6, 
 @pytest.fixture(scope="module")
 def tiny():
     return LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=256)
-
-
-def checked(llm: LLM) -> LLM:
-    step = llm.step
-
-    def step_and_check():
-        events = step()
-        llm.block_manager.check(llm.scheduler.all_sequences())
-        return events
-
-    llm.step = step_and_check
-    return llm
 
 
 _refs = {}

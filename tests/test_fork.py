@@ -11,21 +11,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
 from minikv.engine.sequence import Sequence
+from engine_checks import checked
 
 PROMPT = [7, 3, 91, 45, 12, 300, 8, 77, 150, 23]  # 10 tokens
-
-
-def checked(llm: LLM) -> LLM:
-    """Check the block manager's invariants after every engine step."""
-    step = llm.step
-
-    def step_and_check():
-        events = step()
-        llm.block_manager.check(llm.scheduler.all_sequences())
-        return events
-
-    llm.step = step_and_check
-    return llm
 
 
 def paged(**kw) -> LLM:

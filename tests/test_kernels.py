@@ -41,7 +41,7 @@ def scattered_pool(seq_lens, block_size, num_kv_heads, dtype, seed=0, spare_bloc
 
 def reference(q, k_cache, v_cache, tables, meta, window=None, dtype=torch.float64):
     """Rung 4's math: gather each sequence's blocks into a padded view, one masked SDPA."""
-    B, L, bs = meta.num_seqs, meta.max_seq_len, k_cache.shape[1]
+    B, L = meta.num_seqs, meta.max_seq_len
     t = tables.clamp(min=0)
     keys = k_cache[t].reshape(B, -1, *k_cache.shape[2:])[:, :L]
     values = v_cache[t].reshape(B, -1, *v_cache.shape[2:])[:, :L]

@@ -9,6 +9,7 @@ from minikv.cache.hash_chain import HashChainCache, block_hashes, extra_keys, ha
 from minikv.cache.prefix_cache import make_prefix_cache
 from minikv.cache.radix import RadixCache
 from minikv.engine.sequence import Sequence
+from engine_checks import checked
 
 DESIGNS = ("hash", "radix")
 BS = 4
@@ -55,19 +56,6 @@ def run(bm: Manager, tokens: list[int], salt: str | None = None) -> Sequence:
     bm.live.append(seq)
     bm.check(bm.live)
     return seq
-
-
-def checked(llm: LLM) -> LLM:
-    """Check the block manager's (and the prefix cache's) invariants after every engine step."""
-    step = llm.step
-
-    def step_and_check():
-        events = step()
-        llm.block_manager.check(llm.scheduler.all_sequences())
-        return events
-
-    llm.step = step_and_check
-    return llm
 
 
 def paged(prefix_caching=None, **kw) -> LLM:

@@ -19,6 +19,7 @@ from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.hash_chain import block_hashes
 from minikv.cache.prefix_cache import make_prefix_cache
 from minikv.engine.sequence import Sequence
+from engine_checks import checked
 
 BS = 4
 NUM_BLOCKS = 10
@@ -195,15 +196,7 @@ def test_random_workloads_give_the_tokens_of_caching_off(seed, design, eviction,
     kw = dict(kv_backend="paged", block_size=BS, num_blocks=num_blocks, max_model_len=64, preemption=preemption,
               max_num_batched_tokens=rng.choice([7, 64]))
     ref = LLM("tiny-random", **kw).generate(prompts, params)
-    llm = LLM("tiny-random", prefix_caching=design, eviction=eviction, schedule_policy=policy, **kw)
-    step = llm.step
-
-    def step_and_check():
-        events = step()
-        llm.block_manager.check(llm.scheduler.all_sequences())
-        return events
-
-    llm.step = step_and_check
+    llm = checked(LLM("tiny-random", prefix_caching=design, eviction=eviction, schedule_policy=policy, **kw))
     half = rng.randint(1, 9)
     outs = llm.generate(prompts[:half], params[:half]) + llm.generate(prompts[half:], params[half:])
     for i, (a, b) in enumerate(zip(outs, ref)):

@@ -127,6 +127,18 @@ def tokens_identical(rec: dict) -> bool:
             and all(r["runs_identical"] for r in rec["results"].values()))
 
 
+def write_record(record: dict, out: Path, line: str, name: str) -> None:
+    """Save the run's JSON record and append its line to RESULTS.md beside it (created if absent)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    results_md = out.parent / "RESULTS.md"
+    if not results_md.exists():
+        results_md.write_text(RESULTS_HEADER)
+    with results_md.open("a") as f:
+        f.write(line)
+    print(f"[{name}] wrote {out} and a line in {results_md}")
+
+
 def results_line(rec: dict, json_name: str) -> str:
     r, s, w = rec["results"], rec["speedup"], rec["workload"]
     same = "identical" if tokens_identical(rec) else "NOT identical (see JSON)"
@@ -199,15 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in record.items() if k != "token_ids"}, indent=1))
     if args.no_record:
         return 0 if tokens_identical(record) else 1
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    results_md = out.parent / "RESULTS.md"
-    if not results_md.exists():
-        results_md.write_text(RESULTS_HEADER)
-    with results_md.open("a") as f:
-        f.write(results_line(record, out.name))
-    print(f"[cache_speedup] wrote {out} and a line in {results_md}")
+    write_record(record, Path(args.out), results_line(record, Path(args.out).name), "cache_speedup")
     return 0 if tokens_identical(record) else 1
 
 

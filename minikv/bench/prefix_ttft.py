@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from minikv.bench.cache_speedup import PROMPT_TEXT, RESULTS_HEADER, environment
+from minikv.bench.cache_speedup import PROMPT_TEXT, environment, write_record
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = (None, "hash", "radix")
@@ -149,15 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(record, indent=1))
     if args.no_record:
         return 0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    results_md = out.parent / "RESULTS.md"
-    if not results_md.exists():
-        results_md.write_text(RESULTS_HEADER)
-    with results_md.open("a") as f:
-        f.write(results_line(record, out.name))
-    print(f"[prefix_ttft] wrote {out} and a line in {results_md}")
+    write_record(record, Path(args.out), results_line(record, Path(args.out).name), "prefix_ttft")
     return 0 if all(record["tokens_identical_to_off"].values()) else 1
 
 

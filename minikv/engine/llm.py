@@ -38,6 +38,20 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 Prompt = str | list[int] | dict
 
 
+def pair_requests(prompts, params) -> tuple[list[Prompt], list[SamplingParams]]:
+    """One prompt or a list of them, with one SamplingParams for all or one each -> two equal lists."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    params = params if params is not None else SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+    return list(prompts), list(params)
+
+
 class LLM:
     def __init__(
         self,
@@ -284,15 +298,7 @@ class LLM:
         return [self.output(s) for s in self._last]
 
     def _submit(self, prompts, params) -> list[Sequence]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("no prompts given")
-        params = params if params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+        prompts, params = pair_requests(prompts, params)
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all before queuing any
         if self.block_size is not None:
             self.block_manager.reset_sharing_stats()

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.metadata import AttentionMetadata
+from minikv.engine.llm import pair_requests
 from minikv.engine.outputs import RequestOutput
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
@@ -208,16 +209,7 @@ class StaticBatcher:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, `batch_size` at a time; outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("no prompts given")
-        params = params if params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; "
-                             "give one, or one per prompt")
+        prompts, params = pair_requests(prompts, params)
         start = time.perf_counter()
         seqs = [self.llm.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # all arrive now
         groups = [list(range(i, min(i + self.batch_size, len(seqs)))) for i in range(0, len(seqs), self.batch_size)]
