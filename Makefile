@@ -5,6 +5,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# pytest workers; each runs torch on one thread (two threads per process on two cores thrash)
+JOBS   ?= 2
 
 .PHONY: lab test test-fast model bench clean
 
@@ -20,13 +22,13 @@ model: $(STAMP)
 lab: model
 	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_tour.ipynb
 
-# unit + equivalence + property tests, then every notebook, exercise and solution through nbval
+# unit + equivalence + property tests, and every notebook, exercise and solution through nbval
+# (--dist loadfile keeps each notebook's cells in order on one worker)
 test: model
-	$(PY) -m pytest -q tests
-	$(PY) -m pytest -q $(NBVAL) notebooks exercises solutions
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(NBVAL) tests notebooks exercises solutions
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests -m "not slow"
 
 bench: model
 	$(PY) -m minikv.cli bench $(NAME)
