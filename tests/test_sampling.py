@@ -96,3 +96,10 @@ def test_smollm2_stop_string_and_chat_template():
     assert cut.finish_reason == "stop" and "4" not in cut.text and full.text.startswith(cut.text)
     streamed = "".join(e.text_delta for e in llm.stream(prompt, SamplingParams(max_tokens=40)))
     assert streamed == full.text
+
+
+def test_stream_also_finishes_requests_queued_with_add_request(tiny):
+    earlier = tiny.add_request([3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    events = list(tiny.stream([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert [e.index for e in events] == [0, 0, 0]
+    assert len(earlier.output_token_ids) == 4 and earlier.is_finished

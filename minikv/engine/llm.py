@@ -283,12 +283,12 @@ class LLM:
         try:
             while self.scheduler.has_unfinished():
                 for seq, token, delta in self.step():
-                    yield StreamEvent(index[seq.root.seq_id], seq.root.request_id, token, delta, seq.is_finished,
-                                      seq.finish_reason, sample_index=seq.index)
+                    if seq.root.seq_id in index:  # requests queued earlier with add_request run too
+                        yield StreamEvent(index[seq.root.seq_id], seq.root.request_id, token, delta,
+                                          seq.is_finished, seq.finish_reason, sample_index=seq.index)
         finally:  # a consumer that stops early must not leave requests holding cache
             for seq in seqs:
                 self.abort(seq)
-        self._last = seqs
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
