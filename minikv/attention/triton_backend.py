@@ -11,8 +11,8 @@ Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read 
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
 pool must be float32 or float16, since the interpreter's bfloat16 arithmetic is wrong.
 
-Measured on an H200 (benchmarks/decode_attention_gpu.json): decode 1.8-2.1x faster than gather +
-SDPA and 21-26x faster than rung 4's masked reference, 7-13% slower than SDPA on never-paged K/V;
+Measured on an H100 (benchmarks/decode_attention_gpu.json): decode 2-2.9x faster than gather +
+SDPA and 22-34x faster than rung 4's masked reference, 9-18% slower than SDPA on never-paged K/V;
 prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on contiguous K/V),
 so prefill steps use the kernel by default.
 

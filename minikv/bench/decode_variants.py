@@ -1,0 +1,253 @@
+"""What limits the paged decode kernel on a GPU: one run that checks, times and prints a table.
+
+The decode benchmark (decode_attention.py) measures the kernel against its baselines; this script
+asks why it lands where it does. Each question is answered in the same run on the same card, at the
+benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 16:
+
+    layout   the pool stores a token's KV heads side by side ([blocks, block_size, kv_heads, D]), so a
+             program reads 128-byte rows 256 bytes apart. The kernel is timed on the same values
+             stored head-major ([blocks, kv_heads, block_size, D], read through strides), and SDPA on
+             contiguous K/V stored both ways: does the layout, or the kernel, cost the bandwidth?
+    wide     a variant split kernel defined here: programs ordered with the KV head varying fastest,
+             and one program serving two KV heads (both halves of each 256-byte row together)
+
+Benchmarks/NOTES_decode.md keeps what earlier forms of this script found (flush, fused merge,
+launch settings) and what each result says.
+
+Every variant is checked against a float32 reference before it is timed.
+
+    python -m minikv.bench.decode_variants --out benchmarks/
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import minikv.kernels  # noqa: F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
+import minikv.kernels.decode_attention as dec
+import triton
+import triton.language as tl
+from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SHAPES, TOL, Clock, contiguous_kv,
+                                           copy_bandwidth, decode_case, environment, fp32_decode_reference,
+                                           kernel_time, rel_err)
+
+@triton.jit
+def _wide_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, KV_PER_PROG: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+):
+    """The decode kernel's split phase, with KV_PER_PROG KV heads per program and a choice of program order.
+    Rows r of the program's query block: KV head (r // GROUP_PAD) of the program, query head r % GROUP_PAD of it."""
+    if HEAD_FASTEST:
+        head_group = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        head_group = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:
+        return
+    ROWS: tl.constexpr = KV_PER_PROG * GROUP_PAD
+    r = tl.arange(0, ROWS)
+    r_head = r // GROUP_PAD
+    r_ok = (r % GROUP_PAD) < GROUP
+    heads = (head_group * KV_PER_PROG + r_head) * GROUP + r % GROUP_PAD
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=r_ok[:, None], other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head_group * KV_PER_PROG * stride_kh
+        s = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for h in tl.static_range(KV_PER_PROG):
+            k = tl.load(k_cache_ptr + row[:, None] + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            s += tl.where(r_head[:, None] == h, tl.dot(q, tl.trans(k)), 0.0)
+        s = tl.where(valid[None, :], s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for h in tl.static_range(KV_PER_PROG):
+            v = tl.load(v_cache_ptr + row[:, None] + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            pv += tl.where(r_head[:, None] == h, tl.dot(p.to(v.dtype), v), 0.0)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    part = (b * NUM_HEADS + heads) * num_splits + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=r_ok[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=r_ok)
+
+
+def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per_prog=1, head_fastest=False,
+                block_n=64, num_warps=2, num_stages=2):
+    """Split phase of the variant kernel, then the kernel's own merge (head_dim a power of two >= 16)."""
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    group = H // kvh
+    out = torch.empty_like(q)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    groups = kvh // kv_per_prog
+    grid = (groups, B, num_splits) if head_fastest else (B, groups, num_splits)
+    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
+    _wide_split_kernel[grid](
+        q, k_cache, v_cache, tables, seq_lens, part_out, part_lse, scale * 1.4426950408889634, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=D, BLOCK_N=block_n, KV_PER_PROG=kv_per_prog, HEAD_FASTEST=head_fastest, **launch)
+    splits_pad = triton.next_power_of_2(num_splits)
+    dec._decode_merge_kernel[(B, H)](
+        out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+        **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
+    return out
+
+
+SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
+
+
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """The same values with the KV-head dimension outside the token dimension in memory, viewed in the
+    original shape: [..., tokens, kv_heads, D] stored as [..., kv_heads, tokens, D]."""
+    return x.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+def time_variants(c, clock, variants) -> dict:
+    """{variant name: {"us": time, "rel_err": e, "splits": n}} for one decode case."""
+    B, L = c["B"], c["L"]
+    q, scale = c["q"], c["scale"]
+    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()  # [B, kv_heads, L, D]
+    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
+    ref = fp32_decode_reference(q, kc, vc, scale)
+    q4 = q[:, :, None, :]
+    ki, vi = kc.transpose(1, 2).contiguous().transpose(1, 2), vc.transpose(1, 2).contiguous().transpose(1, 2)
+    pools = {"nhd": (c["k_cache"], c["v_cache"])}
+    if any(kw.get("layout") == "hnd" for kw in variants.values()):
+        pools["hnd"] = (head_major(c["k_cache"]), head_major(c["v_cache"]))
+    fns = {
+        "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
+        # the same values with a token's heads side by side in memory, as the pool stores them
+        "sdpa_tokens_major": lambda: F.scaled_dot_product_attention(q4, ki, vi, scale=scale, enable_gqa=True),
+    }
+    splits_of = {}
+    for name, kw in variants.items():
+        kw = dict(kw)
+        pps = kw.pop("programs_per_sm", dec.PROGRAMS_PER_SM)
+        wide = kw.pop("wide", None)
+        kcache, vcache = pools[kw.pop("layout", "nhd")]
+        per_prog = wide.get("kv_per_prog", 1) if wide else 1
+        splits = splits_of[name] = dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
+        if wide is None:
+            def fn(kw=kw, splits=splits, kcache=kcache, vcache=vcache):
+                return dec.paged_decode_attention(q, kcache, vcache, c["tables"], c["seq_lens"], scale,
+                                                  max_seq_len=L, num_splits=splits, **kw)
+        else:
+            def fn(wide=wide, splits=splits, kcache=kcache, vcache=vcache):
+                return wide_decode(q, kcache, vcache, c["tables"], c["seq_lens"], scale, splits, **wide)
+        fns[name] = fn
+    row = {"kv_bytes": c["kv_bytes"]}
+    for name, fn in fns.items():
+        try:
+            err = rel_err(fn().reshape(ref.shape), ref)
+        except Exception as e:
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        row[name] = {"rel_err": err, "splits": splits_of.get(name)}
+        if err <= TOL:
+            row[name]["us"] = round(kernel_time(clock, fn), 2)
+    return row
+
+
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every compiled split kernel (where this Triton exposes them)."""
+    found = []
+    for kern in (dec._decode_split_kernel, _wide_split_kernel):
+        for caches in getattr(kern, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                meta = getattr(compiled, "metadata", None)
+                found.append({"kernel": kern.__name__, "n_regs": getattr(compiled, "n_regs", None),
+                              "n_spills": getattr(compiled, "n_spills", None),
+                              "shared": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None)})
+    return found
+
+
+VARIANTS = {
+    "kernel": {},
+    "kernel_hnd": {"layout": "hnd"},
+    "kernel_hnd_n128_w4": {"layout": "hnd", "block_n": 128, "num_warps": 4},
+    "wide1_headfast": {"wide": {"head_fastest": True}},
+    "wide2_w2": {"wide": {"kv_per_prog": 2}},
+    "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
+    "wide2_w4_pps8": {"programs_per_sm": 8, "wide": {"kv_per_prog": 2, "num_warps": 4}},
+}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("this script needs a CUDA GPU; use --smoke to try it on a CPU")
+    heads, shapes, dtype, variants = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), SHAPES_HERE, torch.bfloat16, VARIANTS
+    clock = Clock(device, args.reps, 10, flush="read")
+    if args.smoke:
+        heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
+        variants = {k: VARIANTS[k] for k in ("kernel", "kernel_hnd", "wide2_w2")}
+        clock = Clock(device, 1, 0)
+    record = {"env": environment(device), "copy_bandwidth_GBps": round(copy_bandwidth(
+              clock, 2**30 if not args.smoke else 2**20), 1),
+              "decode_config": dict(dec.DECODE_CONFIG), "programs_per_sm": dec.PROGRAMS_PER_SM,
+              "variants": variants, "shapes": {}}
+    out_path = Path(args.out) / "decode_variants_gpu.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    for B, L in shapes:
+        c = decode_case(B, L, 16, dtype, device, heads)
+        record["shapes"][f"{B}x{L}"] = time_variants(c, clock, variants)
+        out_path.write_text(json.dumps(record, indent=1))
+        del c
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["compiled"] = compiled_resources()
+    record["elapsed_s"] = round(time.time() - t0, 1)
+    out_path.write_text(json.dumps(record, indent=1))
+
+    print(f"{record['env']['device']}: copy bandwidth (read + write) {record['copy_bandwidth_GBps']} GB/s")
+    print("decode, block size 16, CUDA-graph time us / K+V GB/s (read flush)")
+    names = list(next(iter(record["shapes"].values())))[1:]
+    print(f"{'':>22}" + "".join(f"{s:>18}" for s in record["shapes"]))
+    for name in names:
+        cells = []
+        for row in record["shapes"].values():
+            e = row[name]
+            cells.append(f"{e['us']:8.1f} /{row['kv_bytes'] / e['us'] / 1e3:6.0f}" if "us" in e else
+                         f"{'err ' + str(e.get('rel_err', e.get('error')))[:12]:>15}")
+        print(f"{name:>22}" + "".join(f"{x:>18}" for x in cells))
+    print("compiled:", record["compiled"])
+    print(f"wrote {out_path} ({record['elapsed_s']} s)")
+    return record
+
+
+if __name__ == "__main__":
+    main()

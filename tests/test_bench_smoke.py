@@ -1,0 +1,32 @@
+"""The GPU benchmark scripts run end to end on tiny shapes here, so they cannot rot between the
+rare runs on a GPU: every method they time must produce the reference's result."""
+import json
+
+import pytest
+
+from minikv.bench import decode_attention, decode_variants
+
+
+def test_decode_attention_benchmark_smoke(tmp_path, capsys):
+    record = decode_attention.main(["--smoke", "--no-flex", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "decode_attention_gpu.json").read_text())
+    assert saved["decode"] and saved["prefill"]
+    assert all(r["ok"] for r in record["decode"]), [r["rel_err_vs_fp32"] for r in record["decode"]]
+    assert all(r["ok"] for r in record["ragged_correctness"])
+    assert "triton at" in capsys.readouterr().out
+
+
+def test_decode_variants_smoke(tmp_path):
+    record = decode_variants.main(["--smoke", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "decode_variants_gpu.json").read_text())["shapes"]
+    for shape, row in record["shapes"].items():
+        for name in ("sdpa_contiguous", "sdpa_tokens_major", "kernel", "kernel_hnd", "wide2_w2"):
+            assert row[name]["rel_err"] <= decode_variants.TOL, (shape, name, row[name])
+            assert row[name]["us"] > 0
+
+
+def test_clock_refuses_an_unknown_flush():
+    import torch
+
+    with pytest.raises(ValueError, match="flush must be"):
+        decode_attention.Clock(torch.device("cpu"), 1, 0, flush="sometimes")
