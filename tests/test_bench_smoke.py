@@ -17,12 +17,14 @@ def test_decode_attention_benchmark_smoke(tmp_path, capsys):
 
 
 def test_decode_variants_smoke(tmp_path):
-    record = decode_variants.main(["--smoke", "--out", str(tmp_path)])
+    record = decode_variants.main(["--smoke", "--splits", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "decode_variants_gpu.json").read_text())["shapes"]
     for shape, row in record["shapes"].items():
         for name in ("sdpa_contiguous", "sdpa_tokens_major", "kernel", "kernel_hnd", "wide2_w2"):
             assert row[name]["rel_err"] <= decode_variants.TOL, (shape, name, row[name])
             assert row[name]["us"] > 0
+    for shape, grid in record["split_grid"].items():
+        assert grid["best"] and all(g["rel_err"] <= decode_variants.TOL for g in grid["grid"]), (shape, grid)
 
 
 def test_clock_refuses_an_unknown_flush():

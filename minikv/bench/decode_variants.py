@@ -10,6 +10,7 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              contiguous K/V stored both ways: does the layout, or the kernel, cost the bandwidth?
     wide     a variant split kernel defined here: programs ordered with the KV head varying fastest,
              and one program serving two KV heads (both halves of each 256-byte row together)
+    splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
 Benchmarks/NOTES_decode.md keeps what earlier forms of this script found (flush, fused merge,
 launch settings) and what each result says.
@@ -189,6 +190,41 @@ def compiled_resources() -> list[dict]:
     return found
 
 
+SPLIT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 66)
+LAUNCH_GRID = ({"block_n": 64, "num_warps": 2, "num_stages": 2}, {"block_n": 64, "num_warps": 4, "num_stages": 4},
+               {"block_n": 128, "num_warps": 4, "num_stages": 3}, {"block_n": 256, "num_warps": 4, "num_stages": 2},
+               {"block_n": 128, "num_warps": 8, "num_stages": 4})
+
+
+def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
+    """Every (split count, launch setting) on one case, with SDPA: is there any choice that matches it?"""
+    B, L = c["B"], c["L"]
+    q, scale = c["q"], c["scale"]
+    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
+    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
+    ref = fp32_decode_reference(q, kc, vc, scale)
+    q4 = q[:, :, None, :]
+    sdpa = round(kernel_time(clock, lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)), 2)
+    grid = []
+    for n in splits:
+        if n > 1 and L // n < 64:
+            continue
+        for launch in launches:
+            def fn(n=n, launch=launch):
+                return dec.paged_decode_attention(q, c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], scale,
+                                                  max_seq_len=L, num_splits=n, **launch)
+            try:
+                err = rel_err(fn().reshape(ref.shape), ref)
+                us = round(kernel_time(clock, fn), 2) if err <= TOL else None
+                grid.append({"splits": n, **launch, "rel_err": err, "us": us})
+            except Exception as e:
+                grid.append({"splits": n, **launch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    timed = [g for g in grid if g.get("us")]
+    best = min(timed, key=lambda g: g["us"]) if timed else None
+    default = dec.default_num_splits(B, c["heads"][1], L, q.device)
+    return {"sdpa_contiguous": sdpa, "default_splits": default, "best": best, "grid": grid}
+
+
 VARIANTS = {
     "kernel": {},
     "kernel_hnd": {"layout": "hnd"},
@@ -205,6 +241,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
+    ap.add_argument("--splits", action="store_true", help="also time every split count x launch setting per shape")
     args = ap.parse_args(argv)
     t0 = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -225,6 +262,11 @@ def main(argv=None) -> dict:
     for B, L in shapes:
         c = decode_case(B, L, 16, dtype, device, heads)
         record["shapes"][f"{B}x{L}"] = time_variants(c, clock, variants)
+        if args.splits:
+            grid = split_grid(c, clock) if not args.smoke else split_grid(c, clock, (1, 2), LAUNCH_GRID[:1])
+            record.setdefault("split_grid", {})[f"{B}x{L}"] = grid
+            print(f"{B}x{L}: SDPA {grid['sdpa_contiguous']} us, best {grid['best']}, default splits "
+                  f"{grid['default_splits']}", flush=True)
         out_path.write_text(json.dumps(record, indent=1))
         del c
         if device.type == "cuda":
