@@ -12,8 +12,8 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              and one program serving two KV heads (both halves of each 256-byte row together)
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
-Benchmarks/NOTES_decode.md keeps what earlier forms of this script found (flush, fused merge,
-launch settings) and what each result says.
+The notes in benchmarks/NOTES_decode.md keep what this script and its earlier forms found (flush,
+fused merge, launch settings), each with its prediction.
 
 Every variant is checked against a float32 reference before it is timed.
 
@@ -125,9 +125,9 @@ def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per
 SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
 
 
-def head_major(x: torch.Tensor) -> torch.Tensor:
-    """The same values with the KV-head dimension outside the token dimension in memory, viewed in the
-    original shape: [..., tokens, kv_heads, D] stored as [..., kv_heads, tokens, D]."""
+def swap_storage(x: torch.Tensor) -> torch.Tensor:
+    """The same values in the same shape, with dims -3 and -2 swapped in memory: a token-major pool
+    [blocks, block_size, kv_heads, D] becomes head-major storage, and head-major K/V token-major."""
     return x.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
@@ -139,10 +139,10 @@ def time_variants(c, clock, variants) -> dict:
     vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
     ref = fp32_decode_reference(q, kc, vc, scale)
     q4 = q[:, :, None, :]
-    ki, vi = kc.transpose(1, 2).contiguous().transpose(1, 2), vc.transpose(1, 2).contiguous().transpose(1, 2)
+    ki, vi = swap_storage(kc), swap_storage(vc)
     pools = {"nhd": (c["k_cache"], c["v_cache"])}
     if any(kw.get("layout") == "hnd" for kw in variants.values()):
-        pools["hnd"] = (head_major(c["k_cache"]), head_major(c["v_cache"]))
+        pools["hnd"] = (swap_storage(c["k_cache"]), swap_storage(c["v_cache"]))
     fns = {
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
         # the same values with a token's heads side by side in memory, as the pool stores them
