@@ -8,8 +8,12 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              program reads 128-byte rows 256 bytes apart. The kernel is timed on the same values
              stored head-major ([blocks, kv_heads, block_size, D], read through strides), and SDPA on
              contiguous K/V stored both ways: does the layout, or the kernel, cost the bandwidth?
+    layout+  also the pool's blocks laid out in sequence order (paging without scattering), alone and
+             head-major: how much of the gap is paging, how much the layout, how much the kernel
     wide     a variant split kernel defined here: programs ordered with the KV head varying fastest,
              and one program serving two KV heads (both halves of each 256-byte row together)
+    ahead    a variant that issues the next tile's loads by hand (block table two tiles ahead, K/V
+             into registers one tile ahead)
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
 The notes in benchmarks/NOTES_decode.md keep what this script and its earlier forms found (flush,
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -122,6 +127,111 @@ def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per
     return out
 
 
+@triton.jit
+def _ahead_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr, KV_AHEAD: tl.constexpr,
+):
+    """The decode kernel's split phase with the next tile's loads issued by hand before this tile's math.
+
+    TABLE_AHEAD: block-table entries are loaded two tiles ahead, so no K/V address waits on a load.
+    KV_AHEAD: the next tile's K and V are loaded into registers before this tile's softmax, so their
+    latency hides behind it (the compiler's own pipelining of these gathered loads waits on all copies
+    at each iteration: cp.async.wait_group 0 in its PTX)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:
+        return
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_kh
+    n = tl.arange(0, BLOCK_N)
+
+    pos = start + n
+    valid = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    if TABLE_AHEAD:
+        pos1 = pos + BLOCK_N
+        block1 = tl.load(table + pos1 // BLOCK_SIZE, mask=pos1 < end, other=0).to(tl.int64)
+    if KV_AHEAD:
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head_off
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    for tile in range(start, end, BLOCK_N):
+        pos_next = tile + BLOCK_N + n
+        valid_next = pos_next < end
+        if TABLE_AHEAD:
+            block_next = block1
+            pos2 = pos_next + BLOCK_N
+            block1 = tl.load(table + pos2 // BLOCK_SIZE, mask=pos2 < end, other=0).to(tl.int64)
+        else:
+            block_next = tl.load(table + pos_next // BLOCK_SIZE, mask=valid_next, other=0).to(tl.int64)
+        if KV_AHEAD:
+            row_next = block_next * stride_kb + (pos_next % BLOCK_SIZE) * stride_ks + head_off
+            k_next = tl.load(k_cache_ptr + row_next[:, None] + d[None, :], mask=valid_next[:, None], other=0.0)
+            v_next = tl.load(v_cache_ptr + row_next[:, None] + d[None, :], mask=valid_next[:, None], other=0.0)
+        else:
+            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head_off
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = dec.online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, None)
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+        pos = pos_next
+        valid = valid_next
+        block = block_next
+    out = acc / l_i[:, None]
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (b * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table_ahead=True, kv_ahead=True,
+                 block_n=64, num_warps=4, num_stages=1):
+    """Split phase of the prefetching variant, then the kernel's own merge (head_dim a power of two >= 16)."""
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
+    _ahead_split_kernel[(B, kvh, num_splits)](
+        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * 1.4426950408889634, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, TABLE_AHEAD=table_ahead, KV_AHEAD=kv_ahead,
+        **launch)
+    if num_splits > 1:
+        splits_pad = triton.next_power_of_2(num_splits)
+        dec._decode_merge_kernel[(B, H)](
+            out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+            **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
+    return out
+
+
 SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
 
 
@@ -140,9 +250,18 @@ def time_variants(c, clock, variants) -> dict:
     ref = fp32_decode_reference(q, kc, vc, scale)
     q4 = q[:, :, None, :]
     ki, vi = swap_storage(kc), swap_storage(vc)
+    tables = {"nhd": c["tables"]}
     pools = {"nhd": (c["k_cache"], c["v_cache"])}
-    if any(kw.get("layout") == "hnd" for kw in variants.values()):
+    layouts = {kw.get("layout") for kw in variants.values()}
+    if "hnd" in layouts:
         pools["hnd"] = (swap_storage(c["k_cache"]), swap_storage(c["v_cache"]))
+    if layouts & {"sequential", "sequential_hnd"}:  # each sequence's blocks side by side, in order
+        order = c["tables"].flatten()
+        ks, vs = c["k_cache"][order], c["v_cache"][order]
+        in_order = torch.arange(order.numel(), device=order.device).view_as(c["tables"])
+        pools["sequential"], tables["sequential"] = (ks, vs), in_order
+        pools["sequential_hnd"], tables["sequential_hnd"] = (swap_storage(ks), swap_storage(vs)), in_order
+    tables["hnd"] = c["tables"]
     fns = {
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
         # the same values with a token's heads side by side in memory, as the pool stores them
@@ -153,16 +272,23 @@ def time_variants(c, clock, variants) -> dict:
         kw = dict(kw)
         pps = kw.pop("programs_per_sm", dec.PROGRAMS_PER_SM)
         wide = kw.pop("wide", None)
-        kcache, vcache = pools[kw.pop("layout", "nhd")]
+        ahead = kw.pop("ahead", None)
+        layout = kw.pop("layout", "nhd")
+        kcache, vcache = pools[layout]
+        table = tables[layout]
         per_prog = wide.get("kv_per_prog", 1) if wide else 1
-        splits = splits_of[name] = dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
-        if wide is None:
-            def fn(kw=kw, splits=splits, kcache=kcache, vcache=vcache):
-                return dec.paged_decode_attention(q, kcache, vcache, c["tables"], c["seq_lens"], scale,
+        splits = kw.pop("splits", None) or dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
+        splits_of[name] = splits
+        if ahead is not None:
+            def fn(ahead=ahead, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return ahead_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, **ahead)
+        elif wide is None:
+            def fn(kw=kw, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return dec.paged_decode_attention(q, kcache, vcache, table, c["seq_lens"], scale,
                                                   max_seq_len=L, num_splits=splits, **kw)
         else:
-            def fn(wide=wide, splits=splits, kcache=kcache, vcache=vcache):
-                return wide_decode(q, kcache, vcache, c["tables"], c["seq_lens"], scale, splits, **wide)
+            def fn(wide=wide, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return wide_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, **wide)
         fns[name] = fn
     row = {"kv_bytes": c["kv_bytes"]}
     for name, fn in fns.items():
@@ -180,13 +306,17 @@ def time_variants(c, clock, variants) -> dict:
 def compiled_resources() -> list[dict]:
     """Registers, spills and shared memory of every compiled split kernel (where this Triton exposes them)."""
     found = []
-    for kern in (dec._decode_split_kernel, _wide_split_kernel):
+    for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel):
         for caches in getattr(kern, "device_caches", {}).values():
             for compiled in caches[0].values():
                 meta = getattr(compiled, "metadata", None)
+                ptx = getattr(compiled, "asm", {}).get("ptx", "")
                 found.append({"kernel": kern.__name__, "n_regs": getattr(compiled, "n_regs", None),
                               "n_spills": getattr(compiled, "n_spills", None),
-                              "shared": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None)})
+                              "shared": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
+                              "num_stages": getattr(meta, "num_stages", None),
+                              "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
+                              "wait_groups": re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)})
     return found
 
 
@@ -228,11 +358,14 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
 VARIANTS = {
     "kernel": {},
     "kernel_hnd": {"layout": "hnd"},
-    "kernel_hnd_n128_w4": {"layout": "hnd", "block_n": 128, "num_warps": 4},
-    "wide1_headfast": {"wide": {"head_fastest": True}},
-    "wide2_w2": {"wide": {"kv_per_prog": 2}},
+    "kernel_sequential": {"layout": "sequential"},
+    "kernel_sequential_hnd": {"layout": "sequential_hnd"},
+    "kernel_sequential_hnd_n128_w4": {"layout": "sequential_hnd", "block_n": 128, "num_warps": 4},
     "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
-    "wide2_w4_pps8": {"programs_per_sm": 8, "wide": {"kv_per_prog": 2, "num_warps": 4}},
+    # the next tile's loads issued by hand (see _ahead_split_kernel)
+    "table_ahead_w2_s2": {"ahead": {"kv_ahead": False, "num_warps": 2, "num_stages": 2}},
+    "kv_ahead_w2": {"ahead": {"num_warps": 2}},
+    "kv_ahead_w4": {"ahead": {"num_warps": 4}},
 }
 
 
@@ -251,7 +384,8 @@ def main(argv=None) -> dict:
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
-        variants = {k: VARIANTS[k] for k in ("kernel", "kernel_hnd", "wide2_w2")}
+        variants = {k: VARIANTS[k] for k in ("kernel", "kernel_hnd", "kernel_sequential_hnd", "wide2_w4", "kv_ahead_w4",
+                                             "table_ahead_w2_s2")}
         clock = Clock(device, 1, 0)
     record = {"env": environment(device), "copy_bandwidth_GBps": round(copy_bandwidth(
               clock, 2**30 if not args.smoke else 2**20), 1),
