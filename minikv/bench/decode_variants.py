@@ -14,6 +14,8 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              and one program serving two KV heads (both halves of each 256-byte row together)
     ahead    a variant that issues the next tile's loads by hand (block table two tiles ahead, K/V
              into registers one tile ahead)
+    regs     a variant that loads the split's block-table entries once, before the loop, so that
+             the compiler can prefetch K/V (its PTX then waits with cp.async.wait_group 2, not 0)
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
 The notes in benchmarks/NOTES_decode.md keep what this script and its earlier forms found (flush,
@@ -232,6 +234,86 @@ def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table
     return out
 
 
+@triton.jit
+def _table_in_registers_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, MAX_TBL: tl.constexpr,
+):
+    """The decode kernel's split phase with the split's block-table entries loaded once, before the loop.
+
+    Inside the loop a tile's physical blocks come from registers (tl.gather), so no K/V address waits
+    on a load made in the same iteration: the compiler is free to fetch the next tile's K/V while this
+    tile's math runs. MAX_TBL (a power of two) bounds the blocks one split touches."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if start >= end:
+        return
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    first = start // BLOCK_SIZE
+    t = tl.arange(0, MAX_TBL)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    blocks = tl.load(table + first + t, mask=first + t <= (end - 1) // BLOCK_SIZE, other=0)  # [MAX_TBL]
+    head_off = kv_head * stride_kh
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        local = tl.minimum(pos // BLOCK_SIZE - first, MAX_TBL - 1)  # past the end: any entry, masked below
+        block = tl.gather(blocks, local, axis=0).to(tl.int64)
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + head_off
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = dec.online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, None)
+    out = acc / l_i[:, None]
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (b * NUM_HEADS + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len,
+                              block_n=64, num_warps=2, num_stages=2):
+    """Split phase of the table-in-registers variant, then the kernel's own merge."""
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    chunk_max = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    max_tbl = triton.next_power_of_2(triton.cdiv(chunk_max, block_size) + 1)
+    out = torch.empty_like(q)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
+    _table_in_registers_kernel[(B, kvh, num_splits)](
+        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * 1.4426950408889634, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, MAX_TBL=max_tbl, **launch)
+    if num_splits > 1:
+        splits_pad = triton.next_power_of_2(num_splits)
+        dec._decode_merge_kernel[(B, H)](
+            out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+            **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
+    return out
+
+
 SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
 
 
@@ -273,13 +355,17 @@ def time_variants(c, clock, variants) -> dict:
         pps = kw.pop("programs_per_sm", dec.PROGRAMS_PER_SM)
         wide = kw.pop("wide", None)
         ahead = kw.pop("ahead", None)
+        in_regs = kw.pop("table_in_registers", None)
         layout = kw.pop("layout", "nhd")
         kcache, vcache = pools[layout]
         table = tables[layout]
         per_prog = wide.get("kv_per_prog", 1) if wide else 1
         splits = kw.pop("splits", None) or dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
         splits_of[name] = splits
-        if ahead is not None:
+        if in_regs is not None:
+            def fn(in_regs=in_regs, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return table_in_registers_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, L, **in_regs)
+        elif ahead is not None:
             def fn(ahead=ahead, splits=splits, kcache=kcache, vcache=vcache, table=table):
                 return ahead_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, **ahead)
         elif wide is None:
@@ -306,7 +392,7 @@ def time_variants(c, clock, variants) -> dict:
 def compiled_resources() -> list[dict]:
     """Registers, spills and shared memory of every compiled split kernel (where this Triton exposes them)."""
     found = []
-    for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel):
+    for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel, _table_in_registers_kernel):
         for caches in getattr(kern, "device_caches", {}).values():
             for compiled in caches[0].values():
                 meta = getattr(compiled, "metadata", None)
@@ -357,15 +443,17 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
 
 VARIANTS = {
     "kernel": {},
-    "kernel_hnd": {"layout": "hnd"},
-    "kernel_sequential": {"layout": "sequential"},
     "kernel_sequential_hnd": {"layout": "sequential_hnd"},
-    "kernel_sequential_hnd_n128_w4": {"layout": "sequential_hnd", "block_n": 128, "num_warps": 4},
-    "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
-    # the next tile's loads issued by hand (see _ahead_split_kernel)
-    "table_ahead_w2_s2": {"ahead": {"kv_ahead": False, "num_warps": 2, "num_stages": 2}},
-    "kv_ahead_w2": {"ahead": {"num_warps": 2}},
-    "kv_ahead_w4": {"ahead": {"num_warps": 4}},
+    # the split's block-table entries loaded once, before the loop (see _table_in_registers_kernel)
+    "table_regs_w2_s2": {"table_in_registers": {}},
+    "table_regs_w2_s3": {"table_in_registers": {"num_stages": 3}},
+    "table_regs_w4_s3": {"table_in_registers": {"num_warps": 4, "num_stages": 3}},
+    "table_regs_w4_n128_s3": {"table_in_registers": {"num_warps": 4, "block_n": 128, "num_stages": 3}},
+    "table_regs_w4_s4": {"table_in_registers": {"num_warps": 4, "num_stages": 4}},
+    "table_regs_w2_s3_pps2": {"programs_per_sm": 2, "table_in_registers": {"num_stages": 3}},
+    "table_regs_w4_n128_s3_1split": {"splits": 1, "table_in_registers": {"num_warps": 4, "block_n": 128,
+                                                                         "num_stages": 3}},
+    "table_regs_w2_s3_hnd": {"layout": "hnd", "table_in_registers": {"num_stages": 3}},
 }
 
 
@@ -384,8 +472,10 @@ def main(argv=None) -> dict:
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
-        variants = {k: VARIANTS[k] for k in ("kernel", "kernel_hnd", "kernel_sequential_hnd", "wide2_w4", "kv_ahead_w4",
-                                             "table_ahead_w2_s2")}
+        variants = {**{k: VARIANTS[k] for k in ("kernel", "kernel_sequential_hnd", "table_regs_w2_s3")},
+                    "table_regs_1split": {"splits": 1, "table_in_registers": {}},
+                    "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
+                    "kv_ahead_w4": {"ahead": {"num_warps": 4}}, "hnd": {"layout": "hnd"}}
         clock = Clock(device, 1, 0)
     record = {"env": environment(device), "copy_bandwidth_GBps": round(copy_bandwidth(
               clock, 2**30 if not args.smoke else 2**20), 1),
