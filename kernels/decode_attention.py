@@ -11,7 +11,8 @@ through the block table (no gather into a contiguous copy) and keeps everything 
 
     split-K: a long context is cut into `num_splits` ranges read by separate programs, so a small
     batch still fills the GPU. Each split writes a partial result normalised by its own softmax sum
-    plus its log-sum-exp; a second kernel merges the splits.
+    plus its log-sum-exp (-inf for a split left empty by a short sequence); a second kernel merges
+    the splits.
 
     sequence b, seq_len = 70, block_size = 16, num_splits = 2, tile BLOCK_N = 32:
     positions   [0 ............ 31 | 32 ........... 63]  [64 .. 69]
@@ -95,7 +96,11 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if start >= end:  # a short sequence leaves the last splits empty; the merge skips them
+    if start >= end:  # a short sequence leaves the last splits empty: an lse of -inf gives them weight 0
+        if not SINGLE_SPLIT:
+            g = tl.arange(0, GROUP_PAD)
+            part = (b * (num_kv_heads * GROUP) + kv_head * GROUP + g) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=g < GROUP)
         return
 
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)  # the query heads of this KV head
@@ -136,30 +141,27 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     out_ptr,  # [B, num_heads, head_dim]
     part_out_ptr,  # [B, num_heads, num_splits, HEAD_PAD] fp32
-    part_lse_ptr,  # [B, num_heads, num_splits] fp32
-    seq_lens_ptr,
-    window,
+    part_lse_ptr,  # [B, num_heads, num_splits] fp32  (-inf: an empty split)
     num_splits,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
-    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes joined."""
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes joined.
+    One program per (sequence, query head). Every split wrote its lse, so both loads leave at once;
+    an empty split's weight is 0 and its unwritten o is dropped by a where (a product would keep a
+    NaN: 0 * NaN = NaN)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(seq_len - lo, chunk)  # splits that had tokens (the same arithmetic as above)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < used
+    s_ok = s < num_splits
     d = tl.arange(0, HEAD_PAD)
     rows = (b * tl.num_programs(1) + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))  # empty splits weigh 2^-inf = 0
-    w = tl.exp2(lse - tl.max(lse, axis=0))
+    lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))
     o = tl.load(part_out_ptr + rows[:, None] * HEAD_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.where(w[:, None] > 0, o, 0.0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -167,7 +169,7 @@ def _decode_merge_kernel(
 # launch settings on a GPU (the interpreter ignores warps and stages), and the split-K heuristic:
 # aim for PROGRAMS_PER_SM programs per SM, none shorter than MIN_TOKENS_PER_SPLIT positions.
 # Tuned on an H100 with Triton 3.6 (benchmarks/decode_attention_gpu.json, "tuning"): 4 programs per
-# SM was best (2: 9% slower, 8: 2%, 16: 5%); the tile sizes and warps tried all landed within 10%.
+# SM was best (2: 10% slower, 8: 2%, 16: 4%); the tile sizes and warps tried all landed within 10%.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 PROGRAMS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128
@@ -259,8 +261,8 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](
-            out, part_out, part_lse, seq_lens, window, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
             **({} if interp else {"num_warps": max(1, min(8, triton.next_power_of_2(num_splits) * head_pad // 1024))}),
         )
     return out

@@ -23,6 +23,8 @@ def test_decode_variants_smoke(tmp_path):
         for name in ("sdpa_contiguous", "sdpa_tokens_major", *record["variants"]):
             assert row[name]["rel_err"] <= decode_variants.TOL, (shape, name, row[name])
             assert row[name]["us"] > 0
+    for shape, m in record["merge"].items():
+        assert m["rel_err_new"] <= decode_variants.TOL and m["rel_err_old"] <= decode_variants.TOL, (shape, m)
     for shape, grid in record["split_grid"].items():
         assert grid["best"] and all(g["rel_err"] <= decode_variants.TOL for g in grid["grid"]), (shape, grid)
 

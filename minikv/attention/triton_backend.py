@@ -12,7 +12,7 @@ pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and t
 pool must be float32 or float16, since the interpreter's bfloat16 arithmetic is wrong.
 
 Measured on an H100 (benchmarks/decode_attention_gpu.json): decode 2-2.9x faster than gather +
-SDPA and 22-34x faster than rung 4's masked reference, 9-18% slower than SDPA on never-paged K/V;
+SDPA and 22-34x faster than rung 4's masked reference, 5-18% slower than SDPA on never-paged K/V;
 prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on contiguous K/V),
 so prefill steps use the kernel by default.
 

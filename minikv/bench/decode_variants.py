@@ -12,6 +12,8 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              head-major: how much of the gap is paging, how much the layout, how much the kernel
     wide     a variant split kernel defined here: programs ordered with the KV head varying fastest,
              and one program serving two KV heads (both halves of each 256-byte row together)
+    merge    the split phase alone, and the merge of its partial results as it is (one round of
+             loads) and as it was (the sequence length first, then the partials)
     ahead    a variant that issues the next tile's loads by hand (block table two tiles ahead, K/V
              into registers one tile ahead)
     regs     a variant that loads the split's block-table entries once, before the loop, so that
@@ -66,13 +68,15 @@ def _wide_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if start >= end:
-        return
     ROWS: tl.constexpr = KV_PER_PROG * GROUP_PAD
     r = tl.arange(0, ROWS)
     r_head = r // GROUP_PAD
     r_ok = (r % GROUP_PAD) < GROUP
     heads = (head_group * KV_PER_PROG + r_head) * GROUP + r % GROUP_PAD
+    if start >= end:  # empty split: weight 0 in the merge
+        tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
+                 tl.full([ROWS], float("-inf"), tl.float32), mask=r_ok)
+        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=r_ok[:, None], other=0.0)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -123,8 +127,8 @@ def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per
         HEAD_DIM=D, BLOCK_N=block_n, KV_PER_PROG=kv_per_prog, HEAD_FASTEST=head_fastest, **launch)
     splits_pad = triton.next_power_of_2(num_splits)
     dec._decode_merge_kernel[(B, H)](
-        out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+        out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
         **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
     return out
 
@@ -151,11 +155,14 @@ def _ahead_split_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if start >= end:
-        return
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
+    if start >= end:  # empty split: weight 0 in the merge
+        if not SINGLE_SPLIT:
+            tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
+                     tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_ok)
+        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -228,8 +235,8 @@ def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table
     if num_splits > 1:
         splits_pad = triton.next_power_of_2(num_splits)
         dec._decode_merge_kernel[(B, H)](
-            out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
             **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
     return out
 
@@ -254,11 +261,14 @@ def _table_in_registers_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if start >= end:
-        return
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
+    if start >= end:  # empty split: weight 0 in the merge
+        if not SINGLE_SPLIT:
+            tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
+                     tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_ok)
+        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -308,10 +318,75 @@ def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_
     if num_splits > 1:
         splits_pad = triton.next_power_of_2(num_splits)
         dec._decode_merge_kernel[(B, H)](
-            out, part_out, part_lse, seq_lens, 0, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad, BLOCK_N=block_n,
+            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
             **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
     return out
+
+
+@triton.jit
+def _merge_with_lengths_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits, stride_ob, stride_oh,
+                               HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The merge as it was: it first loads the sequence's length to work out which splits had tokens,
+    and only then their lse and outputs (two dependent rounds of loads instead of one)."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, chunk)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < used
+    d = tl.arange(0, HEAD_DIM)
+    rows = (b * tl.num_programs(1) + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_costs(c, clock) -> dict:
+    """The split phase of the kernel alone, then each merge alone on its partial results (CUDA-graph us)."""
+    q, k_cache, v_cache, tables, seq_lens = c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"]
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    n = max(2, dec.default_num_splits(B, kvh, c["L"], q.device))
+    block_n = dec.DECODE_CONFIG["block_n"]
+    part_out = torch.empty(B, H, n, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
+    out_new, out_old = torch.empty_like(q), torch.empty_like(q)
+    gpu = q.device.type == "cuda"
+
+    def split_phase():  # the same launch as paged_decode_attention's, merge left out
+        dec._decode_split_kernel[(B, kvh, n)](
+            q, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse, out_new, c["scale"] * 1.4426950408889634,
+            0, n, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+            out_new.stride(0), out_new.stride(1), 0, SINGLE_SPLIT=False, BLOCK_SIZE=block_size, GROUP=H // kvh,
+            GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)), HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False,
+            **({"num_warps": dec.DECODE_CONFIG["num_warps"], "num_stages": dec.DECODE_CONFIG["num_stages"]}
+               if gpu else {}))
+
+    pad = triton.next_power_of_2(n)
+    warps = {"num_warps": max(1, min(8, pad * D // 1024))} if gpu else {}
+
+    def merge_new():
+        dec._decode_merge_kernel[(B, H)](out_new, part_out, part_lse, n, out_new.stride(0), out_new.stride(1),
+                                         HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=pad, **warps)
+
+    def merge_old():
+        _merge_with_lengths_kernel[(B, H)](out_old, part_out, part_lse, seq_lens, n, out_old.stride(0),
+                                           out_old.stride(1), HEAD_DIM=D, SPLITS_PAD=pad, BLOCK_N=block_n, **warps)
+
+    split_phase()
+    merge_new()
+    merge_old()
+    kc = contiguous_kv(k_cache, tables, c["L"])
+    ref = fp32_decode_reference(q, kc, contiguous_kv(v_cache, tables, c["L"]), c["scale"])
+    row = {"splits": n, "rel_err_new": rel_err(out_new, ref), "rel_err_old": rel_err(out_old, ref)}
+    for name, fn in (("split_phase", split_phase), ("merge_new", merge_new), ("merge_with_lengths", merge_old)):
+        row[name + "_us"] = round(kernel_time(clock, fn), 2)
+    return row
 
 
 SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
@@ -443,6 +518,7 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
 
 VARIANTS = {
     "kernel": {},
+    "kernel_pps8": {"programs_per_sm": 8},
     "kernel_sequential_hnd": {"layout": "sequential_hnd"},
     # the split's block-table entries loaded once, before the loop (see _table_in_registers_kernel)
     "table_regs_w2_s2": {"table_in_registers": {}},
@@ -486,6 +562,8 @@ def main(argv=None) -> dict:
     for B, L in shapes:
         c = decode_case(B, L, 16, dtype, device, heads)
         record["shapes"][f"{B}x{L}"] = time_variants(c, clock, variants)
+        record.setdefault("merge", {})[f"{B}x{L}"] = merge_costs(c, clock)
+        print(f"{B}x{L} merge:", record["merge"][f"{B}x{L}"], flush=True)
         if args.splits:
             grid = split_grid(c, clock) if not args.smoke else split_grid(c, clock, (1, 2), LAUNCH_GRID[:1])
             record.setdefault("split_grid", {})[f"{B}x{L}"] = grid
