@@ -3,8 +3,9 @@ rare runs on a GPU: every method they time must produce the reference's result."
 import json
 
 import pytest
+import torch
 
-from minikv.bench import decode_attention, decode_variants
+from minikv.bench import decode_attention, decode_profile, decode_variants
 
 
 def test_decode_attention_benchmark_smoke(tmp_path, capsys):
@@ -30,22 +31,16 @@ def test_decode_variants_smoke(tmp_path):
 
 
 def test_clock_refuses_an_unknown_flush():
-    import torch
-
     with pytest.raises(ValueError, match="flush must be"):
         decode_attention.Clock(torch.device("cpu"), 1, 0, flush="sometimes")
 
 
 def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
-    from minikv.bench import decode_profile
-
     ptx = ("cp.async.cg.shared.global [%r1], [%rd2], 0x10, %r3;\ncp.async.wait_group 0;\n"
            "ld.global.v4.b32 {%r4, %r5, %r6, %r7}, [%rd8];\nmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
     counts = decode_profile.instruction_counts(ptx)
     assert counts["cp.async (async copy to shared)"] == 1 and counts["ld.global 16-byte"] == 1
     assert counts["mma.sync (tensor cores)"] == 1 and counts["wgmma"] == 0
-    import torch
-
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             decode_profile.main(["--out", "never-made"])

@@ -47,13 +47,45 @@ from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SH
                                            copy_bandwidth, decode_case, environment, fp32_decode_reference,
                                            kernel_time, rel_err)
 
+LOG2E = 1.4426950408889634  # log2(e): the kernels' exponentials are base 2
+
+
+@triton.jit
+def _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """Split `split`'s key range [start, end) of sequence b in whole tiles, as in the kernel (no window)."""
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
+def _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, row_ok, d, acc, l_i, m_i,
+                 empty, stride_ob, stride_oh, NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+    """A split's result: the output itself when it is the only split, else its normalised partial and
+    its lse; an empty split writes only an lse of -inf (weight 0 in the merge)."""
+    part = (b * NUM_HEADS + heads) * num_splits + split
+    if empty:
+        if not SINGLE_SPLIT:
+            tl.store(part_lse_ptr + part, tl.full(heads.shape, float("-inf"), tl.float32), mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        if SINGLE_SPLIT:
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(part_out_ptr + part[:, None] * d.shape[0] + d[None, :], out, mask=row_ok[:, None])
+            tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
+
+
 @triton.jit
 def _wide_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2e, num_splits,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, KV_PER_PROG: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    KV_PER_PROG: tl.constexpr, HEAD_FASTEST: tl.constexpr,
 ):
     """The decode kernel's split phase, with KV_PER_PROG KV heads per program and a choice of program order.
     Rows r of the program's query block: KV head (r // GROUP_PAD) of the program, query head r % GROUP_PAD of it."""
@@ -64,19 +96,12 @@ def _wide_split_kernel(
         b = tl.program_id(0)
         head_group = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
     ROWS: tl.constexpr = KV_PER_PROG * GROUP_PAD
     r = tl.arange(0, ROWS)
     r_head = r // GROUP_PAD
     r_ok = (r % GROUP_PAD) < GROUP
     heads = (head_group * KV_PER_PROG + r_head) * GROUP + r % GROUP_PAD
-    if start >= end:  # empty split: weight 0 in the merge
-        tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
-                 tl.full([ROWS], float("-inf"), tl.float32), mask=r_ok)
-        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=r_ok[:, None], other=0.0)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -103,34 +128,8 @@ def _wide_split_kernel(
             pv += tl.where(r_head[:, None] == h, tl.dot(p.to(v.dtype), v), 0.0)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    part = (b * NUM_HEADS + heads) * num_splits + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=r_ok[:, None])
-    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=r_ok)
-
-
-def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per_prog=1, head_fastest=False,
-                block_n=64, num_warps=2, num_stages=2):
-    """Split phase of the variant kernel, then the kernel's own merge (head_dim a power of two >= 16)."""
-    B, H, D = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    group = H // kvh
-    out = torch.empty_like(q)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    groups = kvh // kv_per_prog
-    grid = (groups, B, num_splits) if head_fastest else (B, groups, num_splits)
-    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
-    _wide_split_kernel[grid](
-        q, k_cache, v_cache, tables, seq_lens, part_out, part_lse, scale * 1.4426950408889634, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=D, BLOCK_N=block_n, KV_PER_PROG=kv_per_prog, HEAD_FASTEST=head_fastest, **launch)
-    splits_pad = triton.next_power_of_2(num_splits)
-    dec._decode_merge_kernel[(B, H)](
-        out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
-        **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
-    return out
+    _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, r_ok, d, acc, l_i, m_i,
+                 start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
 @triton.jit
@@ -151,18 +150,10 @@ def _ahead_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
-    if start >= end:  # empty split: weight 0 in the merge
-        if not SINGLE_SPLIT:
-            tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
-                     tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_ok)
-        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -206,39 +197,8 @@ def _ahead_split_kernel(
         pos = pos_next
         valid = valid_next
         block = block_next
-    out = acc / l_i[:, None]
-    if SINGLE_SPLIT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        part = (b * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=head_ok[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
-
-
-def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table_ahead=True, kv_ahead=True,
-                 block_n=64, num_warps=4, num_stages=1):
-    """Split phase of the prefetching variant, then the kernel's own merge (head_dim a power of two >= 16)."""
-    B, H, D = q.shape
-    _, block_size, kvh, _ = k_cache.shape
-    out = torch.empty_like(q)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
-    _ahead_split_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * 1.4426950408889634, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1),
-        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
-        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, TABLE_AHEAD=table_ahead, KV_AHEAD=kv_ahead,
-        **launch)
-    if num_splits > 1:
-        splits_pad = triton.next_power_of_2(num_splits)
-        dec._decode_merge_kernel[(B, H)](
-            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
-            **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
-    return out
+    _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, head_ok, d, acc, l_i, m_i,
+                 start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
 @triton.jit
@@ -257,18 +217,10 @@ def _table_in_registers_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
-    if start >= end:  # empty split: weight 0 in the merge
-        if not SINGLE_SPLIT:
-            tl.store(part_lse_ptr + (b * NUM_HEADS + heads) * num_splits + split,
-                     tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_ok)
-        return
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -288,40 +240,66 @@ def _table_in_registers_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         m_i, l_i, acc = dec.online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, None)
-    out = acc / l_i[:, None]
-    if SINGLE_SPLIT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        part = (b * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=head_ok[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+    _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, head_ok, d, acc, l_i, m_i,
+                 start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
-def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len,
-                              block_n=64, num_warps=2, num_stages=2):
-    """Split phase of the table-in-registers variant, then the kernel's own merge."""
+def _merge(out, part_out, part_lse, num_splits):
+    """The kernel's own merge of the partials into out (nothing to do for one split)."""
+    if num_splits == 1:
+        return out
+    B, H, D = out.shape
+    splits_pad = triton.next_power_of_2(num_splits)
+    dec._decode_merge_kernel[(B, H)](
+        out, part_out, part_lse, num_splits, out.stride(0), out.stride(1), HEAD_DIM=D, HEAD_PAD=D,
+        SPLITS_PAD=splits_pad, **({} if out.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
+    return out
+
+
+def _run_variant(kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits, block_n, num_warps,
+                 num_stages, **constexprs):
+    """Launch one of the variant split kernels above (same arguments as each other), then merge."""
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
-    chunk_max = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    max_tbl = triton.next_power_of_2(triton.cdiv(chunk_max, block_size) + 1)
     out = torch.empty_like(q)
     part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
-    _table_in_registers_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * 1.4426950408889634, num_splits,
+    kernel[grid](
+        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1),
         NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
-        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, MAX_TBL=max_tbl, **launch)
-    if num_splits > 1:
-        splits_pad = triton.next_power_of_2(num_splits)
-        dec._decode_merge_kernel[(B, H)](
-            out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=splits_pad,
-            **({} if q.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
-    return out
+        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, **constexprs, **launch)
+    return _merge(out, part_out, part_lse, num_splits)
+
+
+def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per_prog=1, head_fastest=False,
+                block_n=64, num_warps=2, num_stages=2):
+    """The wide variant (head_dim a power of two >= 16)."""
+    B, kvh = q.shape[0], k_cache.shape[2]
+    groups = kvh // kv_per_prog
+    grid = (groups, B, num_splits) if head_fastest else (B, groups, num_splits)
+    return _run_variant(_wide_split_kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits, block_n,
+                        num_warps, num_stages, KV_PER_PROG=kv_per_prog, HEAD_FASTEST=head_fastest)
+
+
+def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table_ahead=True, kv_ahead=True,
+                 block_n=64, num_warps=4, num_stages=1):
+    """The prefetching variant (head_dim a power of two >= 16)."""
+    grid = (q.shape[0], k_cache.shape[2], num_splits)
+    return _run_variant(_ahead_split_kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits, block_n,
+                        num_warps, num_stages, TABLE_AHEAD=table_ahead, KV_AHEAD=kv_ahead)
+
+
+def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len,
+                              block_n=64, num_warps=2, num_stages=2):
+    """The table-in-registers variant (head_dim a power of two >= 16)."""
+    chunk_max = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    max_tbl = triton.next_power_of_2(triton.cdiv(chunk_max, k_cache.shape[1]) + 1)
+    grid = (q.shape[0], k_cache.shape[2], num_splits)
+    return _run_variant(_table_in_registers_kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits,
+                        block_n, num_warps, num_stages, MAX_TBL=max_tbl)
 
 
 @triton.jit
@@ -359,7 +337,7 @@ def merge_costs(c, clock) -> dict:
 
     def split_phase():  # the same launch as paged_decode_attention's, merge left out
         dec._decode_split_kernel[(B, kvh, n)](
-            q, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse, out_new, c["scale"] * 1.4426950408889634,
+            q, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse, out_new, c["scale"] * LOG2E,
             0, n, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
             out_new.stride(0), out_new.stride(1), 0, SINGLE_SPLIT=False, BLOCK_SIZE=block_size, GROUP=H // kvh,
             GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)), HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n,
