@@ -385,7 +385,7 @@ def time_variants(c, clock, variants) -> dict:
     ref = fp32_decode_reference(q, kc, vc, scale)
     q4 = q[:, :, None, :]
     ki, vi = swap_storage(kc), swap_storage(vc)
-    tables = {"nhd": c["tables"]}
+    tables = {"nhd": c["tables"], "hnd": c["tables"]}  # sequential layouts get their own below
     pools = {"nhd": (c["k_cache"], c["v_cache"])}
     layouts = {kw.get("layout") for kw in variants.values()}
     if "hnd" in layouts:
@@ -396,7 +396,6 @@ def time_variants(c, clock, variants) -> dict:
         in_order = torch.arange(order.numel(), device=order.device).view_as(c["tables"])
         pools["sequential"], tables["sequential"] = (ks, vs), in_order
         pools["sequential_hnd"], tables["sequential_hnd"] = (swap_storage(ks), swap_storage(vs)), in_order
-    tables["hnd"] = c["tables"]
     fns = {
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
         # the same values with a token's heads side by side in memory, as the pool stores them
