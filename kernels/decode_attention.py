@@ -59,73 +59,94 @@ def online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISI
 @triton.jit
 def _decode_split_kernel(
     q_ptr,  # [B, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides (token- or head-major storage)
     v_cache_ptr,  # same layout and strides as k_cache
-    block_tables_ptr,  # [B, max_blocks] physical block ids (-1 = none, never read)
+    block_tables_ptr,  # [B, table_width] physical block ids (-1 = none, never read)
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, num_heads, head_dim]   written directly when SINGLE_SPLIT
     part_out_ptr,  # [B, num_heads, num_splits, HEAD_PAD] fp32  each split's normalised output
     part_lse_ptr,  # [B, num_heads, num_splits] fp32            each split's log2-sum-exp2
-    trace_ptr,  # [B, num_kv_heads, max_blocks] int32: which split read each block (TRACE only)
+    trace_ptr,  # [B, num_kv_heads, table_width] int32: which split read each block (TRACE only)
     scale_log2e,
-    window,  # sliding window (keys in (pos - window, pos]); <= 0: none
+    window,  # sliding window (keys in (pos - window, pos]); used when HAS_WINDOW
     num_splits,
+    split_len,  # positions per split, whole tiles: the longest span in the batch cut num_splits ways
+    table_width,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_bt,
     stride_ob, stride_oh,
     stride_trace,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly, no merge
+    HAS_WINDOW: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per pool block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,  # tokens per tile of the inner loop
+    CHUNK_N: tl.constexpr,  # positions whose block-table entries are held in registers at once
+    TABLE_CHUNK: tl.constexpr,  # entries that covers (a power of two)
     DOT_PRECISION: tl.constexpr,
     TRACE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # the merge is launched as a programmatic dependent (GPU, compute capability >= 9)
 ):
+    if USE_PDL:  # the merge's programs may start now and wait (gdc_wait) for this grid's results
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    t = tl.arange(0, TABLE_CHUNK)
 
-    # this split's token range [start, end) of the sequence's keys [lo, seq_len)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    if start >= end:  # a short sequence leaves the last splits empty: an lse of -inf gives them weight 0
-        if not SINGLE_SPLIT:
-            g = tl.arange(0, GROUP_PAD)
-            part = (b * (num_kv_heads * GROUP) + kv_head * GROUP + g) * num_splits + split
-            tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=g < GROUP)
-        return
-
+    # This split's range [start, end). Without a window its start needs no load, so the first
+    # block-table entries, q and the length are fetched at once: one memory latency, not two.
+    if HAS_WINDOW:
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        start = tl.maximum(seq_len - window, 0) + split * split_len
+    else:
+        start = split * split_len
+    base = start // BLOCK_SIZE
+    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)  # entries of [start, start + CHUNK_N)
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)  # the query heads of this KV head
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+    if not HAS_WINDOW:
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))  # the last takes any rest
+    if start >= end:  # a shorter sequence leaves its last splits empty: an lse of -inf gives them weight 0
+        if not SINGLE_SPLIT:
+            part = (b * (num_kv_heads * GROUP) + heads) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_ok)
+        return
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)  # token positions of this tile
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # physical blocks
-        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        m_i, l_i, acc = online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
-        if TRACE:
-            tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
-                     split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
+    for chunk in range(start, end, CHUNK_N):
+        chunk_end = tl.minimum(chunk + CHUNK_N, end)
+        # The tiles of this chunk take their physical blocks from registers (tl.gather): no K/V
+        # address waits on a load of the same iteration, so the compiler can fetch the next tile's
+        # K/V (num_stages > 2) while this tile's math runs.
+        for tile in range(chunk, chunk_end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)  # token positions of this tile
+            valid = pos < chunk_end
+            block = tl.gather(blocks, pos // BLOCK_SIZE - base, axis=0).to(tl.int64)  # physical blocks
+            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            m_i, l_i, acc = online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
+            if TRACE:
+                tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
+                         split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
+        base = chunk_end // BLOCK_SIZE  # the next chunk's entries (none needed after the last)
+        blocks = tl.load(table + base + t, mask=(base + t < table_width) & (base + t <= (end - 1) // BLOCK_SIZE),
+                         other=0)
 
     out = acc / l_i[:, None]
     if SINGLE_SPLIT:
@@ -147,11 +168,14 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the splits' softmaxes joined.
     One program per (sequence, query head). Every split wrote its lse, so both loads leave at once;
     an empty split's weight is 0 and its unwritten o is dropped by a where (a product would keep a
     NaN: 0 * NaN = NaN)."""
+    if USE_PDL:  # launched before the split kernel ended: wait until its partials are written
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -173,6 +197,23 @@ def _decode_merge_kernel(
 DECODE_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 PROGRAMS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128
+DECODE_PDL = True  # launch the merge as a programmatic dependent of the split kernel where the card can
+TABLE_CHUNK_POSITIONS = 1024  # a program holds the block-table entries of about this many positions at once
+
+
+def table_chunk(block_size: int, block_n: int) -> tuple[int, int]:
+    """(entries, positions) of one chunk of the block table held in registers: a power of two of
+    entries, and the most whole tiles whose blocks they always cover, wherever the chunk starts in a block."""
+    entries = triton.next_power_of_2(max(2, triton.cdiv(TABLE_CHUNK_POSITIONS, block_size)))
+    while (entries - 1) * block_size + 1 < block_n:
+        entries *= 2
+    return entries, ((entries - 1) * block_size + 1) // block_n * block_n
+
+
+@functools.lru_cache(maxsize=None)
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper on)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +225,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: 
                        programs_per_sm: int | None = None) -> int:
     """Enough splits that batch x kv_heads x splits programs keep every SM busy with several programs
     (memory latency is hidden by having many loads in flight), but no split so short that the merge
-    costs more than it saves. Any count is correct: each sequence divides its own length."""
+    costs more than it saves. Any count is correct: the longest span is cut into that many ranges."""
     if device.type != "cuda":
         return 1  # the interpreter runs one program at a time: fewer is faster there
     want = math.ceil((programs_per_sm or PROGRAMS_PER_SM) * _num_sms(device) / max(batch * num_kv_heads, 1))
@@ -200,12 +241,14 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     sliding_window: int | None = None,
-    max_seq_len: int | None = None,  # host copy of seq_lens.max(), saves a device sync
+    max_seq_len: int | None = None,  # host copy of seq_lens.max(), saves a device sync (a smaller value
+    #   stays correct: the last split reads whatever lies past the others)
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     trace: torch.Tensor | None = None,  # [B, num_kv_heads, max_blocks] int32: filled with split ids
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim] to write into (else a new tensor)
+    pdl: bool | None = None,  # merge launched as a programmatic dependent (default DECODE_PDL, where supported)
 ) -> torch.Tensor:
     """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim]."""
     B, num_heads, head_dim = q.shape
@@ -245,24 +288,28 @@ def paged_decode_attention(
         trace_arg, trace_stride = trace, trace.stride(1)
     launch = {} if interp else {"num_warps": num_warps or DECODE_CONFIG["num_warps"],
                                 "num_stages": num_stages or DECODE_CONFIG["num_stages"]}
+    pdl = num_splits > 1 and supports_pdl(q.device) and (DECODE_PDL if pdl is None else pdl)
+    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    table_entries, chunk_n = table_chunk(block_size, block_n)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
-        scale * math.log2(math.e), window, num_splits,
+        scale * math.log2(math.e), window, num_splits, split_len, block_tables.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         trace_stride,
-        SINGLE_SPLIT=num_splits == 1, BLOCK_SIZE=block_size,
+        SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=window > 0, BLOCK_SIZE=block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
         **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](
             out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            **({} if interp else {"num_warps": max(1, min(8, triton.next_power_of_2(num_splits) * head_pad // 1024))}),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl,
+            **({} if interp else {"num_warps": max(1, min(8, triton.next_power_of_2(num_splits) * head_pad // 1024)),
+                                  "launch_pdl": pdl}),
         )
     return out

@@ -16,7 +16,9 @@ import torch  # noqa: E402
 
 from minikv.attention.common import attend  # noqa: E402
 from minikv.attention.metadata import AttentionMetadata  # noqa: E402
+from minikv.attention.paged import new_pool  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
+from minikv.kernels import decode_attention as dec  # noqa: E402
 
 HEAD_DIM = 32
 SCALE = HEAD_DIM**-0.5
@@ -124,6 +126,44 @@ def test_decode_sliding_window_sees_the_last_window_keys(window):
     assert_close(out, reference(q, k_cache, v_cache, tables, meta, window), 2e-6, f"window {window}")
 
 
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("block_size", [3, 8, 32])
+def test_decode_reads_the_block_table_a_chunk_at_a_time(monkeypatch, block_size, window):
+    """A program holds the table entries of ~TABLE_CHUNK_POSITIONS positions at once. Shrunk to 16,
+    every split crosses several chunks, and with an odd block size or a window chunks start mid-block."""
+    monkeypatch.setattr(dec, "TABLE_CHUNK_POSITIONS", 16)
+    entries, positions = dec.table_chunk(block_size, 16)
+    assert positions >= 16 and (entries - 1) * block_size + 1 >= positions, "a chunk's entries cover its tiles"
+    seq_lens = [1, 40, 97, 150]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, block_size, 2, torch.float32, seed=block_size)
+    meta = AttentionMetadata.build([1] * 4, seq_lens)
+    q = torch.randn(4, 6, HEAD_DIM)
+    want = reference(q, k_cache, v_cache, tables, meta, window)
+    for n in (1, 3):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=n, block_n=16,
+                                     sliding_window=window, out=poisoned(q.shape, q.dtype))
+        assert_close(out, want, 2e-6, f"block size {block_size}, window {window}, {n} splits")
+
+
+def test_decode_reads_head_major_storage_and_a_too_small_max_seq_len_loses_nothing():
+    """The kernel reads the pool through its strides, so K/V stored head-major ([blocks, kv_heads,
+    block_size, D] in memory, indexed the same way) give the same result. max_seq_len only sizes the
+    splits: if it is too small, the last split reads the rest."""
+    seq_lens = [3, 50, 129]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 2, torch.float32, seed=11)
+    meta = AttentionMetadata.build([1] * 3, seq_lens)
+    q = torch.randn(3, 4, HEAD_DIM)
+    want = reference(q, k_cache, v_cache, tables, meta)
+    k_hm, v_hm = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_cache, v_cache))
+    assert k_hm.stride(2) == 16 * HEAD_DIM and torch.equal(k_hm, k_cache)
+    out = paged_decode_attention(q, k_hm, v_hm, tables, meta.seq_lens, SCALE, num_splits=3, block_n=16,
+                                 out=poisoned(q.shape, q.dtype))
+    assert_close(out, want, 2e-6, "head-major storage")
+    out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=3, block_n=16,
+                                 max_seq_len=40, out=poisoned(q.shape, q.dtype))
+    assert_close(out, want, 2e-6, "max_seq_len 40 for a 129-token sequence")
+
+
 def test_decode_trace_shows_every_block_read_by_exactly_the_split_that_owns_it():
     seq_lens = [5, 64, 100]
     k_cache, v_cache, tables = scattered_pool(seq_lens, 8, 2, torch.float32, seed=7)
@@ -174,18 +214,19 @@ def test_prefill_float16_matches_references():
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
 
 
-def test_store_kvcache_writes_each_token_to_its_slot_and_nothing_else():
+@pytest.mark.parametrize("kv_layout", ["nhd", "hnd"])
+def test_store_kvcache_writes_each_token_to_its_slot_and_nothing_else(kv_layout):
     num_blocks, block_size, H = 6, 8, 2
-    k_cache = poisoned((num_blocks, block_size, H, HEAD_DIM), torch.float32)
-    v_cache = poisoned((num_blocks, block_size, H, HEAD_DIM), torch.float32)
+    k_cache = new_pool(1, num_blocks, block_size, H, HEAD_DIM, torch.float32, "cpu", kv_layout)[0].fill_(float("nan"))
+    v_cache = new_pool(1, num_blocks, block_size, H, HEAD_DIM, torch.float32, "cpu", kv_layout)[0].fill_(float("nan"))
     k, v = torch.randn(5, H, HEAD_DIM), torch.randn(5, H, HEAD_DIM)
     slots = torch.tensor([17, 3, -1, 47, 0])  # -1: a padding token, no slot
     store_kvcache(k, v, k_cache, v_cache, slots)
-    flat_k, flat_v = k_cache.view(-1, H, HEAD_DIM), v_cache.view(-1, H, HEAD_DIM)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t]), f"token {t} not in slot {s}"
-    written = (~flat_k.isnan()).all(dim=(1, 2))
+            at = (s // block_size, s % block_size)
+            assert torch.equal(k_cache[at], k[t]) and torch.equal(v_cache[at], v[t]), f"token {t} not in slot {s}"
+    written = (~k_cache.isnan()).all(dim=(2, 3)).flatten()  # [blocks * block_size] slots
     assert written.nonzero().flatten().tolist() == [0, 3, 17, 47], "a slot outside the mapping was written"
 
 

@@ -73,15 +73,36 @@ def greedy_run(model, backend, prompts, max_new_tokens, chunk, seed=0):
     return [s["new"] for s in seqs], torch.stack(logits_seen)
 
 
-def make_backend(cls, cfg, dtype=torch.float32, sliding_window=None):
-    return cls(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu", sliding_window)
+def make_backend(cls, cfg, dtype=torch.float32, sliding_window=None, kv_layout=None):
+    return cls(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu", sliding_window,
+               kv_layout)
 
 
-def test_triton_backend_generates_the_same_greedy_tokens_as_the_torch_paged_backend(tiny):
+def test_the_pool_layouts_index_alike_and_store_the_heads_in_their_own_order(tiny):
+    """kv_layout changes only the storage order: "hnd" keeps each KV head's block contiguous."""
+    cfg = tiny.config
+    nhd, hnd = make_backend(PagedBackend, cfg), make_backend(PagedBackend, cfg, kv_layout="hnd")
+    assert nhd.k_cache.shape == hnd.k_cache.shape == (cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads,
+                                                      cfg.head_dim)
+    assert nhd.k_cache.stride()[2:] == (cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, 1)  # slot, head, dim
+    assert hnd.k_cache.stride()[2:] == (cfg.head_dim, BLOCK_SIZE * cfg.head_dim, 1)
+    assert make_backend(TritonPagedBackend, cfg).kv_layout == "hnd"
+    k = torch.randn(3, cfg.num_kv_heads, cfg.head_dim)
+    for b in (nhd, hnd):
+        b.store(1, k, -k, torch.tensor([5, 17, 40]))
+    assert torch.equal(nhd.k_cache, hnd.k_cache) and torch.equal(nhd.v_cache, hnd.v_cache)
+    assert torch.equal(hnd.k_cache[1, 2, 1], k[1])  # slot 17 = block 2, offset 1
+    with pytest.raises(ValueError, match="kv_layout"):
+        make_backend(PagedBackend, cfg, kv_layout="hdn")
+
+
+@pytest.mark.parametrize("kv_layout", ["hnd", "nhd"])
+def test_triton_backend_generates_the_same_greedy_tokens_as_the_torch_paged_backend(tiny, kv_layout):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, tiny.config.vocab_size, (n,), generator=g).tolist() for n in (19, 1, 8, 30)]
     want, want_logits = greedy_run(tiny.model, make_backend(PagedBackend, tiny.config), prompts, 6, chunk=12)
-    have, have_logits = greedy_run(tiny.model, make_backend(TritonPagedBackend, tiny.config), prompts, 6, chunk=12)
+    have, have_logits = greedy_run(tiny.model, make_backend(TritonPagedBackend, tiny.config, kv_layout=kv_layout),
+                                   prompts, 6, chunk=12)
     assert have == want
     assert (have_logits - want_logits).abs().max() < 1e-3
 

@@ -3,6 +3,12 @@ sequence's logical blocks to physical ones, so memory is taken block by block as
 
     k_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
 
+    Storage order (kv_layout), the same indexing either way:
+      "nhd"  token-major: a slot's kv_heads x head_dim values side by side (one row per token)
+      "hnd"  head-major: each KV head's block_size x head_dim values side by side (stored as
+             [layers, blocks, kv_heads, block_size, head_dim], seen through a transposed view), so a
+             kernel reading one KV head streams whole blocks instead of rows num_kv_heads apart
+
     sequence's block_table = [7, 2, 9]     block_size = 4,  seq_len = 10
     position:   0 1 2 3 | 4 5 6 7 | 8 9 . .
     physical:   block 7 | block 2 | block 9 (2 slots still free)
@@ -20,14 +26,31 @@ from minikv.attention.common import attend
 from minikv.attention.metadata import AttentionMetadata
 
 
+KV_LAYOUTS = ("nhd", "hnd")
+
+
+def new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_layout="nhd"):
+    """A zeroed pool indexed [layer, block, slot, kv_head, dim], stored in kv_layout's order."""
+    if kv_layout == "hnd":
+        stored = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        return stored.transpose(2, 3)
+    return torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
 class PagedBackend:
     name = "paged"
 
+    kv_layout = "nhd"  # storage order of the pool (see above); rung 4 keeps a token's heads together
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, sliding_window: int | None = None):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device, sliding_window: int | None = None, kv_layout: str | None = None):
+        self.kv_layout = kv_layout or self.kv_layout
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {KV_LAYOUTS}")
+        self.k_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                self.kv_layout)
+        self.v_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                self.kv_layout)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.sliding_window = sliding_window
 
@@ -45,9 +68,9 @@ class PagedBackend:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V [T, num_kv_heads, head_dim] into their physical slots."""
-        H, D = k.shape[1:]
-        self.k_cache[layer].view(-1, H, D)[slot_mapping] = k
-        self.v_cache[layer].view(-1, H, D)[slot_mapping] = v
+        block, offset = slot_mapping // self.block_size, slot_mapping % self.block_size
+        self.k_cache[layer][block, offset] = k
+        self.v_cache[layer][block, offset] = v
 
     def gather(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's K/V read through its block table: [B, max_seq_len, num_kv_heads, head_dim]."""

@@ -16,9 +16,9 @@ SDPA and 22-34x faster than rung 4's masked reference, 5-18% slower than SDPA on
 prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on contiguous K/V),
 so prefill steps use the kernel by default.
 
-CUDA graphs: a captured decode step keeps its split count; any count is correct for any lengths
-(each sequence divides its own context), so set `decode_num_splits` to a fixed number before
-capturing.
+CUDA graphs: a captured decode step keeps its split count and split length (cut from the longest
+context at capture). Any count is correct for any lengths (the last split reads whatever lies past
+the others), so set `decode_num_splits` to a fixed number before capturing.
 """
 from __future__ import annotations
 
@@ -32,17 +32,21 @@ from minikv.kernels import paged_decode_attention, paged_prefill_attention, stor
 
 class TritonPagedBackend(PagedBackend):
     attention = "triton"
+    # head-major storage: a program reads its KV head's blocks whole (3% faster decode at 512 MiB on
+    # an H100 than rows two heads apart; benchmarks/NOTES_decode.md). The kernels read either order.
+    kv_layout = "hnd"
     # prefill steps: "triton" (the paged prefill kernel) or "torch" (rung 4's gather + masked SDPA)
     prefill_impl = "triton"
     # decode split count; None = chosen per step from the batch and the longest context
     decode_num_splits: int | None = None
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, sliding_window: int | None = None):
+                 dtype: torch.dtype, device, sliding_window: int | None = None, kv_layout: str | None = None):
         if torch.device(device).type != "cuda" and dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
-        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, sliding_window)
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, sliding_window,
+                         kv_layout)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kvcache(k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping)

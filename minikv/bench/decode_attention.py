@@ -117,16 +117,19 @@ def copy_bandwidth(clock: Clock, nbytes: int = 2**30) -> float:
     return 2 * nbytes / us / 1e3
 
 
-def paged_pool(B, L, block_size, dtype, device, seed=0, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM):
-    """B sequences of context L scattered over a shuffled pool (a few spare blocks)."""
+def paged_pool(B, L, block_size, dtype, device, seed=0, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, kv_layout="nhd"):
+    """B sequences of context L scattered over a shuffled pool (a few spare blocks), indexed
+    [block, slot, kv_head, dim] and stored in kv_layout's order (the same values either way)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     per_seq = math.ceil(L / block_size)
     num_blocks = B * per_seq + 8
     tables = torch.randperm(num_blocks, generator=g)[: B * per_seq].view(B, per_seq).to(device)
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    return k_cache, v_cache, tables
+    caches = []
+    for _ in range(2):
+        x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+        caches.append(x.transpose(1, 2).contiguous().transpose(1, 2) if kv_layout == "hnd" else x)
+    return caches[0], caches[1], tables
 
 
 def contiguous_kv(cache, tables, L):
@@ -150,11 +153,14 @@ def rel_err(a, b) -> float:
     return d / b.float().norm().item() if math.isfinite(d) else float("inf")
 
 
-def decode_case(B, L, block_size, dtype, device, heads):
-    """Inputs of one decode workload: a shuffled pool, its block tables, the same K/V laid out contiguously."""
+def decode_case(B, L, block_size, dtype, device, heads, kv_layout=None):
+    """Inputs of one decode workload: a shuffled pool (stored as the Triton backend stores it, unless
+    kv_layout says otherwise), its block tables."""
+    from minikv.attention.triton_backend import TritonPagedBackend
+
     Hq, Hkv, D = heads
     k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=B + L + block_size,
-                                          kv_heads=Hkv, head_dim=D)
+                                          kv_heads=Hkv, head_dim=D, kv_layout=kv_layout or TritonPagedBackend.kv_layout)
     q = torch.randn(B, Hq, D, device=device).to(dtype)
     return {"B": B, "L": L, "block_size": block_size, "heads": heads, "q": q, "k_cache": k_cache,
             "v_cache": v_cache, "tables": tables, "seq_lens": torch.full((B,), L, dtype=torch.long, device=device),
@@ -171,7 +177,7 @@ def triton_decode(c, **kw):
 def bench_decode(c, device, clock, flex):
     from minikv.attention.common import attend
     from minikv.attention.metadata import AttentionMetadata
-    from minikv.kernels import default_num_splits
+    from minikv.kernels import default_num_splits, paged_decode_attention
 
     B, L, block_size = c["B"], c["L"], c["block_size"]
     Hq, Hkv, D = c["heads"]
@@ -181,8 +187,11 @@ def bench_decode(c, device, clock, flex):
     kx, vx = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
     meta = AttentionMetadata.build([1] * B, [L] * B, device, block_tables=tables)
     kv_bytes = c["kv_bytes"]
+    k_nhd, v_nhd = k_cache.contiguous(), v_cache.contiguous()  # token-major copies (no copy if already so)
     methods = {
-        "triton_paged": triton_decode(c),
+        "triton_paged": triton_decode(c),  # the pool stored as the engine's Triton backend stores it
+        "triton_paged_token_major": lambda: paged_decode_attention(q, k_nhd, v_nhd, tables, c["seq_lens"], scale,
+                                                                   max_seq_len=L),
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
         # K/V repeated per query head beforehand (not timed): reads 7x the bytes, but always takes a fused kernel
         "sdpa_expanded": lambda: F.scaled_dot_product_attention(q4, kx, vx, scale=scale),
@@ -273,7 +282,10 @@ def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
 
     Hq, Hkv, D = heads
     scale = D**-0.5
-    k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=7, kv_heads=Hkv, head_dim=D)
+    from minikv.attention.triton_backend import TritonPagedBackend
+
+    k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=7, kv_heads=Hkv, head_dim=D,
+                                          kv_layout=TritonPagedBackend.kv_layout)
     meta = AttentionMetadata.build([qlen] * B, [L] * B, device, block_tables=tables)
     q = torch.randn(B * qlen, Hq, D, device=device).to(dtype)
 
@@ -336,25 +348,26 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
             L = max(lens)
             keys = k_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
             values = v_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
-            for window in (None, 300):
+            for window, layout in ((None, "nhd"), (300, "nhd"), (None, "hnd"), (300, "hnd")):
+                kc, vc = (x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "hnd" else x
+                          for x in (k_cache, v_cache))
+                case = {"dtype": str(dtype).replace("torch.", ""), "block_size": block_size, "group": group,
+                        "head_dim": head_dim, "window": window, "kv_layout": layout}
                 meta = AttentionMetadata.build([1] * B, lens, device)
                 q = torch.randn(B, Hkv * group, head_dim, generator=g).to(device, dtype)
                 ref = attend(q.double(), keys, values, meta, scale, window)
                 for splits in (1, 3, None):
                     out = torch.full_like(q, float("nan"))
-                    paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, scale, num_splits=splits,
+                    paged_decode_attention(q, kc, vc, tables, meta.seq_lens, scale, num_splits=splits,
                                            sliding_window=window, out=out)
-                    rows.append({"kernel": "decode", "dtype": str(dtype).replace("torch.", ""),
-                                 "block_size": block_size, "group": group, "head_dim": head_dim, "window": window,
-                                 "num_splits": splits, "rel_err": rel_err(out, ref)})
+                    rows.append({"kernel": "decode", **case, "num_splits": splits, "rel_err": rel_err(out, ref)})
                 meta = AttentionMetadata.build(qlens, lens, device)
                 q = torch.randn(sum(qlens), Hkv * group, head_dim, generator=g).to(device, dtype)
                 ref = attend(q.double(), keys, values, meta, scale, window)
                 out = torch.full_like(q, float("nan"))
-                paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, scale,
+                paged_prefill_attention(q, kc, vc, tables, meta.query_start_loc, meta.seq_lens, scale,
                                         meta.max_query_len, sliding_window=window, out=out)
-                rows.append({"kernel": "prefill", "dtype": str(dtype).replace("torch.", ""), "block_size": block_size,
-                             "group": group, "head_dim": head_dim, "window": window, "rel_err": rel_err(out, ref)})
+                rows.append({"kernel": "prefill", **case, "rel_err": rel_err(out, ref)})
     for r in rows:
         r["ok"] = r["rel_err"] <= (1e-5 if r["dtype"] == "float32" else TOL)
     return rows
@@ -410,7 +423,7 @@ def environment(device) -> dict:
 def print_tables(record: dict) -> None:
     print(f"\n{record['env']['device']}  torch {record['env']['torch']}  triton {record['env']['triton']}")
     print(f"copy bandwidth (read + write): {record['copy_bandwidth_GBps']:.0f} GB/s")
-    cols = ["triton_paged", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa", "torch_paged_ref", "flex_contiguous"]
+    cols = ["triton_paged", "triton_paged_token_major", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa", "torch_paged_ref", "flex_contiguous"]
     print("\ndecode, CUDA-graph time us / K+V bandwidth GB/s  (triton eager = launched from Python)")
     print(f"{'batch':>5} {'ctx':>6} {'bs':>4} {'splits':>6} " + " ".join(f"{c:>17}" for c in cols)
           + f" {'triton eager':>12}  rel err")
@@ -435,6 +448,8 @@ def print_tables(record: dict) -> None:
 
 
 def main(argv=None) -> dict:
+    from minikv.attention.triton_backend import TritonPagedBackend
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_attention_gpu.json")
     ap.add_argument("--sweep", action="store_true",
@@ -463,6 +478,7 @@ def main(argv=None) -> dict:
     record = {"env": environment(device), "workload": {
         "decode_shapes": shapes, "block_sizes": block_sizes, "long_shapes": [list(x) for x in long_cases],
         "num_heads": heads[0], "num_kv_heads": heads[1], "head_dim": heads[2], "dtype": str(dtype).replace("torch.", ""),
+        "kv_layout": TritonPagedBackend.kv_layout,
         "timing": f"time_us: median of {clock.reps} CUDA-event timings of a CUDA graph replaying one call (GPU "
                   f"time, no Python launch cost) after {clock.warmup} warmups and 30 ms of back-to-back runs "
                   "(clocks up), L2 flushed by reading a 256 MiB buffer before each (a flush that writes leaves "

@@ -30,6 +30,7 @@ Every variant is checked against a float32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -48,6 +49,7 @@ from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SH
                                            kernel_time, rel_err)
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels' exponentials are base 2
+PREVIOUS = None  # an earlier version of the kernel's module (--previous), timed beside the current one
 
 
 @triton.jit
@@ -208,12 +210,16 @@ def _table_in_registers_kernel(
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, MAX_TBL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The decode kernel's split phase with the split's block-table entries loaded once, before the loop.
 
     Inside the loop a tile's physical blocks come from registers (tl.gather), so no K/V address waits
     on a load made in the same iteration: the compiler is free to fetch the next tile's K/V while this
-    tile's math runs. MAX_TBL (a power of two) bounds the blocks one split touches."""
+    tile's math runs. MAX_TBL (a power of two) bounds the blocks one split touches. USE_PDL: the merge
+    is launched as a programmatic dependent, as in the kernel."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,20 +250,21 @@ def _table_in_registers_kernel(
                  start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
-def _merge(out, part_out, part_lse, num_splits):
+def _merge(out, part_out, part_lse, num_splits, pdl=False):
     """The kernel's own merge of the partials into out (nothing to do for one split)."""
     if num_splits == 1:
         return out
     B, H, D = out.shape
     splits_pad = triton.next_power_of_2(num_splits)
+    gpu = {"num_warps": max(1, min(8, splits_pad * D // 1024)), "launch_pdl": pdl}
     dec._decode_merge_kernel[(B, H)](
         out, part_out, part_lse, num_splits, out.stride(0), out.stride(1), HEAD_DIM=D, HEAD_PAD=D,
-        SPLITS_PAD=splits_pad, **({} if out.device.type != "cuda" else {"num_warps": max(1, min(8, splits_pad * D // 1024))}))
+        SPLITS_PAD=splits_pad, USE_PDL=pdl, **({} if out.device.type != "cuda" else gpu))
     return out
 
 
 def _run_variant(kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits, block_n, num_warps,
-                 num_stages, **constexprs):
+                 num_stages, pdl=False, **constexprs):
     """Launch one of the variant split kernels above (same arguments as each other), then merge."""
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
@@ -271,7 +278,7 @@ def _run_variant(kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num
         out.stride(0), out.stride(1),
         NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
         HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, **constexprs, **launch)
-    return _merge(out, part_out, part_lse, num_splits)
+    return _merge(out, part_out, part_lse, num_splits, pdl)
 
 
 def wide_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, kv_per_prog=1, head_fastest=False,
@@ -293,13 +300,15 @@ def ahead_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, table
 
 
 def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len,
-                              block_n=64, num_warps=2, num_stages=2):
-    """The table-in-registers variant (head_dim a power of two >= 16)."""
+                              block_n=64, num_warps=2, num_stages=2, pdl=False):
+    """The table-in-registers variant (head_dim a power of two >= 16); pdl: the merge as a programmatic
+    dependent (GPU only)."""
+    pdl = pdl and num_splits > 1 and dec.supports_pdl(q.device)
     chunk_max = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     max_tbl = triton.next_power_of_2(triton.cdiv(chunk_max, k_cache.shape[1]) + 1)
     grid = (q.shape[0], k_cache.shape[2], num_splits)
     return _run_variant(_table_in_registers_kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits,
-                        block_n, num_warps, num_stages, MAX_TBL=max_tbl)
+                        block_n, num_warps, num_stages, pdl, MAX_TBL=max_tbl, USE_PDL=pdl)
 
 
 @triton.jit
@@ -334,14 +343,17 @@ def merge_costs(c, clock) -> dict:
     part_lse = torch.empty(B, H, n, dtype=torch.float32, device=q.device)
     out_new, out_old = torch.empty_like(q), torch.empty_like(q)
     gpu = q.device.type == "cuda"
+    split_len = triton.cdiv(triton.cdiv(c["L"], n), block_n) * block_n
+    entries, chunk_n = dec.table_chunk(block_size, block_n)
 
     def split_phase():  # the same launch as paged_decode_attention's, merge left out
         dec._decode_split_kernel[(B, kvh, n)](
             q, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse, out_new, c["scale"] * LOG2E,
-            0, n, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-            out_new.stride(0), out_new.stride(1), 0, SINGLE_SPLIT=False, BLOCK_SIZE=block_size, GROUP=H // kvh,
-            GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)), HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False,
+            0, n, split_len, tables.shape[1], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), tables.stride(0), out_new.stride(0), out_new.stride(1), 0, SINGLE_SPLIT=False,
+            HAS_WINDOW=False, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+            HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=entries,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False, USE_PDL=False,
             **({"num_warps": dec.DECODE_CONFIG["num_warps"], "num_stages": dec.DECODE_CONFIG["num_stages"]}
                if gpu else {}))
 
@@ -350,7 +362,7 @@ def merge_costs(c, clock) -> dict:
 
     def merge_new():
         dec._decode_merge_kernel[(B, H)](out_new, part_out, part_lse, n, out_new.stride(0), out_new.stride(1),
-                                         HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=pad, **warps)
+                                         HEAD_DIM=D, HEAD_PAD=D, SPLITS_PAD=pad, USE_PDL=False, **warps)
 
     def merge_old():
         _merge_with_lengths_kernel[(B, H)](out_old, part_out, part_lse, seq_lens, n, out_old.stride(0),
@@ -404,7 +416,10 @@ def time_variants(c, clock, variants) -> dict:
     splits_of = {}
     for name, kw in variants.items():
         kw = dict(kw)
+        if f"{B}x{L}" not in kw.pop("shapes", [f"{B}x{L}"]):
+            continue
         pps = kw.pop("programs_per_sm", dec.PROGRAMS_PER_SM)
+        previous = kw.pop("previous", False)
         wide = kw.pop("wide", None)
         ahead = kw.pop("ahead", None)
         in_regs = kw.pop("table_in_registers", None)
@@ -414,7 +429,14 @@ def time_variants(c, clock, variants) -> dict:
         per_prog = wide.get("kv_per_prog", 1) if wide else 1
         splits = kw.pop("splits", None) or dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
         splits_of[name] = splits
-        if in_regs is not None:
+        if previous:
+            if PREVIOUS is None:
+                continue
+
+            def fn(kw=kw, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return PREVIOUS.paged_decode_attention(q, kcache, vcache, table, c["seq_lens"], scale,
+                                                       max_seq_len=L, num_splits=splits, **kw)
+        elif in_regs is not None:
             def fn(in_regs=in_regs, splits=splits, kcache=kcache, vcache=vcache, table=table):
                 return table_in_registers_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, L, **in_regs)
         elif ahead is not None:
@@ -437,7 +459,10 @@ def time_variants(c, clock, variants) -> dict:
             continue
         row[name] = {"rel_err": err, "splits": splits_of.get(name)}
         if err <= TOL:
-            row[name]["us"] = round(kernel_time(clock, fn), 2)
+            try:
+                row[name]["us"] = round(kernel_time(clock, fn), 2)
+            except Exception as e:  # e.g. a launch that a CUDA graph cannot capture
+                row[name]["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
 
 
@@ -493,20 +518,27 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
     return {"sdpa_contiguous": sdpa, "default_splits": default, "best": best, "grid": grid}
 
 
+ONLY_SHORT = ["32x4096", "64x1024"]  # one split reads a whole context per program: too long elsewhere
 VARIANTS = {
+    # the kernel as recorded before (loaded with --previous from its file), on both storage orders
+    "previous": {"previous": True},
+    "previous_hnd": {"previous": True, "layout": "hnd"},
+    # the kernel as it is: block-table chunk in registers, split ranges known before any load, PDL merge
     "kernel": {},
-    "kernel_pps8": {"programs_per_sm": 8},
-    "kernel_sequential_hnd": {"layout": "sequential_hnd"},
-    # the split's block-table entries loaded once, before the loop (see _table_in_registers_kernel)
-    "table_regs_w2_s2": {"table_in_registers": {}},
-    "table_regs_w2_s3": {"table_in_registers": {"num_stages": 3}},
-    "table_regs_w4_s3": {"table_in_registers": {"num_warps": 4, "num_stages": 3}},
-    "table_regs_w4_n128_s3": {"table_in_registers": {"num_warps": 4, "block_n": 128, "num_stages": 3}},
-    "table_regs_w4_s4": {"table_in_registers": {"num_warps": 4, "num_stages": 4}},
-    "table_regs_w2_s3_pps2": {"programs_per_sm": 2, "table_in_registers": {"num_stages": 3}},
-    "table_regs_w4_n128_s3_1split": {"splits": 1, "table_in_registers": {"num_warps": 4, "block_n": 128,
-                                                                         "num_stages": 3}},
-    "table_regs_w2_s3_hnd": {"layout": "hnd", "table_in_registers": {"num_stages": 3}},
+    "kernel_hnd": {"layout": "hnd"},
+    "kernel_hnd_nopdl": {"layout": "hnd", "pdl": False},
+    "kernel_hnd_s3": {"layout": "hnd", "num_stages": 3},
+    "kernel_hnd_s4": {"layout": "hnd", "num_stages": 4},
+    "kernel_hnd_s3_w4": {"layout": "hnd", "num_stages": 3, "num_warps": 4},
+    "kernel_hnd_s3_n128_w4": {"layout": "hnd", "num_stages": 3, "block_n": 128, "num_warps": 4},
+    "kernel_s3": {"num_stages": 3},
+    "kernel_hnd_s3_pps2": {"layout": "hnd", "num_stages": 3, "programs_per_sm": 2},
+    "kernel_hnd_s3_pps6": {"layout": "hnd", "num_stages": 3, "programs_per_sm": 6},
+    "kernel_hnd_s3_1split_n128_w4": {"layout": "hnd", "num_stages": 3, "block_n": 128, "num_warps": 4, "splits": 1,
+                                     "shapes": ONLY_SHORT},
+    "kernel_sequential_hnd_s3": {"layout": "sequential_hnd", "num_stages": 3},
+    # run 13's best variant, for comparison in the same run
+    "regs_pps4_w2_s3_pdl": {"table_in_registers": {"num_stages": 3, "pdl": True}},
 }
 
 
@@ -516,7 +548,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
     ap.add_argument("--splits", action="store_true", help="also time every split count x launch setting per shape")
+    ap.add_argument("--previous", help="an earlier decode_attention.py, timed as the 'previous' variants")
     args = ap.parse_args(argv)
+    global PREVIOUS
+    if args.previous:
+        spec = importlib.util.spec_from_file_location("decode_attention_previous", args.previous)
+        PREVIOUS = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(PREVIOUS)
     t0 = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -525,7 +563,8 @@ def main(argv=None) -> dict:
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
-        variants = {**{k: VARIANTS[k] for k in ("kernel", "kernel_sequential_hnd", "table_regs_w2_s3")},
+        variants = {**{k: VARIANTS[k] for k in ("previous", "kernel", "kernel_hnd_s3", "regs_pps4_w2_s3_pdl")},
+                    "kernel_sequential_hnd": {"layout": "sequential_hnd"},
                     "table_regs_1split": {"splits": 1, "table_in_registers": {}},
                     "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
                     "kv_ahead_w4": {"ahead": {"num_warps": 4}}, "hnd": {"layout": "hnd"}}
@@ -537,7 +576,7 @@ def main(argv=None) -> dict:
     out_path = Path(args.out) / "decode_variants_gpu.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for B, L in shapes:
-        c = decode_case(B, L, 16, dtype, device, heads)
+        c = decode_case(B, L, 16, dtype, device, heads, kv_layout="nhd")  # the layouts below start from token-major
         record["shapes"][f"{B}x{L}"] = time_variants(c, clock, variants)
         record.setdefault("merge", {})[f"{B}x{L}"] = merge_costs(c, clock)
         print(f"{B}x{L} merge:", record["merge"][f"{B}x{L}"], flush=True)
@@ -556,12 +595,12 @@ def main(argv=None) -> dict:
 
     print(f"{record['env']['device']}: copy bandwidth (read + write) {record['copy_bandwidth_GBps']} GB/s")
     print("decode, block size 16, CUDA-graph time us / K+V GB/s (read flush)")
-    names = list(next(iter(record["shapes"].values())))[1:]
+    names = list(dict.fromkeys(n for row in record["shapes"].values() for n in row if n != "kv_bytes"))
     print(f"{'':>22}" + "".join(f"{s:>18}" for s in record["shapes"]))
     for name in names:
         cells = []
         for row in record["shapes"].values():
-            e = row[name]
+            e = row.get(name, {"error": "-"})
             cells.append(f"{e['us']:8.1f} /{row['kv_bytes'] / e['us'] / 1e3:6.0f}" if "us" in e else
                          f"{'err ' + str(e.get('rel_err', e.get('error')))[:12]:>15}")
         print(f"{name:>22}" + "".join(f"{x:>18}" for x in cells))
