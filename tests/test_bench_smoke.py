@@ -18,7 +18,10 @@ def test_decode_attention_benchmark_smoke(tmp_path, capsys):
 
 
 def test_decode_variants_smoke(tmp_path):
-    record = decode_variants.main(["--smoke", "--splits", "--out", str(tmp_path)])
+    from minikv.kernels import decode_attention as current  # stands in for an earlier version of the file
+
+    record = decode_variants.main(["--smoke", "--splits", "--previous", current.__file__, "--out", str(tmp_path)])
+    assert "previous" in record["variants"]
     assert json.loads((tmp_path / "decode_variants_gpu.json").read_text())["shapes"]
     for shape, row in record["shapes"].items():
         for name in ("sdpa_contiguous", "sdpa_tokens_major", *record["variants"]):

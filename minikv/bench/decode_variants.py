@@ -569,6 +569,8 @@ def main(argv=None) -> dict:
                     "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
                     "kv_ahead_w4": {"ahead": {"num_warps": 4}}, "hnd": {"layout": "hnd"}}
         clock = Clock(device, 1, 0)
+    if PREVIOUS is None:
+        variants = {k: v for k, v in variants.items() if not v.get("previous")}
     record = {"env": environment(device), "copy_bandwidth_GBps": round(copy_bandwidth(
               clock, 2**30 if not args.smoke else 2**20), 1),
               "decode_config": dict(dec.DECODE_CONFIG), "programs_per_sm": dec.PROGRAMS_PER_SM,
