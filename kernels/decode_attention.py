@@ -194,7 +194,7 @@ def _decode_merge_kernel(
 # aim for PROGRAMS_PER_SM programs per SM, none shorter than MIN_TOKENS_PER_SPLIT positions.
 # Tuned on an H100 with Triton 3.6 (benchmarks/decode_attention_gpu.json, "tuning"): 4 programs per
 # SM was best (2: 10% slower, 8: 2%, 16: 4%); the tile sizes and warps tried all landed within 10%.
-DECODE_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2}
+DECODE_CONFIG = {"block_n": 32, "num_warps": 1, "num_stages": 3}
 PROGRAMS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128
 DECODE_PDL = True  # launch the merge as a programmatic dependent of the split kernel where the card can

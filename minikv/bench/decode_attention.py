@@ -254,9 +254,9 @@ def tune_decode(cases, clock, deadline) -> dict:
             log["programs_per_sm"][best_pps] > (1 - NOISE) * log["programs_per_sm"][default_pps]:
         best_pps = default_pps
     dec.PROGRAMS_PER_SM = best_pps
-    for stages in (2, 3):
+    for stages in (2, 3, 4):
         for block_n, warps in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4), (256, 8)):
-            if time.time() > deadline:
+            if time.time() > deadline or (stages == 4 and block_n > 64):  # deep stages of big tiles: no room
                 break
             kw = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
             try:
@@ -270,6 +270,19 @@ def tune_decode(cases, clock, deadline) -> dict:
         if start and best["total_us"] > (1 - NOISE) * start[0]["total_us"]:
             best = start[0]
         dec.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "num_warps", "num_stages")})
+    # programs per SM again, with the chosen launch settings (the two interact)
+    log["programs_per_sm_again"] = {}
+    for p in (2, 3, 4, 6, 8):
+        if time.time() > deadline:
+            break
+        dec.PROGRAMS_PER_SM = p
+        log["programs_per_sm_again"][p] = total()
+    again = log["programs_per_sm_again"]
+    dec.PROGRAMS_PER_SM = best_pps
+    if again and best_pps in again:
+        best_again = min(again, key=again.get)
+        if again[best_again] <= (1 - NOISE) * again[best_pps]:
+            dec.PROGRAMS_PER_SM = best_again
     log["chosen"] = {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}
     log["rule"] = f"the fastest, unless the default is within {NOISE:.0%} of it (then the default)"
     return log

@@ -484,13 +484,13 @@ def compiled_resources() -> list[dict]:
 
 
 SPLIT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 66)
-LAUNCH_GRID = ({"block_n": 64, "num_warps": 2, "num_stages": 2}, {"block_n": 64, "num_warps": 4, "num_stages": 4},
-               {"block_n": 128, "num_warps": 4, "num_stages": 3}, {"block_n": 256, "num_warps": 4, "num_stages": 2},
-               {"block_n": 128, "num_warps": 8, "num_stages": 4})
+LAUNCH_GRID = ({"block_n": 32, "num_warps": 1, "num_stages": 3}, {"block_n": 32, "num_warps": 1, "num_stages": 4},
+               {"block_n": 64, "num_warps": 2, "num_stages": 3}, {"block_n": 64, "num_warps": 4, "num_stages": 4},
+               {"block_n": 128, "num_warps": 4, "num_stages": 3})
 
 
 def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
-    """Every (split count, launch setting) on one case, with SDPA: is there any choice that matches it?"""
+    """Every (split count, launch setting) on one case (head-major pool), with SDPA: does any choice match it?"""
     B, L = c["B"], c["L"]
     q, scale = c["q"], c["scale"]
     kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
@@ -498,13 +498,14 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
     ref = fp32_decode_reference(q, kc, vc, scale)
     q4 = q[:, :, None, :]
     sdpa = round(kernel_time(clock, lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)), 2)
+    k_pool, v_pool = swap_storage(c["k_cache"]), swap_storage(c["v_cache"])  # head-major, as the engine stores it
     grid = []
     for n in splits:
         if n > 1 and L // n < 64:
             continue
         for launch in launches:
             def fn(n=n, launch=launch):
-                return dec.paged_decode_attention(q, c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], scale,
+                return dec.paged_decode_attention(q, k_pool, v_pool, c["tables"], c["seq_lens"], scale,
                                                   max_seq_len=L, num_splits=n, **launch)
             try:
                 err = rel_err(fn().reshape(ref.shape), ref)
@@ -520,25 +521,21 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
 
 ONLY_SHORT = ["32x4096", "64x1024"]  # one split reads a whole context per program: too long elsewhere
 VARIANTS = {
-    # the kernel as recorded before (loaded with --previous from its file), on both storage orders
-    "previous": {"previous": True},
-    "previous_hnd": {"previous": True, "layout": "hnd"},
-    # the kernel as it is: block-table chunk in registers, split ranges known before any load, PDL merge
-    "kernel": {},
-    "kernel_hnd": {"layout": "hnd"},
-    "kernel_hnd_nopdl": {"layout": "hnd", "pdl": False},
-    "kernel_hnd_s3": {"layout": "hnd", "num_stages": 3},
-    "kernel_hnd_s4": {"layout": "hnd", "num_stages": 4},
-    "kernel_hnd_s3_w4": {"layout": "hnd", "num_stages": 3, "num_warps": 4},
-    "kernel_hnd_s3_n128_w4": {"layout": "hnd", "num_stages": 3, "block_n": 128, "num_warps": 4},
-    "kernel_s3": {"num_stages": 3},
-    "kernel_hnd_s3_pps2": {"layout": "hnd", "num_stages": 3, "programs_per_sm": 2},
-    "kernel_hnd_s3_pps6": {"layout": "hnd", "num_stages": 3, "programs_per_sm": 6},
-    "kernel_hnd_s3_1split_n128_w4": {"layout": "hnd", "num_stages": 3, "block_n": 128, "num_warps": 4, "splits": 1,
-                                     "shapes": ONLY_SHORT},
-    "kernel_sequential_hnd_s3": {"layout": "sequential_hnd", "num_stages": 3},
-    # run 13's best variant, for comparison in the same run
-    "regs_pps4_w2_s3_pdl": {"table_in_registers": {"num_stages": 3, "pdl": True}},
+    # the kernel as recorded before (loaded with --previous from its file, its own defaults), token-major
+    "previous": {"previous": True, "layout": "nhd"},
+    # the kernel as it is, on the engine's head-major pool unless named otherwise
+    "kernel": {"layout": "hnd"},
+    "kernel_nhd": {"layout": "nhd"},
+    "kernel_nopdl": {"layout": "hnd", "pdl": False},
+    "kernel_s2": {"layout": "hnd", "num_stages": 2},
+    "kernel_s4": {"layout": "hnd", "num_stages": 4},
+    "kernel_n64_w2_s3": {"layout": "hnd", "block_n": 64, "num_warps": 2, "num_stages": 3},
+    "kernel_n64_w2_s2": {"layout": "hnd", "block_n": 64, "num_warps": 2, "num_stages": 2},
+    "kernel_pps2": {"layout": "hnd", "programs_per_sm": 2},
+    "kernel_pps3": {"layout": "hnd", "programs_per_sm": 3},
+    "kernel_1split_n64_w4_s4": {"layout": "hnd", "splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 4,
+                                "shapes": ONLY_SHORT},
+    "kernel_sequential": {"layout": "sequential_hnd"},
 }
 
 
@@ -563,7 +560,8 @@ def main(argv=None) -> dict:
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
-        variants = {**{k: VARIANTS[k] for k in ("previous", "kernel", "kernel_hnd_s3", "regs_pps4_w2_s3_pdl")},
+        variants = {**{k: VARIANTS[k] for k in ("previous", "kernel", "kernel_nhd")},
+                    "regs_pps4_w2_s3_pdl": {"table_in_registers": {"num_stages": 3, "pdl": True}},
                     "kernel_sequential_hnd": {"layout": "sequential_hnd"},
                     "table_regs_1split": {"splits": 1, "table_in_registers": {}},
                     "wide2_w4": {"wide": {"kv_per_prog": 2, "num_warps": 4}},
