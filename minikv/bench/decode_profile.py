@@ -8,9 +8,10 @@ cudaProfilerStart/Stop, so that Nsight Compute profiles exactly those launches:
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
         python -m minikv.bench.decode_profile --out $OUT
 
-(--clock-control none leaves the card's clocks as they are.) Cases: 64 x 1024 with one split (one
-program per sequence and KV head, no merge; SDPA runs one kernel there too) and with the default
-split count, and 32 x 32768 (512 MiB of K/V), block size 16, bf16.
+(--clock-control none leaves the card's clocks as they are.) Cases: 64 x 1024 with the default
+split count, and with one split (one program per sequence and KV head, no merge; SDPA runs one
+kernel there too) in big and small tiles, and 32 x 32768 (512 MiB of K/V); block size 16, bf16,
+the pool stored as the engine stores it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ import minikv.kernels.decode_attention as dec
 from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, contiguous_kv, decode_case,
                                            fp32_decode_reference, rel_err, TOL)
 
-CASES = [(64, 1024, 1), (64, 1024, None), (32, 32768, None)]  # (batch, context, splits; None = default)
+# (batch, context, splits (None = default), launch settings beyond the defaults)
+CASES = [(64, 1024, None, {}), (64, 1024, 1, {"block_n": 128, "num_warps": 4, "num_stages": 3}),
+         (64, 1024, 1, {"block_n": 32, "num_warps": 1, "num_stages": 4}), (32, 32768, None, {})]
 
 
 def instruction_counts(text: str) -> dict:
@@ -50,16 +53,16 @@ def main(argv=None) -> None:
     device = torch.device("cuda")
     heads = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
     runs = []
-    for B, L, splits in CASES:
+    for B, L, splits, launch in CASES:
         c = decode_case(B, L, 16, torch.bfloat16, device, heads)
         n = splits or dec.default_num_splits(B, NUM_KV_HEADS, L, device)
         kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
         vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
         q4 = c["q"][:, :, None, :]
 
-        def kernel(c=c, n=n, L=L):
+        def kernel(c=c, n=n, L=L, launch=launch):
             return dec.paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
-                                              c["scale"], max_seq_len=L, num_splits=n)
+                                              c["scale"], max_seq_len=L, num_splits=n, **launch)
 
         def sdpa(q4=q4, kc=kc, vc=vc, c=c):
             return F.scaled_dot_product_attention(q4, kc, vc, scale=c["scale"], enable_gqa=True)
@@ -67,7 +70,7 @@ def main(argv=None) -> None:
         ref = fp32_decode_reference(c["q"], kc, vc, c["scale"])
         errs = (rel_err(kernel(), ref), rel_err(sdpa().reshape(ref.shape), ref))
         assert max(errs) <= TOL, (B, L, n, errs)
-        runs.append((f"{B}x{L} splits {n}", kernel, sdpa, (c, kc, vc)))
+        runs.append((f"{B}x{L} splits {n} {launch}", kernel, sdpa, (c, kc, vc)))
         print(f"case {B}x{L}, {n} splits: rel err kernel {errs[0]:.1e}, sdpa {errs[1]:.1e}", flush=True)
     torch.cuda.synchronize()
     for name, kernel, sdpa, _ in runs:  # one profiled launch of each, in order: kernel (split, merge), sdpa
