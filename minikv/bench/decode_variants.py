@@ -250,6 +250,73 @@ def _table_in_registers_kernel(
                  start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
+@triton.jit
+def _streams_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits, split_len, table_width,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    STREAMS: tl.constexpr, CHUNK_N: tl.constexpr, TABLE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """The kernel's split phase with STREAMS independent online softmaxes per program (a batched dot
+    puts one stream on each warp), merged once at the end: the latency hiding of STREAMS one-warp
+    split programs, without a merge kernel when one split per sequence fills the card.
+
+    A super-tile of STREAMS x BLOCK_N positions gives stream s its s-th BLOCK_N positions."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    start = split * split_len
+    base = start // BLOCK_SIZE
+    t = tl.arange(0, TABLE_CHUNK)
+    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    q3 = tl.broadcast_to(q[None, :, :], (STREAMS, GROUP_PAD, HEAD_DIM))
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
+    m_i = tl.full([STREAMS, GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([STREAMS, GROUP_PAD], tl.float32)
+    acc = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM], tl.float32)
+    lane = tl.arange(0, STREAMS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [STREAMS, BLOCK_N]
+    for chunk in range(start, end, CHUNK_N):
+        chunk_end = tl.minimum(chunk + CHUNK_N, end)
+        blocks2 = tl.broadcast_to(blocks[None, :], (STREAMS, TABLE_CHUNK))
+        for tile in range(chunk, chunk_end, STREAMS * BLOCK_N):
+            pos = tile + lane
+            valid = pos < chunk_end
+            block = tl.gather(blocks2, pos // BLOCK_SIZE - base, axis=1).to(tl.int64)
+            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [STREAMS, BLOCK_N]
+            k = tl.load(k_cache_ptr + row[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0)
+            sc = tl.dot(q3, tl.permute(k, (0, 2, 1))) * scale_log2e  # [STREAMS, GROUP_PAD, BLOCK_N]
+            sc = tl.where(valid[:, None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=2))
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # a stream with no key yet: no NaN from -inf - -inf
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(sc - m_use[:, :, None])
+            l_i = l_i * alpha + tl.sum(p, axis=2)
+            acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        base = chunk_end // BLOCK_SIZE
+        blocks = tl.load(table + base + t, mask=(base + t < table_width) & (base + t <= (end - 1) // BLOCK_SIZE),
+                         other=0)
+    m = tl.max(m_i, axis=0)  # [GROUP_PAD]: the streams' softmaxes joined, as the merge kernel joins splits
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.exp2(m_i - m_safe[None, :])
+    l_sum = tl.sum(l_i * w, axis=0)
+    acc_sum = tl.sum(acc * w[:, :, None], axis=0)
+    _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, head_ok, d, acc_sum, l_sum, m,
+                 start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
+
+
 def _merge(out, part_out, part_lse, num_splits, pdl=False):
     """The kernel's own merge of the partials into out (nothing to do for one split)."""
     if num_splits == 1:
@@ -309,6 +376,29 @@ def table_in_registers_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_
     grid = (q.shape[0], k_cache.shape[2], num_splits)
     return _run_variant(_table_in_registers_kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits,
                         block_n, num_warps, num_stages, pdl, MAX_TBL=max_tbl, USE_PDL=pdl)
+
+
+def streams_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len, streams=4, block_n=32,
+                   num_warps=None, num_stages=3, pdl=True):
+    """The streams variant (head_dim a power of two >= 16)."""
+    pdl = pdl and num_splits > 1 and dec.supports_pdl(q.device)
+    super_n = streams * block_n
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), super_n) * super_n
+    entries, chunk_n = dec.table_chunk(k_cache.shape[1], super_n)
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps or streams, "num_stages": num_stages}
+    _streams_split_kernel[(B, kvh, num_splits)](
+        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * LOG2E, num_splits, split_len,
+        tables.shape[1], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, STREAMS=streams, CHUNK_N=chunk_n,
+        TABLE_CHUNK=entries, USE_PDL=pdl, **launch)
+    return _merge(out, part_out, part_lse, num_splits, pdl)
 
 
 @triton.jit
@@ -423,13 +513,17 @@ def time_variants(c, clock, variants) -> dict:
         wide = kw.pop("wide", None)
         ahead = kw.pop("ahead", None)
         in_regs = kw.pop("table_in_registers", None)
+        streams = kw.pop("streams", None)
         layout = kw.pop("layout", "nhd")
         kcache, vcache = pools[layout]
         table = tables[layout]
         per_prog = wide.get("kv_per_prog", 1) if wide else 1
         splits = kw.pop("splits", None) or dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
         splits_of[name] = splits
-        if previous:
+        if streams is not None:
+            def fn(streams=streams, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return streams_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, L, **streams)
+        elif previous:
             if PREVIOUS is None:
                 continue
 
@@ -469,7 +563,8 @@ def time_variants(c, clock, variants) -> dict:
 def compiled_resources() -> list[dict]:
     """Registers, spills and shared memory of every compiled split kernel (where this Triton exposes them)."""
     found = []
-    for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel, _table_in_registers_kernel):
+    for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel, _table_in_registers_kernel,
+                 _streams_split_kernel):
         for caches in getattr(kern, "device_caches", {}).values():
             for compiled in caches[0].values():
                 meta = getattr(compiled, "metadata", None)
@@ -520,22 +615,24 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
 
 
 ONLY_SHORT = ["32x4096", "64x1024"]  # one split reads a whole context per program: too long elsewhere
+
+
+def _streams(n, block_n, stages, **more):
+    return {"layout": "hnd", "streams": {"streams": n, "block_n": block_n, "num_stages": stages}, **more}
+
+
 VARIANTS = {
-    # the kernel as recorded before (loaded with --previous from its file, its own defaults), token-major
-    "previous": {"previous": True, "layout": "nhd"},
-    # the kernel as it is, on the engine's head-major pool unless named otherwise
     "kernel": {"layout": "hnd"},
-    "kernel_nhd": {"layout": "nhd"},
-    "kernel_nopdl": {"layout": "hnd", "pdl": False},
-    "kernel_s2": {"layout": "hnd", "num_stages": 2},
-    "kernel_s4": {"layout": "hnd", "num_stages": 4},
-    "kernel_n64_w2_s3": {"layout": "hnd", "block_n": 64, "num_warps": 2, "num_stages": 3},
-    "kernel_n64_w2_s2": {"layout": "hnd", "block_n": 64, "num_warps": 2, "num_stages": 2},
-    "kernel_pps2": {"layout": "hnd", "programs_per_sm": 2},
-    "kernel_pps3": {"layout": "hnd", "programs_per_sm": 3},
-    "kernel_1split_n64_w4_s4": {"layout": "hnd", "splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 4,
-                                "shapes": ONLY_SHORT},
-    "kernel_sequential": {"layout": "sequential_hnd"},
+    # STREAMS online softmaxes per program, one per warp, joined in the program (_streams_split_kernel)
+    "streams4_n32_s3_1split": _streams(4, 32, 3, splits=1, shapes=ONLY_SHORT),
+    "streams4_n16_s4_1split": _streams(4, 16, 4, splits=1, shapes=ONLY_SHORT),
+    "streams4_n32_s4_1split": _streams(4, 32, 4, splits=1, shapes=ONLY_SHORT),
+    "streams8_n16_s3_1split": _streams(8, 16, 3, splits=1, shapes=ONLY_SHORT),
+    "streams2_n32_s3_1split": _streams(2, 32, 3, splits=1, shapes=ONLY_SHORT),
+    "streams4_n32_s3_pps1": _streams(4, 32, 3, programs_per_sm=1),
+    "streams4_n32_s3_pps2": _streams(4, 32, 3, programs_per_sm=2),
+    "streams2_n32_s3_pps2": _streams(2, 32, 3, programs_per_sm=2),
+    "streams4_n16_s4_pps1": _streams(4, 16, 4, programs_per_sm=1),
 }
 
 
@@ -560,7 +657,9 @@ def main(argv=None) -> dict:
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
-        variants = {**{k: VARIANTS[k] for k in ("previous", "kernel", "kernel_nhd")},
+        variants = {"previous": {"previous": True}, "kernel": VARIANTS["kernel"],
+                    "streams4_n16_1split": _streams(4, 16, 4, splits=1),
+                    "streams2_n16_2splits": _streams(2, 16, 3, splits=2),
                     "regs_pps4_w2_s3_pdl": {"table_in_registers": {"num_stages": 3, "pdl": True}},
                     "kernel_sequential_hnd": {"layout": "sequential_hnd"},
                     "table_regs_1split": {"splits": 1, "table_in_registers": {}},
