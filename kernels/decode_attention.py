@@ -9,12 +9,12 @@ through the block table (no gather into a contiguous copy) and keeps everything 
     GQA: a program serves all `group = num_heads // num_kv_heads` query heads of its KV head, so
     each K/V byte is read once for the whole group (never repeated per query head).
 
-    split-K: a long context is cut into `num_splits` ranges read by separate programs, so a small
-    batch still fills the GPU. Each split writes a partial result normalised by its own softmax sum
-    plus its log-sum-exp (-inf for a split left empty by a short sequence); a second kernel merges
-    the splits.
+    split-K: the batch's longest context is cut into `num_splits` ranges of whole tiles, read by
+    separate programs, so a small batch still fills the GPU (a shorter sequence leaves its last
+    splits empty). Each split writes a partial result normalised by its own softmax sum plus its
+    log-sum-exp (-inf for an empty split); a second kernel merges the splits.
 
-    sequence b, seq_len = 70, block_size = 16, num_splits = 2, tile BLOCK_N = 32:
+    sequence b, seq_len = 70, the longest, block_size = 16, num_splits = 2, tile BLOCK_N = 32:
     positions   [0 ............ 31 | 32 ........... 63]  [64 .. 69]
     split 0:    tiles [0, 32) [32, 64)                   split 1: tile [64, 70) (rest masked)
     each tile's token p lives at  k_cache[block_table[b, p // block_size], p % block_size, kv_head]
@@ -24,9 +24,20 @@ running max m, a running sum l = sum exp(s - m) and an accumulator acc = sum exp
 tile raises the max, rescale l and acc by exp(m_old - m_new). The result is acc / l.
 Exponentials are base 2 (exp2 is one instruction on a GPU): scores carry a factor log2(e).
 
+Keeping the copies in flight (benchmarks/NOTES_decode.md, runs 7-16):
+- a program holds the block-table entries of ~TABLE_CHUNK_POSITIONS positions in registers and
+  takes each tile's blocks from them (tl.gather). No K/V address then waits on a load made in the
+  same iteration, so the compiler can fetch the next tiles' K/V while this one's math runs
+  (num_stages > 2); with the table read inside the loop it waited for every copy first.
+- a split's range comes from the longest span, known on the host: without a sliding window the
+  first table entries, q and the sequence length are loaded at once (one memory latency, not two).
+- on compute capability 9+ the merge is launched as a programmatic dependent: its programs are
+  scheduled while the split kernel drains, and wait for its results (gdc_wait).
+
 Limits: head_dim any (padded to a power of two), block_size any >= 1 (the engine uses powers of
-two), any context length, group size any (padded to 16 rows for the tensor-core dot). fp16 and
-bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16.
+two), any context length, group size any (padded to 16 rows for the tensor-core dot), the pool in
+any storage order with a contiguous head_dim (token- or head-major: only strides are read). fp16
+and bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16.
 """
 from __future__ import annotations
 
@@ -192,8 +203,9 @@ def _decode_merge_kernel(
 
 # launch settings on a GPU (the interpreter ignores warps and stages), and the split-K heuristic:
 # aim for PROGRAMS_PER_SM programs per SM, none shorter than MIN_TOKENS_PER_SPLIT positions.
-# Tuned on an H100 with Triton 3.6 (benchmarks/decode_attention_gpu.json, "tuning"): 4 programs per
-# SM was best (2: 10% slower, 8: 2%, 16: 4%); the tile sizes and warps tried all landed within 10%.
+# Tuned with Triton 3.6 on an H100 and on an H200 (benchmarks/decode_attention_gpu.json and
+# decode_attention_gpu_h200.json, "tuning"): both chose 32-position tiles, 1 warp, 3 stages and
+# 4 programs per SM; 64 positions on 2 warps with 2 stages (the earlier defaults) summed 9% slower.
 DECODE_CONFIG = {"block_n": 32, "num_warps": 1, "num_stages": 3}
 PROGRAMS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128

@@ -11,10 +11,11 @@ Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read 
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
 pool must be float32 or float16, since the interpreter's bfloat16 arithmetic is wrong.
 
-Measured on an H100 (benchmarks/decode_attention_gpu.json): decode 2-2.9x faster than gather +
-SDPA and 22-34x faster than rung 4's masked reference, 5-18% slower than SDPA on never-paged K/V;
-prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on contiguous K/V),
-so prefill steps use the kernel by default.
+Measured on an H100 (benchmarks/decode_attention_gpu.json): decode as fast as SDPA on never-paged
+K/V at 32 x 4096 and 8 x 16384, 11% slower at 64 x 1024 (the split merge), 4% slower at 32 x 32768
+(94% of the copy bandwidth); 4-7x faster than gather + SDPA and 25-40x faster than rung 4's masked
+reference. Prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on
+contiguous K/V), so prefill steps use the kernel by default.
 
 CUDA graphs: a captured decode step keeps its split count and split length (cut from the longest
 context at capture). Any count is correct for any lengths (the last split reads whatever lies past
@@ -32,8 +33,8 @@ from minikv.kernels import paged_decode_attention, paged_prefill_attention, stor
 
 class TritonPagedBackend(PagedBackend):
     attention = "triton"
-    # head-major storage: a program reads its KV head's blocks whole (3% faster decode at 512 MiB on
-    # an H100 than rows two heads apart; benchmarks/NOTES_decode.md). The kernels read either order.
+    # head-major storage: a program reads its KV head's blocks whole (6% faster decode at 512 MiB on
+    # an H100 than rows two heads apart; benchmarks/NOTES_decode.md, run 15). The kernels read either.
     kv_layout = "hnd"
     # prefill steps: "triton" (the paged prefill kernel) or "torch" (rung 4's gather + masked SDPA)
     prefill_impl = "triton"
