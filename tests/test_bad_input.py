@@ -68,6 +68,8 @@ def test_prompts_and_params_of_different_lengths(tiny):
      "max_num_batched_tokens=100 is smaller than max_model_len=256.*enable_chunked_prefill=True"),
     (dict(kv_backend="paged", preemption="drop"), "preemption must be one of recompute, swap"),
     (dict(kv_backend="contiguous", attention="triton"), "attention='triton' runs on the paged pool"),
+    (dict(kv_backend="contiguous", kv_layout="hnd"), "kv_layout is the storage order of the paged pool"),
+    (dict(kv_backend="paged", kv_layout="headmajor"), "kv_layout must be one of nhd, hnd"),
     (dict(max_model_len=10**6), "exceeds the model's 2048 positions"),
 ])
 def test_engine_options_are_validated(kwargs, message):

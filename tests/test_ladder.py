@@ -38,6 +38,9 @@ PAGED_VARIANTS = {
     "block16-roomy": dict(block_size=16),
     "block4-pressure-recompute": dict(block_size=4, num_blocks=20, max_model_len=80),
     "block4-pressure-swap": dict(block_size=4, num_blocks=20, max_model_len=80, preemption="swap"),
+    # the head-major pool through store, gather, swap out and back in
+    "block4-pressure-swap-head-major": dict(block_size=4, num_blocks=20, max_model_len=80, preemption="swap",
+                                            kv_layout="hnd"),
     "block8-small-budget-chunked": dict(block_size=8, num_blocks=40, max_num_batched_tokens=7),
     "block8-chunked-off": dict(block_size=8, num_blocks=40, enable_chunked_prefill=False, max_model_len=320,
                                max_num_batched_tokens=320),

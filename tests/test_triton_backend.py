@@ -132,11 +132,13 @@ def test_llm_with_triton_attention_generates_the_same_tokens_as_torch_attention(
     params = SamplingParams(max_tokens=5, ignore_eos=True) if "ignore_eos" in SamplingParams.__dataclass_fields__ \
         else SamplingParams(max_tokens=5)
     outs = {}
-    for attention in ("torch", "triton"):
+    for attention, kv_layout in (("torch", None), ("triton", None), ("torch", "hnd"), ("triton", "nhd")):
         llm = LLM("tiny-random", device="cpu", kv_backend="paged", attention=attention, block_size=8, num_blocks=32,
-                  max_num_batched_tokens=16)
-        outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs["triton"] == outs["torch"]
+                  max_num_batched_tokens=16, kv_layout=kv_layout)
+        assert llm.backend.kv_layout == kv_layout or (kv_layout is None and llm.backend.kv_layout ==
+                                                      {"torch": "nhd", "triton": "hnd"}[attention])
+        outs[attention, kv_layout] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert all(o == outs["torch", None] for o in outs.values()), outs
 
 
 def test_bfloat16_pool_is_refused_on_the_cpu(tiny):

@@ -4,12 +4,14 @@ The decode benchmark (decode_attention.py) measures the kernel against its basel
 asks why it lands where it does. Each question is answered in the same run on the same card, at the
 benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 16:
 
-    layout   the pool stores a token's KV heads side by side ([blocks, block_size, kv_heads, D]), so a
-             program reads 128-byte rows 256 bytes apart. The kernel is timed on the same values
-             stored head-major ([blocks, kv_heads, block_size, D], read through strides), and SDPA on
-             contiguous K/V stored both ways: does the layout, or the kernel, cost the bandwidth?
-    layout+  also the pool's blocks laid out in sequence order (paging without scattering), alone and
-             head-major: how much of the gap is paging, how much the layout, how much the kernel
+    previous (--previous FILE) an earlier decode_attention.py timed beside the kernel as it is, on
+             the same values: what did a change to the kernel gain?
+    layout   the pool stored token-major ([blocks, block_size, kv_heads, D] in memory: a program
+             reads 128-byte rows 256 bytes apart) or head-major ([blocks, kv_heads, block_size, D],
+             the engine's Triton backend; read through strides), and SDPA on contiguous K/V stored
+             both ways: does the layout, or the kernel, cost the bandwidth?
+    layout+  also the pool's blocks laid out in sequence order (paging without scattering)
+    pdl      the merge launched as a programmatic dependent of the split kernel, or not
     wide     a variant split kernel defined here: programs ordered with the KV head varying fastest,
              and one program serving two KV heads (both halves of each 256-byte row together)
     merge    the split phase alone, and the merge of its partial results as it is (one round of
@@ -17,15 +19,19 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
     ahead    a variant that issues the next tile's loads by hand (block table two tiles ahead, K/V
              into registers one tile ahead)
     regs     a variant that loads the split's block-table entries once, before the loop, so that
-             the compiler can prefetch K/V (its PTX then waits with cp.async.wait_group 2, not 0)
+             the compiler can prefetch K/V (its PTX then waits with cp.async.wait_group 2, not 0);
+             the kernel itself now does this a chunk of the table at a time
+    streams  a variant with several online softmaxes per program, one per warp, joined in the
+             program: one split without a merge kernel
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
+VARIANTS holds the latest run's questions; the JSON of each earlier run records the ones it asked.
 The notes in benchmarks/NOTES_decode.md keep what this script and its earlier forms found (flush,
 fused merge, launch settings), each with its prediction.
 
 Every variant is checked against a float32 reference before it is timed.
 
-    python -m minikv.bench.decode_variants --out benchmarks/
+    python -m minikv.bench.decode_variants --out benchmarks/ [--splits] [--previous OLD_decode_attention.py]
 """
 from __future__ import annotations
 

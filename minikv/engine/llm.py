@@ -14,7 +14,7 @@ import torch
 
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.naive import NaiveBackend
-from minikv.attention.paged import PagedBackend
+from minikv.attention.paged import KV_LAYOUTS, PagedBackend
 from minikv.cache.block_manager import BlockManager
 from minikv.cache.prefix_cache import EVICTION_POLICIES, PrefixCache, make_prefix_cache
 from minikv.cache.swap import SwapSpace
@@ -72,6 +72,7 @@ class LLM:
         swap_blocks: int | None = None,
         block_allocator=None,
         attention: str | None = None,
+        kv_layout: str | None = None,
         prefix_caching: str | PrefixCache | None = None,
         eviction: str = "lru",
         schedule_policy: str = "fcfs",
@@ -83,7 +84,9 @@ class LLM:
         enable_chunked_prefill, preemption ("recompute" or "swap"), swap_blocks (CPU swap space,
         default num_blocks), block_allocator (a class called with num_blocks, see minikv.cache),
         attention ("torch" reference or "triton" kernels; default: "triton" for a paged pool on a GPU,
-        where it is measured faster, see benchmarks/RESULTS.md, and "torch" otherwise).
+        where it is measured faster, see benchmarks/RESULTS.md, and "torch" otherwise), kv_layout (the
+        pool's storage order: "nhd" token-major or "hnd" head-major; default: the attention's own,
+        "nhd" for torch, "hnd" for triton; indexing is the same either way).
 
         Prefix caching (rung 6, paged only): prefix_caching None (off), "hash" (vLLM's hashed block
         chain) or "radix" (SGLang's radix tree); eviction "lru" or "fifo" (which unused cached block
@@ -99,6 +102,10 @@ class LLM:
             raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
         if attention == "triton" and kv_backend != "paged":
             raise ValueError("attention='triton' runs on the paged pool; use kv_backend='paged'")
+        if kv_layout is not None and kv_backend != "paged":
+            raise ValueError("kv_layout is the storage order of the paged pool's blocks; use kv_backend='paged'")
+        if kv_layout is not None and kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
         if prefix_caching is not None and kv_backend != "paged":
@@ -140,7 +147,7 @@ class LLM:
         else:
             self._build_paged(block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs or 32,
                               max_num_batched_tokens, enable_chunked_prefill, preemption, swap_blocks,
-                              block_allocator, attention)
+                              block_allocator, attention, kv_layout)
         self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size)
         self._last: list[Sequence] = []
         self.prefix_cache: PrefixCache | None = None
@@ -151,7 +158,8 @@ class LLM:
             self.scheduler.policy = schedule_policy
 
     def _build_paged(self, block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs,
-                     max_num_batched_tokens, chunked, preemption, swap_blocks, block_allocator, attention) -> None:
+                     max_num_batched_tokens, chunked, preemption, swap_blocks, block_allocator, attention,
+                     kv_layout=None) -> None:
         c = self.config
         if not isinstance(block_size, int) or block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}")
@@ -192,7 +200,7 @@ class LLM:
         else:
             backend_cls = PagedBackend
         self.backend = backend_cls(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                   self.dtype, self.device, c.sliding_window)
+                                   self.dtype, self.device, c.sliding_window, kv_layout)
         if block_allocator is not None and isinstance(block_allocator, type):
             block_allocator = block_allocator(num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, block_allocator)
