@@ -224,8 +224,10 @@ def table_chunk(block_size: int, block_n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper on)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper on,
+    and a Triton that has the griddepcontrol helpers)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,9 @@
 
 For each (batch, context) and block size we time, in the same process on the same card:
 
-    triton_paged      minikv.kernels.paged_decode_attention (K/V read in place from the pool)
+    triton_paged      minikv.kernels.paged_decode_attention (K/V read in place from the pool, stored
+                      as the engine's Triton backend stores it: head-major)
+    triton_paged_token_major   the same kernel on a token-major pool (a token's KV heads side by side)
     sdpa_contiguous   torch SDPA on contiguous [B, kv_heads, L, head_dim] K/V (no paging at all)
     gather_sdpa       gather the pages into a contiguous copy, then SDPA (paging done in torch)
     torch_paged_ref   rung 4's reference: gather + masked SDPA with K/V repeated per query head
@@ -128,8 +130,13 @@ def paged_pool(B, L, block_size, dtype, device, seed=0, kv_heads=NUM_KV_HEADS, h
     caches = []
     for _ in range(2):
         x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-        caches.append(x.transpose(1, 2).contiguous().transpose(1, 2) if kv_layout == "hnd" else x)
+        caches.append(stored_head_major(x) if kv_layout == "hnd" else x)
     return caches[0], caches[1], tables
+
+
+def stored_head_major(cache):
+    """The same [blocks, block_size, kv_heads, D] values, stored [blocks, kv_heads, block_size, D]."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def contiguous_kv(cache, tables, L):
@@ -290,13 +297,12 @@ def tune_decode(cases, clock, deadline) -> dict:
 
 def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
     from minikv.attention.common import attend
+    from minikv.attention.triton_backend import TritonPagedBackend
     from minikv.attention.metadata import AttentionMetadata
     from minikv.kernels import paged_prefill_attention
 
     Hq, Hkv, D = heads
     scale = D**-0.5
-    from minikv.attention.triton_backend import TritonPagedBackend
-
     k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=7, kv_heads=Hkv, head_dim=D,
                                           kv_layout=TritonPagedBackend.kv_layout)
     meta = AttentionMetadata.build([qlen] * B, [L] * B, device, block_tables=tables)
@@ -362,8 +368,7 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
             keys = k_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
             values = v_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
             for window, layout in ((None, "nhd"), (300, "nhd"), (None, "hnd"), (300, "hnd")):
-                kc, vc = (x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "hnd" else x
-                          for x in (k_cache, v_cache))
+                kc, vc = (stored_head_major(x) if layout == "hnd" else x for x in (k_cache, v_cache))
                 case = {"dtype": str(dtype).replace("torch.", ""), "block_size": block_size, "group": group,
                         "head_dim": head_dim, "window": window, "kv_layout": layout}
                 meta = AttentionMetadata.build([1] * B, lens, device)
