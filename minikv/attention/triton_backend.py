@@ -11,9 +11,9 @@ Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read 
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
 pool must be float32 or float16, since the interpreter's bfloat16 arithmetic is wrong.
 
-Measured on an H100 (benchmarks/decode_attention_gpu.json): decode as fast as SDPA on never-paged
-K/V at 32 x 4096 and 8 x 16384, 11% slower at 64 x 1024 (the split merge), 4% slower at 32 x 32768
-(94% of the copy bandwidth); 4-7x faster than gather + SDPA and 25-40x faster than rung 4's masked
+Measured on an H100 (benchmarks/decode_attention_gpu.json): decode on par with SDPA on never-paged
+K/V at 32 x 4096 and 8 x 16384 (within 2%), 11% slower at 64 x 1024 (the split merge), 4% slower at
+32 x 32768 (94% of the copy bandwidth); 4-7x faster than gather + SDPA and 25-40x faster than rung 4's masked
 reference. Prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on
 contiguous K/V), so prefill steps use the kernel by default.
 
