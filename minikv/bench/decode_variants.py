@@ -68,6 +68,19 @@ def _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """The query rows of every query head of one KV head, padded to GROUP_PAD rows, as in the kernel:
+    (heads, head_ok, d, q [GROUP_PAD, HEAD_DIM])."""
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    return heads, head_ok, d, q
+
+
+@triton.jit
 def _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, row_ok, d, acc, l_i, m_i,
                  empty, stride_ob, stride_oh, NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
     """A split's result: the output itself when it is the only split, else its normalised partial and
@@ -159,11 +172,7 @@ def _ahead_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-    g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -230,11 +239,7 @@ def _table_in_registers_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     start, end = _split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
-    g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -280,11 +285,7 @@ def _streams_split_kernel(
     base = start // BLOCK_SIZE
     t = tl.arange(0, TABLE_CHUNK)
     blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
-    g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
+    heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     q3 = tl.broadcast_to(q[None, :, :], (STREAMS, GROUP_PAD, HEAD_DIM))
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
