@@ -23,6 +23,10 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              the kernel itself now does this a chunk of the table at a time
     streams  a variant with several online softmaxes per program, one per warp, joined in the
              program: one split without a merge kernel
+    dsplit   a variant with the output's head_dim cut D_SPLIT ways: each program reads every key but
+             only its slice of the values, so one split can fill the card without a merge
+    ticket   the same variant with the merge done by the last split to finish (an atomic ticket per
+             sequence, KV head and slice): no merge kernel, no grid-wide wait
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
 VARIANTS holds the latest run's questions; the JSON of each earlier run records the ones it asked.
@@ -324,6 +328,89 @@ def _streams_split_kernel(
                  start >= end, stride_ob, stride_oh, NUM_HEADS, SINGLE_SPLIT)
 
 
+@triton.jit
+def _dsplit_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, ticket_ptr,
+    scale_log2e, num_splits, split_len, table_width,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    D_SPLIT: tl.constexpr, TICKET: tl.constexpr, CHUNK_N: tl.constexpr, TABLE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The kernel's split phase with the output's head_dim cut D_SPLIT ways: a program still reads
+    every key (the scores need all of q . k) but only its slice of each value row, so one program per
+    (sequence, KV head, slice) streams less, and one split can fill the card without a merge. The
+    programs of one (sequence, KV head) read the same K: the second read should come from L2.
+
+    TICKET: with several splits, the last split of each (sequence, KV head, slice) to finish (an
+    atomic ticket) merges the partials itself, looping over the splits: no merge kernel."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // D_SPLIT
+    part_d = tl.program_id(1) % D_SPLIT
+    split = tl.program_id(2)
+    DV: tl.constexpr = HEAD_DIM // D_SPLIT
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    start = split * split_len
+    base = start // BLOCK_SIZE
+    t = tl.arange(0, TABLE_CHUNK)
+    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
+    heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
+    dv = part_d * DV + tl.arange(0, DV)  # this program's slice of the output
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DV], tl.float32)
+    for chunk in range(start, end, CHUNK_N):
+        chunk_end = tl.minimum(chunk + CHUNK_N, end)
+        for tile in range(chunk, chunk_end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < chunk_end
+            block = tl.gather(blocks, pos // BLOCK_SIZE - base, axis=0).to(tl.int64)
+            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = dec.online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, None)
+        base = chunk_end // BLOCK_SIZE
+        blocks = tl.load(table + base + t, mask=(base + t < table_width) & (base + t <= (end - 1) // BLOCK_SIZE),
+                         other=0)
+    part = (b * NUM_HEADS + heads) * num_splits + split
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        lse = tl.where(start < end, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dv[None, :], acc / l_i[:, None],
+                 mask=head_ok[:, None])  # an empty split's (NaN) partial is dropped by its lse of -inf
+        tl.store(part_lse_ptr + part, lse, mask=head_ok)
+        if TICKET:
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            ticket = ticket_ptr + b * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == num_splits - 1:  # the last to finish merges
+                m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                w_sum = tl.zeros([GROUP_PAD], tl.float32)
+                o = tl.zeros([GROUP_PAD, DV], tl.float32)
+                rows = (b * NUM_HEADS + heads) * num_splits
+                for s in range(num_splits):
+                    lse_s = tl.load(part_lse_ptr + rows + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+                    o_s = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM + dv[None, :],
+                                  mask=head_ok[:, None] & (lse_s > float("-inf"))[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m_new = tl.maximum(m, lse_s)
+                    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+                    alpha = tl.exp2(m - m_use)
+                    w = tl.exp2(lse_s - m_use)
+                    w_sum = w_sum * alpha + w
+                    o = o * alpha[:, None] + w[:, None] * o_s
+                    m = m_new
+                tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                         (o / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+                tl.atomic_xchg(ticket, 0)  # ready for the next call
+
+
 def _merge(out, part_out, part_lse, num_splits, pdl=False):
     """The kernel's own merge of the partials into out (nothing to do for one split)."""
     if num_splits == 1:
@@ -406,6 +493,35 @@ def streams_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max
         HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, STREAMS=streams, CHUNK_N=chunk_n,
         TABLE_CHUNK=entries, USE_PDL=pdl, **launch)
     return _merge(out, part_out, part_lse, num_splits, pdl)
+
+
+_TICKETS = {}
+
+
+def dsplit_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_seq_len, d_split=2, ticket=False,
+                  block_n=32, num_warps=1, num_stages=3, pdl=True):
+    """The split-D variant (head_dim a power of two, D_SPLIT slices of at least 16)."""
+    B, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    ticket = ticket and num_splits > 1
+    pdl = pdl and num_splits > 1 and not ticket and dec.supports_pdl(q.device)
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    entries, chunk_n = dec.table_chunk(block_size, block_n)
+    out = torch.empty_like(q)
+    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    key = (B, kvh * d_split, q.device)
+    if key not in _TICKETS:  # zeros once; the merging program resets its ticket
+        _TICKETS[key] = torch.zeros(B, kvh * d_split, dtype=torch.int32, device=q.device)
+    launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
+    _dsplit_kernel[(B, kvh * d_split, num_splits)](
+        q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, _TICKETS[key], scale * LOG2E, num_splits,
+        split_len, tables.shape[1], q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=H, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+        HEAD_DIM=D, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, D_SPLIT=d_split, TICKET=ticket,
+        CHUNK_N=chunk_n, TABLE_CHUNK=entries, USE_PDL=pdl, **launch)
+    return out if ticket else _merge(out, part_out, part_lse, num_splits, pdl)
 
 
 @triton.jit
@@ -521,13 +637,18 @@ def time_variants(c, clock, variants) -> dict:
         ahead = kw.pop("ahead", None)
         in_regs = kw.pop("table_in_registers", None)
         streams = kw.pop("streams", None)
+        dsplit = kw.pop("dsplit", None)
         layout = kw.pop("layout", "nhd")
         kcache, vcache = pools[layout]
         table = tables[layout]
         per_prog = wide.get("kv_per_prog", 1) if wide else 1
-        splits = kw.pop("splits", None) or dec.default_num_splits(B, c["heads"][1] // per_prog, L, q.device, pps)
+        per_prog /= dsplit.get("d_split", 2) if dsplit else 1  # D_SPLIT programs per KV head
+        splits = kw.pop("splits", None) or dec.default_num_splits(B, int(c["heads"][1] / per_prog), L, q.device, pps)
         splits_of[name] = splits
-        if streams is not None:
+        if dsplit is not None:
+            def fn(dsplit=dsplit, splits=splits, kcache=kcache, vcache=vcache, table=table):
+                return dsplit_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, L, **dsplit)
+        elif streams is not None:
             def fn(streams=streams, splits=splits, kcache=kcache, vcache=vcache, table=table):
                 return streams_decode(q, kcache, vcache, table, c["seq_lens"], scale, splits, L, **streams)
         elif previous:
@@ -555,8 +676,13 @@ def time_variants(c, clock, variants) -> dict:
     for name, fn in fns.items():
         try:
             err = rel_err(fn().reshape(ref.shape), ref)
+            if q.device.type == "cuda":
+                torch.cuda.synchronize()  # a fault shows up here, named, not in a later variant
         except Exception as e:
             row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(f"{B}x{L} {name}: {row[name]['error']}", flush=True)
+            if "illegal" in str(e) or "unspecified launch" in str(e):
+                raise  # the CUDA context is lost: nothing after this can run
             continue
         row[name] = {"rel_err": err, "splits": splits_of.get(name)}
         if err <= TOL:
@@ -571,7 +697,7 @@ def compiled_resources() -> list[dict]:
     """Registers, spills and shared memory of every compiled split kernel (where this Triton exposes them)."""
     found = []
     for kern in (dec._decode_split_kernel, _wide_split_kernel, _ahead_split_kernel, _table_in_registers_kernel,
-                 _streams_split_kernel):
+                 _streams_split_kernel, _dsplit_kernel):
         for caches in getattr(kern, "device_caches", {}).values():
             for compiled in caches[0].values():
                 meta = getattr(compiled, "metadata", None)
@@ -628,18 +754,33 @@ def _streams(n, block_n, stages, **more):
     return {"layout": "hnd", "streams": {"streams": n, "block_n": block_n, "num_stages": stages}, **more}
 
 
+def _dsplit(d_split, block_n=32, num_warps=1, num_stages=3, ticket=False, **more):
+    return {"layout": "hnd", "dsplit": {"d_split": d_split, "ticket": ticket, "block_n": block_n,
+                                        "num_warps": num_warps, "num_stages": num_stages}, **more}
+
+
 VARIANTS = {
     "kernel": {"layout": "hnd"},
-    # STREAMS online softmaxes per program, one per warp, joined in the program (_streams_split_kernel)
-    "streams4_n32_s3_1split": _streams(4, 32, 3, splits=1, shapes=ONLY_SHORT),
-    "streams4_n16_s4_1split": _streams(4, 16, 4, splits=1, shapes=ONLY_SHORT),
-    "streams4_n32_s4_1split": _streams(4, 32, 4, splits=1, shapes=ONLY_SHORT),
-    "streams8_n16_s3_1split": _streams(8, 16, 3, splits=1, shapes=ONLY_SHORT),
-    "streams2_n32_s3_1split": _streams(2, 32, 3, splits=1, shapes=ONLY_SHORT),
-    "streams4_n32_s3_pps1": _streams(4, 32, 3, programs_per_sm=1),
-    "streams4_n32_s3_pps2": _streams(4, 32, 3, programs_per_sm=2),
-    "streams2_n32_s3_pps2": _streams(2, 32, 3, programs_per_sm=2),
-    "streams4_n16_s4_pps1": _streams(4, 16, 4, programs_per_sm=1),
+    "kernel_1split_n64_w4_s4": {"layout": "hnd", "splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 4,
+                                "shapes": ONLY_SHORT},
+    # the output's head_dim cut D_SPLIT ways (_dsplit_kernel), one split: no merge
+    "dsplit2_n32_w1_s3_1split": _dsplit(2, splits=1, shapes=ONLY_SHORT),
+    "dsplit2_n32_w1_s4_1split": _dsplit(2, 32, 1, 4, splits=1, shapes=ONLY_SHORT),
+    "dsplit2_n64_w2_s3_1split": _dsplit(2, 64, 2, 3, splits=1, shapes=ONLY_SHORT),
+    "dsplit2_n64_w4_s4_1split": _dsplit(2, 64, 4, 4, splits=1, shapes=ONLY_SHORT),
+    "dsplit2_n128_w4_s3_1split": _dsplit(2, 128, 4, 3, splits=1, shapes=ONLY_SHORT),
+    "dsplit4_n32_w1_s3_1split": _dsplit(4, splits=1, shapes=ONLY_SHORT),
+    # (4 slices of 16 on 2 warps and 64-position tiles: an illegal memory access with Triton 3.6, H100)
+    # with splits (merge kernel as a programmatic dependent), programs per SM counted with the slices
+    "dsplit2_pps4": _dsplit(2),
+    "dsplit2_pps2": _dsplit(2, programs_per_sm=2),
+    "dsplit2_pps8": _dsplit(2, programs_per_sm=8),
+    "dsplit4_pps4": _dsplit(4),
+    # the last split to finish merges (atomic ticket), no merge kernel
+    "ticket_pps4": _dsplit(1, ticket=True),
+    "ticket_pps2": _dsplit(1, ticket=True, programs_per_sm=2),
+    "ticket_dsplit2_pps4": _dsplit(2, ticket=True),
+    "ticket_dsplit2_pps2": _dsplit(2, ticket=True, programs_per_sm=2),
 }
 
 
@@ -661,11 +802,16 @@ def main(argv=None) -> dict:
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("this script needs a CUDA GPU; use --smoke to try it on a CPU")
     heads, shapes, dtype, variants = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), SHAPES_HERE, torch.bfloat16, VARIANTS
+    if os.environ.get("VARIANTS"):  # a comma-separated subset, e.g. to find the one that faults
+        variants = {k: v for k, v in VARIANTS.items() if k in os.environ["VARIANTS"].split(",")}
     clock = Clock(device, args.reps, 10, flush="read")
     if args.smoke:
         heads, shapes, dtype = (6, 2, 16), [(2, 40), (3, 17)], torch.float32 if device.type != "cuda" else dtype
         variants = {"previous": {"previous": True}, "kernel": VARIANTS["kernel"],
                     "streams4_n16_1split": _streams(4, 16, 4, splits=1),
+                    "dsplit2_1split": _dsplit(2, 16, splits=1), "dsplit2_2splits": _dsplit(2, 16, splits=2),
+                    "ticket_dsplit2_3splits": _dsplit(2, 16, ticket=True, splits=3),
+                    "ticket_1split_equiv": _dsplit(1, 16, ticket=True, splits=2),
                     "streams2_n16_2splits": _streams(2, 16, 3, splits=2),
                     "regs_pps4_w2_s3_pdl": {"table_in_registers": {"num_stages": 3, "pdl": True}},
                     "kernel_sequential_hnd": {"layout": "sequential_hnd"},
