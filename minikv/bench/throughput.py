@@ -11,7 +11,8 @@ Qwen2.5-0.5B's shapes and random bf16 weights (speed does not depend on what the
        requests, in float32 (must be equal) and in the benchmark dtype (a small mismatch rate is
        expected: two implementations round differently, and one flipped argmax changes the rest)
     2. minikv paged, torch attention (the rung-4 reference) and, when it imports and passes 1.,
-       attention="triton"
+       attention="triton", with its decode steps replayed from CUDA graphs (the default on a GPU) and
+       launched eagerly; graph tokens are first checked against eager ones in float32
     3. transformers continuous batching (`ContinuousBatchingManager`, what `generate_batch` drives;
        used directly because it takes a max_new_tokens per request)
     4. transformers padded `generate` on the first requests of the workload (one padded batch:
@@ -149,14 +150,36 @@ def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "
             "token_match": sum(matched) / (num_requests * max_tokens)}
 
 
+def check_graph_tokens(ckpt: Path, device: str, num_requests: int = 6) -> dict:
+    """Greedy float32 tokens of the Triton engine with decode steps replayed from CUDA graphs and
+    launched eagerly: the batch shrinks as requests finish, so several buckets and padding rows run."""
+    from minikv import LLM, SamplingParams
+
+    rng = random.Random(2)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(8, 64))] for _ in range(num_requests)]
+    params = [SamplingParams(max_tokens=8 + 5 * i, ignore_eos=True) for i in range(num_requests)]
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(str(ckpt), device=device, dtype=torch.float32, kv_backend="paged", attention="triton",
+                  num_blocks=256, max_model_len=512, max_num_seqs=8, cuda_graphs=graphs)
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        release(device)
+    return {"dtype": "float32", "attention": "triton", "check": "cuda graphs vs eager decode",
+            "num_requests": num_requests, "requests_identical": sum(a == b for a, b in zip(outs[True], outs[False]))}
+
+
 # ---- 2. minikv ---------------------------------------------------------------------------------
 def run_minikv(ckpt: Path, requests, device: str, dtype: torch.dtype, attention: str = "torch",
                cap_s: float = 1e9, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
-               block_size: int = 16) -> dict:
+               block_size: int = 16, cuda_graphs: bool | None = None) -> dict:
     from minikv import LLM, SamplingParams
 
+    t_start = time.perf_counter()
     llm = LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", attention=attention, block_size=block_size,
-              max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+              max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              cuda_graphs=cuda_graphs)
+    startup = time.perf_counter() - t_start  # with CUDA graphs: every batch bucket captured
     # warm up: one short request through prefill and decode (allocator, kernels, autotuning)
     llm.generate([list(range(1, 65))], SamplingParams(max_tokens=8, ignore_eos=True))
     seqs = [llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
@@ -171,7 +194,8 @@ def run_minikv(ckpt: Path, requests, device: str, dtype: torch.dtype, attention:
     made = sum(len(s.output_token_ids) for s in seqs)
     target = sum(n for _, n in requests)
     stats = llm.stats()
-    out = {"engine": "minikv", "attention": attention, "block_size": block_size, "max_num_seqs": max_num_seqs,
+    out = {"engine": "minikv", "attention": attention, "cuda_graphs": llm.runner.decode_graphs is not None,
+           "startup_s": round(startup, 2), "block_size": block_size, "max_num_seqs": max_num_seqs,
            "max_num_batched_tokens": max_num_batched_tokens, "num_blocks": stats["num_blocks"],
            "num_preemptions": stats["num_preemptions"], "steps": steps, "seconds": elapsed,
            "output_tokens": made, "tokens_per_s": made / elapsed, "complete": made == target}
@@ -279,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--padded-requests", type=int, default=32, help="requests in the padded-generate batch")
     ap.add_argument("--cap", type=float, default=170.0, help="seconds each engine may run")
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--skip", default="", help="comma list of phases to skip: triton,hf_cb,hf_padded")
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: torch,triton,triton_eager,hf_cb,hf_padded")
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -330,17 +354,23 @@ def main(argv: list[str] | None = None) -> int:
             release(dev)
             record["checks"].append(tri)
             triton_ok = tri is not None  # its match rate is in the record, next to the torch one
-        record["results"].append(phase("minikv torch", lambda: run_minikv(ckpt, requests, dev, dtype, cap_s=args.cap)))
+            record["checks"].append(phase("check cuda graphs", lambda: check_graph_tokens(ckpt, dev)))
+        if "torch" not in skip:
+            record["results"].append(phase("minikv torch", lambda: run_minikv(ckpt, requests, dev, dtype,
+                                                                               cap_s=args.cap)))
         if triton_ok:
             record["results"].append(phase("minikv triton", lambda: run_minikv(ckpt, requests, dev, dtype, "triton",
                                                                                 cap_s=args.cap)))
-        hf = load_hf(ckpt, dev, dtype)
+            if "triton_eager" not in skip:
+                record["results"].append(phase("minikv triton, eager decode", lambda: run_minikv(
+                    ckpt, requests, dev, dtype, "triton", cap_s=args.cap, cuda_graphs=False)))
         if "hf_cb" not in skip:
+            hf = load_hf(ckpt, dev, dtype)
             record["results"].append(phase("transformers continuous batching",
                                            lambda: run_hf_continuous(hf, requests, cap_s=args.cap)))
-        if "hf_padded" not in skip:
             del hf
             release(dev)
+        if "hf_padded" not in skip:
             hf = load_hf(ckpt, dev, dtype)  # a fresh model: continuous batching switched its attention
             record["results"].append(phase("transformers padded generate",
                                            lambda: run_hf_padded(hf, requests[: args.padded_requests], dev)))

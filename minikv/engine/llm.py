@@ -21,6 +21,7 @@ from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
+from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class LLM:
         block_allocator=None,
         attention: str | None = None,
         kv_layout: str | None = None,
+        cuda_graphs: bool | None = None,
         prefix_caching: str | PrefixCache | None = None,
         eviction: str = "lru",
         schedule_policy: str = "fcfs",
@@ -86,7 +88,9 @@ class LLM:
         attention ("torch" reference or "triton" kernels; default: "triton" for a paged pool on a GPU,
         where it is measured faster, see benchmarks/RESULTS.md, and "torch" otherwise), kv_layout (the
         pool's storage order: "nhd" token-major or "hnd" head-major; default: the attention's own,
-        "nhd" for torch, "hnd" for triton; indexing is the same either way).
+        "nhd" for torch, "hnd" for triton; indexing is the same either way), cuda_graphs (decode
+        steps replayed from CUDA graphs, one per batch-size bucket; default on with triton attention
+        on a GPU, see minikv/engine/cuda_graph.py).
 
         Prefix caching (rung 6, paged only): prefix_caching None (off), "hash" (vLLM's hashed block
         chain) or "radix" (SGLang's radix tree); eviction "lru" or "fifo" (which unused cached block
@@ -106,6 +110,10 @@ class LLM:
             raise ValueError("kv_layout is the storage order of the paged pool's blocks; use kv_backend='paged'")
         if kv_layout is not None and kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+        if cuda_graphs and (self.device.type != "cuda" or attention != "triton" or kv_backend != "paged"):
+            raise ValueError(f"cuda_graphs replays decode steps of the Triton kernels on a GPU (here: device "
+                             f"{self.device.type}, attention {attention!r}, kv_backend {kv_backend!r}); "
+                             "use kv_backend='paged', attention='triton' on a CUDA device, or cuda_graphs=False")
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
         if prefix_caching is not None and kv_backend != "paged":
@@ -148,7 +156,15 @@ class LLM:
             self._build_paged(block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs or 32,
                               max_num_batched_tokens, enable_chunked_prefill, preemption, swap_blocks,
                               block_allocator, attention, kv_layout)
-        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size)
+        graphs = None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.attention == "triton"
+        if cuda_graphs:
+            graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, self.scheduler.max_num_seqs,
+                                  self.max_model_len, c.vocab_size)
+            with torch.inference_mode():
+                graphs.capture_all()
+        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs)
         self._last: list[Sequence] = []
         self.prefix_cache: PrefixCache | None = None
         self._reset_pending = False

@@ -15,11 +15,12 @@ from minikv.engine.simple_scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, backend, device, block_size: int | None = None):
+    def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None):
         self.model = model
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = block_size
+        self.decode_graphs = decode_graphs  # a DecodeGraphs: decode-only steps replayed from CUDA graphs
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids, pos, query_lens, seq_lens, sample_rows = [], [], [], [], []
@@ -53,10 +54,22 @@ class ModelRunner:
         """Returns (logits [len(sample_rows), vocab] float32, sample_rows)."""
         if batch.blocks_to_copy:  # copy-on-write: private copies of shared blocks this step writes into
             self.backend.copy_blocks(batch.blocks_to_copy)
+        if self.decode_graphs is not None and self.is_plain_decode(batch):
+            seqs = batch.seqs
+            logits = self.decode_graphs.run([s.token_ids[start] for s, start in zip(seqs, batch.starts)],
+                                            list(batch.starts), self.slot_mapping(batch), [s.block_table for s in seqs])
+            return logits, list(range(len(seqs)))
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         last = (meta.query_start_loc[1:] - 1)[sample_rows]  # last new token of each sampling sequence
         logits = self.model(input_ids, positions, meta, self.backend, logits_indices=last)
         return logits, sample_rows
+
+    def is_plain_decode(self, batch: ScheduledBatch) -> bool:
+        """One new token per sequence, each its last known token (so every row samples), and few enough
+        sequences for the largest graph."""
+        return (len(batch.seqs) <= self.decode_graphs.buckets[-1]
+                and all(n == 1 and start + 1 == seq.num_tokens
+                        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)))
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -1,0 +1,98 @@
+"""Decode steps through CUDA graphs' static buffers (minikv.engine.cuda_graph).
+
+A CPU cannot capture a graph, so these tests run DecodeGraphs eagerly (capture=False) through the same
+padded static buffers and the same metadata a captured step replays: bucketing, padding rows, stale
+block-table entries and split ranges cut from max_model_len are all exercised. The capture itself runs
+on a GPU (python -m minikv.bench.throughput, which checks graph tokens against eager ones)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minikv.engine.cuda_graph import DecodeGraphs, batch_buckets
+from minikv.engine.llm import LLM
+from minikv.engine.sampling_params import SamplingParams
+
+
+def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    graphs_like = DecodeGraphs.__new__(DecodeGraphs)
+    graphs_like.buckets = batch_buckets(40)
+    assert [graphs_like.bucket(n) for n in (1, 3, 5, 9, 17, 33, 40, 41)] == [1, 4, 8, 16, 32, 40, 40, None]
+
+
+def _tiny_llm(**kw) -> LLM:
+    return LLM("tiny-random", device="cpu", kv_backend="paged", attention="triton", block_size=8, num_blocks=64,
+               max_model_len=96, max_num_batched_tokens=32, **kw)
+
+
+def _eager_graphs(llm: LLM) -> DecodeGraphs:
+    graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, llm.scheduler.max_num_seqs,
+                          llm.max_model_len, llm.config.vocab_size, capture=False)
+    calls = []
+    run = graphs.run
+    graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)  # count the steps that took this path
+    graphs.calls = calls
+    return graphs
+
+
+def test_padded_static_buffer_decode_generates_the_same_tokens_as_eager_steps():
+    """Batches that shrink as requests finish (5, 4, 3, ... sequences in buckets 6, 4, 4, ...), context
+    lengths from 2 to 60 crossing block edges, split ranges cut from max_model_len."""
+    prompts = [list(range(10, 31)), [7], list(range(50, 59)), list(range(3, 19)), list(range(70, 75))]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 12, 3, 6, 1)]
+    plain = _tiny_llm(max_num_seqs=6)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = _tiny_llm(max_num_seqs=6)
+    llm.runner.decode_graphs = graphs = _eager_graphs(llm)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert sorted(set(graphs.calls)) == [1, 2, 3, 4], graphs.calls  # decode steps of every size took the path
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_more_sequences_than_the_largest_bucket_run_eagerly():
+    llm = _tiny_llm(max_num_seqs=4)
+    llm.runner.decode_graphs = graphs = _eager_graphs(llm)
+    graphs.buckets = [1, 2]  # as if only small graphs existed
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 5, 7)]  # 3, then 2, then 1 running
+    want = [o.token_ids for o in _tiny_llm(max_num_seqs=4).generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert sorted(set(graphs.calls)) == [1, 2]  # the steps of 3 sequences went the eager way
+
+
+def test_padding_rows_store_nothing_and_real_rows_store_only_their_slot():
+    llm = _tiny_llm(max_num_seqs=8)
+    graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 8, llm.max_model_len,
+                          llm.config.vocab_size, capture=False)
+    graphs.block_tables[:, :3] = 9  # stale entries from an earlier, larger batch
+    before = [(k.clone(), v.clone()) for k, v in zip(llm.backend.k_cache, llm.backend.v_cache)]
+    bs = llm.block_size
+    slots = [5 * bs + 2, 6 * bs, 7 * bs + 1]  # 3 sequences in bucket 4: one padding row
+    logits = graphs.run([11, 12, 13], [bs + 2, 0, 1], slots, [[4, 5], [6], [7]])
+    assert logits.shape == (3, llm.config.vocab_size) and torch.isfinite(logits).all()
+    for (k0, v0), k1, v1 in zip(before, llm.backend.k_cache, llm.backend.v_cache):
+        # [num_blocks, block_size, kv_heads, D] whatever the storage order: which (block, offset) changed
+        changed = ((k1 != k0) | (v1 != v0)).flatten(2).any(-1)
+        hit = sorted((b * bs + o) for b, o in changed.nonzero().tolist())
+        assert hit == sorted(slots)
+
+
+def test_bad_input_names_the_limit():
+    llm = _tiny_llm(max_num_seqs=2)
+    graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 2, llm.max_model_len,
+                          llm.config.vocab_size, capture=False)
+    with pytest.raises(ValueError, match="largest captured batch"):
+        graphs.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [[0], [1], [2]])
+    with pytest.raises(ValueError, match="max_model_len 96"):
+        graphs.run([1], [0], [0], [list(range(13))])
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 2, 96, llm.config.vocab_size)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        _tiny_llm(cuda_graphs=True)
+    assert _tiny_llm().runner.decode_graphs is None  # off by default on a CPU
