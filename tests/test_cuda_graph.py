@@ -64,6 +64,10 @@ def test_more_sequences_than_the_largest_bucket_run_eagerly():
     want = [o.token_ids for o in _tiny_llm(max_num_seqs=4).generate(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert sorted(set(graphs.calls)) == [1, 2]  # the steps of 3 sequences went the eager way
+    graphs.calls.clear()
+    graphs.max_blocks = 0  # as if every table outgrew the static buffer: every step runs eagerly
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert graphs.calls == []
 
 
 def test_padding_rows_store_nothing_and_real_rows_store_only_their_slot():

@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.buckets = batch_buckets(max_num_seqs)
         n, width = self.buckets[-1], -(-max_model_len // block_size)
+        self.max_blocks = width  # block-table entries a graph can take (longer tables: run eagerly)
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(n, **long)
         self.positions = torch.zeros(n, **long)

@@ -65,10 +65,11 @@ class ModelRunner:
         return logits, sample_rows
 
     def is_plain_decode(self, batch: ScheduledBatch) -> bool:
-        """One new token per sequence, each its last known token (so every row samples), and few enough
-        sequences for the largest graph."""
-        return (len(batch.seqs) <= self.decode_graphs.buckets[-1]
-                and all(n == 1 and start + 1 == seq.num_tokens
+        """One new token per sequence, each its last known token (so every row samples), few enough
+        sequences for the largest graph, and block tables that fit its static buffer."""
+        graphs = self.decode_graphs
+        return (len(batch.seqs) <= graphs.buckets[-1]
+                and all(n == 1 and start + 1 == seq.num_tokens and len(seq.block_table) <= graphs.max_blocks
                         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)))
 
     def _long(self, xs) -> torch.Tensor:
