@@ -1,9 +1,9 @@
 """Decode steps through CUDA graphs' static buffers (minikv.engine.cuda_graph).
 
-A CPU cannot capture a graph, so these tests run DecodeGraphs eagerly (capture=False) through the same
-padded static buffers and the same metadata a captured step replays: bucketing, padding rows, stale
-block-table entries and split ranges cut from max_model_len are all exercised. The capture itself runs
-on a GPU (python -m minikv.bench.throughput, which checks graph tokens against eager ones)."""
+A CPU cannot capture a graph, so there these tests run DecodeGraphs eagerly (capture=False) through the
+same padded static buffers and the same metadata a captured step replays: bucketing, padding rows,
+stale block-table entries and split ranges cut from max_model_len are all exercised. On a machine with
+a GPU the same tests capture and replay real graphs (float32 there too, so tokens must be equal)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,9 @@ import torch
 from minikv.engine.cuda_graph import DecodeGraphs, batch_buckets
 from minikv.engine.llm import LLM
 from minikv.engine.sampling_params import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CAPTURE = DEVICE == "cuda"
 
 
 def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
@@ -26,13 +29,14 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
 
 
 def _tiny_llm(**kw) -> LLM:
-    return LLM("tiny-random", device="cpu", kv_backend="paged", attention="triton", block_size=8, num_blocks=64,
-               max_model_len=96, max_num_batched_tokens=32, **kw)
+    kw.setdefault("cuda_graphs", False)  # the tests attach their own DecodeGraphs
+    return LLM("tiny-random", device=DEVICE, dtype=torch.float32, kv_backend="paged", attention="triton",
+               block_size=8, num_blocks=64, max_model_len=96, max_num_batched_tokens=32, **kw)
 
 
-def _eager_graphs(llm: LLM) -> DecodeGraphs:
+def _graphs(llm: LLM) -> DecodeGraphs:
     graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, llm.scheduler.max_num_seqs,
-                          llm.max_model_len, llm.config.vocab_size, capture=False)
+                          llm.max_model_len, llm.config.vocab_size, capture=CAPTURE)
     calls = []
     run = graphs.run
     graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)  # count the steps that took this path
@@ -48,7 +52,7 @@ def test_padded_static_buffer_decode_generates_the_same_tokens_as_eager_steps():
     plain = _tiny_llm(max_num_seqs=6)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     llm = _tiny_llm(max_num_seqs=6)
-    llm.runner.decode_graphs = graphs = _eager_graphs(llm)
+    llm.runner.decode_graphs = graphs = _graphs(llm)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert sorted(set(graphs.calls)) == [1, 2, 3, 4], graphs.calls  # decode steps of every size took the path
@@ -57,7 +61,7 @@ def test_padded_static_buffer_decode_generates_the_same_tokens_as_eager_steps():
 
 def test_more_sequences_than_the_largest_bucket_run_eagerly():
     llm = _tiny_llm(max_num_seqs=4)
-    llm.runner.decode_graphs = graphs = _eager_graphs(llm)
+    llm.runner.decode_graphs = graphs = _graphs(llm)
     graphs.buckets = [1, 2]  # as if only small graphs existed
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 5, 7)]  # 3, then 2, then 1 running
@@ -73,7 +77,7 @@ def test_more_sequences_than_the_largest_bucket_run_eagerly():
 def test_padding_rows_store_nothing_and_real_rows_store_only_their_slot():
     llm = _tiny_llm(max_num_seqs=8)
     graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 8, llm.max_model_len,
-                          llm.config.vocab_size, capture=False)
+                          llm.config.vocab_size, capture=CAPTURE)
     graphs.block_tables[:, :3] = 9  # stale entries from an earlier, larger batch
     before = [(k.clone(), v.clone()) for k, v in zip(llm.backend.k_cache, llm.backend.v_cache)]
     bs = llm.block_size
@@ -90,13 +94,16 @@ def test_padding_rows_store_nothing_and_real_rows_store_only_their_slot():
 def test_bad_input_names_the_limit():
     llm = _tiny_llm(max_num_seqs=2)
     graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 2, llm.max_model_len,
-                          llm.config.vocab_size, capture=False)
+                          llm.config.vocab_size, capture=CAPTURE)
     with pytest.raises(ValueError, match="largest captured batch"):
         graphs.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [[0], [1], [2]])
     with pytest.raises(ValueError, match="max_model_len 96"):
         graphs.run([1], [0], [0], [list(range(13))])
+    cpu = LLM("tiny-random", device="cpu", kv_backend="paged", block_size=8, num_blocks=16)
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size, 2, 96, llm.config.vocab_size)
+        DecodeGraphs(cpu.model, cpu.backend, cpu.device, cpu.block_size, 2, 96, cpu.config.vocab_size)
     with pytest.raises(ValueError, match="cuda_graphs"):
-        _tiny_llm(cuda_graphs=True)
-    assert _tiny_llm().runner.decode_graphs is None  # off by default on a CPU
+        LLM("tiny-random", device="cpu", kv_backend="paged", attention="triton", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM("tiny-random", device=DEVICE, kv_backend="paged", attention="torch", cuda_graphs=True)
+    assert cpu.runner.decode_graphs is None  # off by default on a CPU
