@@ -72,6 +72,10 @@ def test_more_sequences_than_the_largest_bucket_run_eagerly():
     graphs.max_blocks = 0  # as if every table outgrew the static buffer: every step runs eagerly
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert graphs.calls == []
+    graphs.max_blocks = 99
+    llm.runner.backend = type("Swapped", (), {"__getattr__": lambda self, k: getattr(llm.backend, k)})()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want  # a swapped-in backend runs eagerly
+    assert graphs.calls == []
 
 
 def test_padding_rows_store_nothing_and_real_rows_store_only_their_slot():

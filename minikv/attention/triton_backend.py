@@ -19,7 +19,8 @@ contiguous K/V), so prefill steps use the kernel by default.
 
 CUDA graphs: a captured decode step keeps its split count and split length (cut from the longest
 context at capture). Any count is correct for any lengths (the last split reads whatever lies past
-the others), so set `decode_num_splits` to a fixed number before capturing.
+the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with the longest context
+set to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
 """
 from __future__ import annotations
 

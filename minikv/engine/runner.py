@@ -66,9 +66,10 @@ class ModelRunner:
 
     def is_plain_decode(self, batch: ScheduledBatch) -> bool:
         """One new token per sequence, each its last known token (so every row samples), few enough
-        sequences for the largest graph, and block tables that fit its static buffer."""
+        sequences for the largest graph, block tables that fit its static buffer, and the backend the
+        graphs recorded (a backend swapped in, as the exercise checkers do, runs eagerly)."""
         graphs = self.decode_graphs
-        return (len(batch.seqs) <= graphs.buckets[-1]
+        return (self.backend is graphs.backend and len(batch.seqs) <= graphs.buckets[-1]
                 and all(n == 1 and start + 1 == seq.num_tokens and len(seq.block_table) <= graphs.max_blocks
                         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)))
 
