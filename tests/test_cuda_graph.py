@@ -110,4 +110,6 @@ def test_bad_input_names_the_limit():
         LLM("tiny-random", device="cpu", kv_backend="paged", attention="triton", cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM("tiny-random", device=DEVICE, kv_backend="paged", attention="torch", cuda_graphs=True)
+    with pytest.raises(ValueError, match="True, False or None"):
+        LLM("tiny-random", device="cpu", kv_backend="paged", cuda_graphs="yes")
     assert cpu.runner.decode_graphs is None  # off by default on a CPU

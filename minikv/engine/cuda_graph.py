@@ -11,7 +11,7 @@ overwrites in place:
     positions    [p0 p1 p2 p3 p4 | 0  0  0 ]        slot -1      (the KV store skips it)
     slot_mapping [s0 s1 s2 s3 s4 |-1 -1 -1 ]        seq_len 1    (attends to one key of a valid block)
     seq_lens     [l0 l1 l2 l3 l4 | 1  1  1 ]        their logits are dropped
-    block_tables [n rows, then rows of valid blocks ids (0 or stale)] x ceil(max_model_len / block_size)
+    block_tables [n rows | padding rows: valid block ids, 0 or stale]  x ceil(max_model_len / block_size)
 
 Batch sizes are bucketed (1, 2, 4, 8, then steps of 16 up to max_num_seqs, as nano-vllm does) and
 every bucket is captured when the engine starts, largest first, so that all share one memory pool

@@ -19,9 +19,9 @@ from minikv.cache.block_manager import BlockManager
 from minikv.cache.prefix_cache import EVICTION_POLICIES, PrefixCache, make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
+from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
-from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
@@ -110,6 +110,8 @@ class LLM:
             raise ValueError("kv_layout is the storage order of the paged pool's blocks; use kv_backend='paged'")
         if kv_layout is not None and kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None (on where supported), got {cuda_graphs!r}")
         if cuda_graphs and (self.device.type != "cuda" or attention != "triton" or kv_backend != "paged"):
             raise ValueError(f"cuda_graphs replays decode steps of the Triton kernels on a GPU (here: device "
                              f"{self.device.type}, attention {attention!r}, kv_backend {kv_backend!r}); "
