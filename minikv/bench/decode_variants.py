@@ -85,6 +85,19 @@ def _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, G
 
 
 @triton.jit
+def _first_table_chunk(block_tables_ptr, b, split, split_len, table_width, stride_bt, BLOCK_SIZE: tl.constexpr,
+                       TABLE_CHUNK: tl.constexpr):
+    """A split's start, as in the kernel (no window), and the first chunk of its block-table entries:
+    (table, start, base, t, blocks)."""
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    start = split * split_len
+    base = start // BLOCK_SIZE
+    t = tl.arange(0, TABLE_CHUNK)
+    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
+    return table, start, base, t, blocks
+
+
+@triton.jit
 def _write_split(out_ptr, part_out_ptr, part_lse_ptr, b, split, num_splits, heads, row_ok, d, acc, l_i, m_i,
                  empty, stride_ob, stride_oh, NUM_HEADS: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
     """A split's result: the output itself when it is the only split, else its normalised partial and
@@ -284,11 +297,8 @@ def _streams_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    start = split * split_len
-    base = start // BLOCK_SIZE
-    t = tl.arange(0, TABLE_CHUNK)
-    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
+    table, start, base, t, blocks = _first_table_chunk(block_tables_ptr, b, split, split_len, table_width, stride_bt,
+                                                       BLOCK_SIZE, TABLE_CHUNK)
     heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     q3 = tl.broadcast_to(q[None, :, :], (STREAMS, GROUP_PAD, HEAD_DIM))
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -352,11 +362,8 @@ def _dsplit_kernel(
     part_d = tl.program_id(1) % D_SPLIT
     split = tl.program_id(2)
     DV: tl.constexpr = HEAD_DIM // D_SPLIT
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    start = split * split_len
-    base = start // BLOCK_SIZE
-    t = tl.arange(0, TABLE_CHUNK)
-    blocks = tl.load(table + base + t, mask=base + t < table_width, other=0)
+    table, start, base, t, blocks = _first_table_chunk(block_tables_ptr, b, split, split_len, table_width, stride_bt,
+                                                       BLOCK_SIZE, TABLE_CHUNK)
     heads, head_ok, d, q = _group_query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM)
     dv = part_d * DV + tl.arange(0, DV)  # this program's slice of the output
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
