@@ -27,6 +27,8 @@ benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 1
              only its slice of the values, so one split can fill the card without a merge
     ticket   the same variant with the merge done by the last split to finish (an atomic ticket per
              sequence, KV head and slice): no merge kernel, no grid-wide wait
+    warm     the kernel and SDPA with K/V cold but q, the block tables and the lengths in L2, as in
+             the engine (every layer reads the same tables; q is the previous kernel's output)
     splits   (--splits) every split count x launch setting per shape: does any choice reach SDPA?
 
 VARIANTS holds the latest run's questions; the JSON of each earlier run records the ones it asked.
@@ -602,6 +604,29 @@ def merge_costs(c, clock) -> dict:
 SHAPES_HERE = SHAPES + [(32, 32768)]  # the benchmark's shapes and a long-context one (512 MiB of K/V)
 
 
+def warm_metadata(c, clock) -> dict:
+    """The kernel and SDPA with K/V cold but the small inputs in L2, as inside the engine: q is the
+    previous kernel's output, and every layer reads the same block tables and lengths. The usual
+    clock flushes all of it, which charges the paged kernel a memory latency for its table that a
+    decode step in the engine does not pay (SDPA loads q and K at once either way)."""
+    import copy
+
+    q, scale, L = c["q"], c["scale"], c["L"]
+    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
+    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
+    q4 = q[:, :, None, :]
+    k_pool, v_pool = swap_storage(c["k_cache"]), swap_storage(c["v_cache"])  # head-major, as the engine stores it
+    out = {}
+    for name, fn, touch in (
+        ("kernel", lambda: dec.paged_decode_attention(q, k_pool, v_pool, c["tables"], c["seq_lens"], scale,
+                                                      max_seq_len=L), (q, c["tables"], c["seq_lens"])),
+        ("sdpa_contiguous", lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True), (q,))):
+        warm = copy.copy(clock)  # the same flush buffer, then the small inputs read back into L2
+        warm.flush_l2 = lambda touch=touch: (clock.flush_l2(), [t.float().sum() for t in touch])
+        out[name] = {"cold_us": round(kernel_time(clock, fn), 2), "metadata_warm_us": round(kernel_time(warm, fn), 2)}
+    return out
+
+
 def swap_storage(x: torch.Tensor) -> torch.Tensor:
     """The same values in the same shape, with dims -3 and -2 swapped in memory: a token-major pool
     [blocks, block_size, kv_heads, D] becomes head-major storage, and head-major K/V token-major."""
@@ -838,6 +863,8 @@ def main(argv=None) -> dict:
         c = decode_case(B, L, 16, dtype, device, heads, kv_layout="nhd")  # the layouts below start from token-major
         record["shapes"][f"{B}x{L}"] = time_variants(c, clock, variants)
         record.setdefault("merge", {})[f"{B}x{L}"] = merge_costs(c, clock)
+        record.setdefault("metadata_warm", {})[f"{B}x{L}"] = warm_metadata(c, clock)
+        print(f"{B}x{L} metadata warm:", record["metadata_warm"][f"{B}x{L}"], flush=True)
         print(f"{B}x{L} merge:", record["merge"][f"{B}x{L}"], flush=True)
         if args.splits:
             grid = split_grid(c, clock) if not args.smoke else split_grid(c, clock, (1, 2), LAUNCH_GRID[:1])
