@@ -128,6 +128,7 @@ def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "
     llm = LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", attention=attention, num_blocks=256,
               max_model_len=512)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+    graphs = llm.runner.decode_graphs is not None  # on by default with Triton attention on a GPU
     del llm
     release(device)
     hf = hf_model if hf_model is not None else load_hf(ckpt, device, dtype)
@@ -144,7 +145,8 @@ def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "
     for a, b in zip(ours, theirs):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         matched.append(n)
-    return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "num_requests": num_requests,
+    return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "cuda_graphs": graphs,
+            "num_requests": num_requests,
             "max_tokens": max_tokens, "requests_identical": sum(a == b for a, b in zip(ours, theirs)),
             "tokens_before_first_divergence": matched,
             "token_match": sum(matched) / (num_requests * max_tokens)}

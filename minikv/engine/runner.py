@@ -5,6 +5,9 @@
     positions    [ 0  1  2  3  4 |  7 |  0  1  2]
     slot_mapping [physical slot of each token]          (paged)
     logits for A and B only: C's chunk does not reach the end of its prompt, nothing to sample yet
+
+On a GPU, a step that only decodes (one token per sequence) is instead copied into static buffers
+and replayed from a CUDA graph (minikv/engine/cuda_graph.py).
 """
 from __future__ import annotations
 
