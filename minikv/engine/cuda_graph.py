@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs: the whole model's launches for one step, issued at once.
 
-A decode step of a small model is launch-bound: Qwen2.5-0.5B runs about 15 kernels per layer x 24
-layers, each launched from Python for a few microseconds of GPU work. A CUDA graph records those
+A decode step of a small model is launch-bound: Qwen2.5-0.5B runs dozens of kernels in each of
+its 24 layers (norms, projections, rotary embedding, KV store, attention, MLP), each launched from
+Python for a few microseconds of GPU work. A CUDA graph records those
 launches once (for one batch size) and replays them with a single call. A graph replays the same
 kernels on the same addresses, so everything a step changes lives in static buffers that each step
 overwrites in place:
