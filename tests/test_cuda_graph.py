@@ -46,7 +46,7 @@ def _graphs(llm: LLM) -> DecodeGraphs:
 
 def test_padded_static_buffer_decode_generates_the_same_tokens_as_eager_steps():
     """Batches that shrink as requests finish (5, 4, 3, ... sequences in buckets 6, 4, 4, ...), context
-    lengths from 2 to 60 crossing block edges, split ranges cut from max_model_len."""
+    lengths from 2 to 30 crossing block edges, split ranges cut from max_model_len."""
     prompts = [list(range(10, 31)), [7], list(range(50, 59)), list(range(3, 19)), list(range(70, 75))]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 12, 3, 6, 1)]
     plain = _tiny_llm(max_num_seqs=6)
