@@ -433,14 +433,26 @@ def _merge(out, part_out, part_lse, num_splits, pdl=False):
     return out
 
 
+def _split_outputs(q, num_splits):
+    """The output [B, H, D] and each split's partial result [B, H, splits, D] and lse [B, H, splits]."""
+    B, H, D = q.shape
+    return (torch.empty_like(q), torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device),
+            torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device))
+
+
+def _sdpa_inputs(c):
+    """q as SDPA's one query position, and K/V gathered into contiguous [B, kv_heads, L, D]."""
+    kc = contiguous_kv(c["k_cache"], c["tables"], c["L"]).contiguous()
+    vc = contiguous_kv(c["v_cache"], c["tables"], c["L"]).contiguous()
+    return c["q"][:, :, None, :], kc, vc
+
+
 def _run_variant(kernel, grid, q, k_cache, v_cache, tables, seq_lens, scale, num_splits, block_n, num_warps,
                  num_stages, pdl=False, **constexprs):
     """Launch one of the variant split kernels above (same arguments as each other), then merge."""
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
-    out = torch.empty_like(q)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    out, part_out, part_lse = _split_outputs(q, num_splits)
     launch = {} if q.device.type != "cuda" else {"num_warps": num_warps, "num_stages": num_stages}
     kernel[grid](
         q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * LOG2E, num_splits,
@@ -490,9 +502,7 @@ def streams_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max
     entries, chunk_n = dec.table_chunk(k_cache.shape[1], super_n)
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
-    out = torch.empty_like(q)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    out, part_out, part_lse = _split_outputs(q, num_splits)
     launch = {} if q.device.type != "cuda" else {"num_warps": num_warps or streams, "num_stages": num_stages}
     _streams_split_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, tables, seq_lens, out, part_out, part_lse, scale * LOG2E, num_splits, split_len,
@@ -516,9 +526,7 @@ def dsplit_decode(q, k_cache, v_cache, tables, seq_lens, scale, num_splits, max_
     pdl = pdl and num_splits > 1 and not ticket and dec.supports_pdl(q.device)
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     entries, chunk_n = dec.table_chunk(block_size, block_n)
-    out = torch.empty_like(q)
-    part_out = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    out, part_out, part_lse = _split_outputs(q, num_splits)
     key = (B, kvh * d_split, q.device)
     if key not in _TICKETS:  # zeros once; the merging program resets its ticket
         _TICKETS[key] = torch.zeros(B, kvh * d_split, dtype=torch.int32, device=q.device)
@@ -612,9 +620,7 @@ def warm_metadata(c, clock) -> dict:
     import copy
 
     q, scale, L = c["q"], c["scale"], c["L"]
-    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
-    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
-    q4 = q[:, :, None, :]
+    q4, kc, vc = _sdpa_inputs(c)
     k_pool, v_pool = swap_storage(c["k_cache"]), swap_storage(c["v_cache"])  # head-major, as the engine stores it
     out = {}
     for name, fn, touch in (
@@ -637,10 +643,8 @@ def time_variants(c, clock, variants) -> dict:
     """{variant name: {"us": time, "rel_err": e, "splits": n}} for one decode case."""
     B, L = c["B"], c["L"]
     q, scale = c["q"], c["scale"]
-    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()  # [B, kv_heads, L, D]
-    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
+    q4, kc, vc = _sdpa_inputs(c)  # kc, vc: [B, kv_heads, L, D]
     ref = fp32_decode_reference(q, kc, vc, scale)
-    q4 = q[:, :, None, :]
     ki, vi = swap_storage(kc), swap_storage(vc)
     tables = {"nhd": c["tables"], "hnd": c["tables"]}  # sequential layouts get their own below
     pools = {"nhd": (c["k_cache"], c["v_cache"])}
@@ -753,10 +757,8 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
     """Every (split count, launch setting) on one case (head-major pool), with SDPA: does any choice match it?"""
     B, L = c["B"], c["L"]
     q, scale = c["q"], c["scale"]
-    kc = contiguous_kv(c["k_cache"], c["tables"], L).contiguous()
-    vc = contiguous_kv(c["v_cache"], c["tables"], L).contiguous()
+    q4, kc, vc = _sdpa_inputs(c)
     ref = fp32_decode_reference(q, kc, vc, scale)
-    q4 = q[:, :, None, :]
     sdpa = round(kernel_time(clock, lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)), 2)
     k_pool, v_pool = swap_storage(c["k_cache"]), swap_storage(c["v_cache"])  # head-major, as the engine stores it
     grid = []
