@@ -101,6 +101,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     TRACE: tl.constexpr,
     USE_PDL: tl.constexpr,  # the merge is launched as a programmatic dependent (GPU, compute capability >= 9)
+    INNER_LOOP: tl.constexpr,  # the @triton.jit function that folds one tile in (online_softmax_block's signature)
 ):
     if USE_PDL:  # the merge's programs may start now and wait (gdc_wait) for this grid's results
         tl.extra.cuda.gdc_launch_dependents()
@@ -151,7 +152,7 @@ def _decode_split_kernel(
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            m_i, l_i, acc = online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
+            m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
                          split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
@@ -222,6 +223,19 @@ def table_chunk(block_size: int, block_n: int) -> tuple[int, int]:
     return entries, ((entries - 1) * block_size + 1) // block_n * block_n
 
 
+def check_inner_loop(fn):
+    """The decode kernel's inner loop: `fn`, or online_softmax_block when None; it must be a Triton function."""
+    if fn is None:
+        return online_softmax_block
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, (JITFunction, InterpretedFunction)):
+        raise TypeError(f"the decode inner loop must be a Triton function, got {fn!r}: decorate it with @triton.jit "
+                        "(same signature as minikv.kernels.decode_attention.online_softmax_block)")
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper on,
@@ -263,8 +277,12 @@ def paged_decode_attention(
     trace: torch.Tensor | None = None,  # [B, num_kv_heads, max_blocks] int32: filled with split ids
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim] to write into (else a new tensor)
     pdl: bool | None = None,  # merge launched as a programmatic dependent (default DECODE_PDL, where supported)
+    inner_loop=None,  # a @triton.jit function with online_softmax_block's signature (None: that function)
 ) -> torch.Tensor:
-    """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim]."""
+    """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim].
+
+    `inner_loop` is the seam of exercise 08 (`LLM(..., decode_inner_loop=fn)` passes it down): it is a
+    compile-time argument of the split kernel, so each function compiles its own kernel once."""
     B, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape
     if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -277,6 +295,7 @@ def paged_decode_attention(
     if block_tables.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"need one row per sequence ({B})")
+    inner_loop = check_inner_loop(inner_loop)
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
@@ -317,7 +336,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
-        **launch,
+        INNER_LOOP=inner_loop, **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](

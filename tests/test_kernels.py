@@ -19,6 +19,8 @@ from minikv.attention.metadata import AttentionMetadata  # noqa: E402
 from minikv.attention.paged import new_pool  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
 from minikv.kernels import decode_attention as dec  # noqa: E402
+import triton  # noqa: E402, I001  (after minikv.kernels: on a CPU it picks the interpreter)
+import triton.language as tl  # noqa: E402
 
 HEAD_DIM = 32
 SCALE = HEAD_DIM**-0.5
@@ -177,6 +179,38 @@ def test_decode_trace_shows_every_block_read_by_exactly_the_split_that_owns_it()
         assert (trace[b, :, n:] == -1).all(), f"sequence {b}: a block past its context was read"
         assert (trace[b, :, :n].diff(dim=-1) >= 0).all(), "splits read consecutive ranges in order"
 
+
+
+@triton.jit
+def _inner_loop_without_rescale(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
+    """online_softmax_block with a classic bug: what was summed is never rescaled when the max grows."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i + tl.sum(p, axis=1), acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
+def test_decode_inner_loop_is_an_argument_of_the_kernel_and_the_default_stays():
+    """The seam of exercise 08: `inner_loop` reaches the split kernel as a compile-time argument. A
+    buggy loop changes the output, the default is untouched by it, and a plain function is refused."""
+    seq_lens = [7, 50, 100]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 2, torch.float32, seed=13)
+    meta = AttentionMetadata.build([1] * 3, seq_lens)
+    q = torch.randn(3, 4, HEAD_DIM) * 4  # sharp scores: later tiles raise the running max
+    want = reference(q, k_cache, v_cache, tables, meta)
+
+    def decode(**kw):
+        return paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=2, block_n=16,
+                                      out=poisoned(q.shape, q.dtype), **kw)
+
+    assert_close(decode(inner_loop=dec.online_softmax_block), want, 2e-6, "the default loop passed explicitly")
+    buggy = decode(inner_loop=_inner_loop_without_rescale)
+    assert (buggy[1:] - want[1:]).abs().max() > 1e-2, "the kernel ignored inner_loop"
+    assert_close(buggy[0], want[0], 2e-6, "one tile (nothing to rescale) is right even without rescaling")
+    assert_close(decode(), want, 2e-6, "the default after a custom loop")
+    with pytest.raises(TypeError, match="decorate it with @triton.jit"):
+        decode(inner_loop=lambda *args: args)
 
 def mixed_batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, seed):
     k_cache, v_cache, tables = scattered_pool(seq_lens, block_size, num_kv_heads, dtype, seed=seed)

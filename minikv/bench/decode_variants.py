@@ -584,6 +584,7 @@ def merge_costs(c, clock) -> dict:
             HAS_WINDOW=False, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
             HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=entries,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False, USE_PDL=False,
+            INNER_LOOP=dec.online_softmax_block,
             **({"num_warps": dec.DECODE_CONFIG["num_warps"], "num_stages": dec.DECODE_CONFIG["num_stages"]}
                if gpu else {}))
 
