@@ -16,10 +16,13 @@ Three stages, each stopping at the first problem with a message that says where:
      compared with the torch paged reference: which sequence, which block, max error
   3. (check_decode_kernel_in_engine) the engine generates with your loop; the tokens must match rung 4's
 The kernel reads one pool block per tile here (BLOCK_N = block_size = 16), so "tile" and "block" agree.
+
+Your function enters each stage the way it enters the engine: as an argument, never by replacing
+minikv's own (`paged_decode_attention(..., inner_loop=fn)`, `LLM(..., decode_inner_loop=fn)`).
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import os
 
@@ -38,30 +41,13 @@ def _require_interpreter() -> None:
 
 
 def _as_jit(fn):
+    """`fn` as a Triton function (the learner's cell decorates it with @triton.jit; a plain one is wrapped)."""
+    _require_interpreter()
+    import minikv.kernels  # noqa: F401  (before triton: on a CPU it switches Triton to its interpreter)
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
     return fn if isinstance(fn, InterpretedFunction) else triton.jit(fn)
-
-
-@contextlib.contextmanager
-def using_inner_loop(fn):
-    """Run minikv's decode kernel (and this module's one-step kernel) with `fn` as the inner loop.
-
-    The interpreter looks the helper up by name each time the kernel runs, so swapping the module
-    global is enough (a compiled kernel would need recompiling)."""
-    _require_interpreter()
-    import minikv.kernels.decode_attention as dec
-
-    jitted = _as_jit(fn)
-    saved = dec.online_softmax_block
-    dec.online_softmax_block = jitted
-    globals()["online_softmax_block"] = jitted
-    try:
-        yield
-    finally:
-        dec.online_softmax_block = saved
-        globals()["online_softmax_block"] = saved
 
 
 def _run_kernel(call):
@@ -79,13 +65,15 @@ def _run_kernel(call):
 
 # ---- stage 1: one call of the inner loop --------------------------------------------------------
 
-def _one_step_kernel_factory():
+@functools.cache
+def _one_step_kernel():
+    """One call of an inner loop (the constexpr STEP) on tensors loaded whole, its results stored."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def one_step(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, m_out, l_out, acc_out, scale_log2e,
-                 G: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+                 STEP: tl.constexpr, G: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
         g = tl.arange(0, G)
         n = tl.arange(0, N)
         d = tl.arange(0, D)
@@ -96,7 +84,7 @@ def _one_step_kernel_factory():
         m = tl.load(m_ptr + g)
         l = tl.load(l_ptr + g)
         acc = tl.load(acc_ptr + g[:, None] * D + d[None, :])
-        m, l, acc = online_softmax_block(q, k, v, valid, m, l, acc, scale_log2e, "ieee")  # noqa: F821
+        m, l, acc = STEP(q, k, v, valid, m, l, acc, scale_log2e, "ieee")
         tl.store(m_out + g, m)
         tl.store(l_out + g, l)
         tl.store(acc_out + g[:, None] * D + d[None, :], acc)
@@ -150,28 +138,28 @@ def _step_cases(seed: int):
 
 def check_online_softmax_block(fn, seed: int = 0) -> None:
     """Stage 1: one call of `fn`, on three kinds of tile, against the same formulas in float64."""
-    with using_inner_loop(fn):
-        kernel = _one_step_kernel_factory()
-        cases, scale_log2e = _step_cases(seed)
-        for name, q, k, v, valid, m, l, acc in cases:
-            G, D = acc.shape
-            outs = [torch.full_like(t, float("nan")) for t in (m, l, acc)]
-            _run_kernel(lambda: kernel[(1,)](q, k, v, valid.to(torch.int8), m, l, acc, *outs, scale_log2e,
-                                             G=G, N=k.shape[0], D=D))
-            want = reference_step(q, k, v, valid, m, l, acc, scale_log2e)
-            for label, have, expect, dims in zip(("m_i", "l_i", "acc"), outs, want,
-                                                 (("head",), ("head",), ("head", "dim"))):
-                problem = first_difference(expect.float(), have, dims, atol=1e-4, rtol=1e-4)
-                if problem:
-                    hint = None
-                    for mistake, text in HINTS.items():
-                        alt = reference_step(q, k, v, valid, m, l, acc, scale_log2e, mistake)
-                        if all(torch.allclose(a.float(), h, atol=1e-4, rtol=1e-4) for a, h in zip(alt, outs)):
-                            hint = text
-                            break
-                    fail(f"one call on {name}", f"the {label} you return is wrong", problem, hint)
-        passed(len(cases), "online_softmax_block matches the float64 formulas on a first, a later and a "
-                           "part-masked tile")
+    step = _as_jit(fn)
+    kernel = _one_step_kernel()
+    cases, scale_log2e = _step_cases(seed)
+    for name, q, k, v, valid, m, l, acc in cases:
+        G, D = acc.shape
+        outs = [torch.full_like(t, float("nan")) for t in (m, l, acc)]
+        _run_kernel(lambda: kernel[(1,)](q, k, v, valid.to(torch.int8), m, l, acc, *outs, scale_log2e,
+                                         STEP=step, G=G, N=k.shape[0], D=D))
+        want = reference_step(q, k, v, valid, m, l, acc, scale_log2e)
+        for label, have, expect, dims in zip(("m_i", "l_i", "acc"), outs, want,
+                                             (("head",), ("head",), ("head", "dim"))):
+            problem = first_difference(expect.float(), have, dims, atol=1e-4, rtol=1e-4)
+            if problem:
+                hint = None
+                for mistake, text in HINTS.items():
+                    alt = reference_step(q, k, v, valid, m, l, acc, scale_log2e, mistake)
+                    if all(torch.allclose(a.float(), h, atol=1e-4, rtol=1e-4) for a, h in zip(alt, outs)):
+                        hint = text
+                        break
+                fail(f"one call on {name}", f"the {label} you return is wrong", problem, hint)
+    passed(len(cases), "online_softmax_block matches the float64 formulas on a first, a later and a "
+                       "part-masked tile")
 
 
 # ---- stage 2: the whole kernel -------------------------------------------------------------------
@@ -205,12 +193,12 @@ def torch_decode_reference(q, k_cache, v_cache, tables, seq_lens) -> torch.Tenso
     return attend(q.double(), keys, values, meta, q.shape[-1] ** -0.5)
 
 
-def _decode(q, k_cache, v_cache, tables, seq_lens, num_splits):
+def _decode(step, q, k_cache, v_cache, tables, seq_lens, num_splits):
     from minikv.kernels import paged_decode_attention
 
     out = torch.full_like(q, float("nan"))
     _run_kernel(lambda: paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens), q.shape[-1] ** -0.5,
-                                               num_splits=num_splits, block_n=BLOCK, out=out))
+                                               num_splits=num_splits, block_n=BLOCK, out=out, inner_loop=step))
     return out
 
 
@@ -221,32 +209,32 @@ def check_decode_kernel(fn, seed: int = 0) -> None:
         ([33, 5, 64], 3, 2, 32, 1),
         ([100, 17, 1], 4, 1, 16, 3),
     ]
-    with using_inner_loop(fn):
-        for i, (lens, group, kvh, D, splits) in enumerate(cases):
-            q, k_cache, v_cache, tables = _paged_case(lens, group, kvh, D, seed + i)
-            out = _decode(q, k_cache, v_cache, tables, lens, splits)
-            want = torch_decode_reference(q, k_cache, v_cache, tables, lens).float()
-            for b, L in enumerate(lens):
-                problem = first_difference(want[b], out[b], ("head", "dim"), atol=1e-4, rtol=1e-4)
-                if problem is None:
-                    continue
-                where = _first_wrong_block(q, k_cache, v_cache, tables, lens, b, splits)
-                desc = (f"case {i} ({len(lens)} sequences of lengths {lens}, {group} query heads per KV head, "
-                        f"{splits} split{'s' if splits > 1 else ''}): sequence {b} (length {L}, blocks "
-                        f"{tables[b, :math.ceil(L / BLOCK)].tolist()})")
-                fail(desc, f"the output of sequence {b} is wrong", f"{where}\n{problem}",
-                     "run check_online_softmax_block first; once it passes, look at what differs between tiles: "
-                     "the masked tail of the last block, or the state carried from one call to the next")
-        passed(len(cases), "the decode kernel with your inner loop equals the torch paged reference "
-                           "(ragged lengths, GQA, split-K)")
+    step = _as_jit(fn)
+    for i, (lens, group, kvh, D, splits) in enumerate(cases):
+        q, k_cache, v_cache, tables = _paged_case(lens, group, kvh, D, seed + i)
+        out = _decode(step, q, k_cache, v_cache, tables, lens, splits)
+        want = torch_decode_reference(q, k_cache, v_cache, tables, lens).float()
+        for b, L in enumerate(lens):
+            problem = first_difference(want[b], out[b], ("head", "dim"), atol=1e-4, rtol=1e-4)
+            if problem is None:
+                continue
+            where = _first_wrong_block(step, q, k_cache, v_cache, tables, lens, b, splits)
+            desc = (f"case {i} ({len(lens)} sequences of lengths {lens}, {group} query heads per KV head, "
+                    f"{splits} split{'s' if splits > 1 else ''}): sequence {b} (length {L}, blocks "
+                    f"{tables[b, :math.ceil(L / BLOCK)].tolist()})")
+            fail(desc, f"the output of sequence {b} is wrong", f"{where}\n{problem}",
+                 "run check_online_softmax_block first; once it passes, look at what differs between tiles: "
+                 "the masked tail of the last block, or the state carried from one call to the next")
+    passed(len(cases), "the decode kernel with your inner loop equals the torch paged reference "
+                       "(ragged lengths, GQA, split-K)")
 
 
-def _first_wrong_block(q, k_cache, v_cache, tables, lens, b, splits) -> str:
+def _first_wrong_block(step, q, k_cache, v_cache, tables, lens, b, splits) -> str:
     """Shorten sequence b block by block to find the first prefix the kernel gets wrong."""
     for n in range(1, math.ceil(lens[b] / BLOCK) + 1):
         prefix = list(lens)
         prefix[b] = min(n * BLOCK, lens[b])
-        out = _decode(q, k_cache, v_cache, tables, prefix, splits)
+        out = _decode(step, q, k_cache, v_cache, tables, prefix, splits)
         want = torch_decode_reference(q, k_cache, v_cache, tables, prefix).float()
         err = (out[b] - want[b]).abs().max().item()
         if not err <= 1e-4:  # NaN counts as wrong
@@ -267,9 +255,8 @@ def check_decode_kernel_in_engine(fn, max_tokens: int = 6) -> None:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     kw = dict(device="cpu", kv_backend="paged", block_size=BLOCK, num_blocks=32, max_num_batched_tokens=64)
     want = [o.token_ids for o in LLM("tiny-random", attention="torch", **kw).generate(prompts, params)]
-    with using_inner_loop(fn):
-        llm = LLM("tiny-random", attention="triton", **kw)
-        have = [o.token_ids for o in _run_kernel(lambda: llm.generate(prompts, params))]
+    llm = LLM("tiny-random", attention="triton", decode_inner_loop=_as_jit(fn), **kw)
+    have = [o.token_ids for o in _run_kernel(lambda: llm.generate(prompts, params))]
     for i, (w, h) in enumerate(zip(want, have)):
         if w != h:
             j = next(k for k, (a, c) in enumerate(zip(w, h)) if a != c)
