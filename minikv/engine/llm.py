@@ -20,6 +20,7 @@ from minikv.cache.prefix_cache import EVICTION_POLICIES, PrefixCache, make_prefi
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.cuda_graph import DecodeGraphs
+from minikv.engine.detokenizer import detokenize
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.runner import ModelRunner
@@ -360,28 +361,26 @@ class LLM:
         return events
 
     def _append(self, seq: Sequence, token: int) -> str:
-        """Append a token, detokenize incrementally, apply the stop rules. Returns the new text."""
+        """Append a token, apply the stop rules, detokenize (minikv/engine/detokenizer.py). Returns the new
+        text: it is never taken back, so a sequence's deltas always join to its final text."""
         import time
 
         seq.output_token_ids.append(token)
         seq.token_times.append(time.perf_counter())
-        old = seq.text
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # hold back a half-decoded multi-byte character
-                seq.text = text
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and any(s in seq.text for s in p.stop):
-            cut = min(seq.text.find(s) for s in p.stop if s in seq.text)
-            seq.text = seq.text[:cut]
-            seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        delta = ""
+        if self.tokenizer is not None:  # finishing: what was held back goes out; a stop string: cut there
+            update = detokenize(self.tokenizer, seq.output_token_ids, seq.text, p.stop, seq.finish_reason is not None)
+            seq.text, delta = seq.text + update.delta, update.delta
+            if update.stopped:
+                seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
-        return seq.text[len(old):] if seq.text.startswith(old) else seq.text
+        return delta
 
     def beam_search(self, prompts: Prompt | list[Prompt], beam_width: int = 4, max_tokens: int = 16,
                     length_penalty: float = 1.0, ignore_eos: bool = False) -> list[RequestOutput]:
