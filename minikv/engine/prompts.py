@@ -1,0 +1,88 @@
+"""What a prompt may be, checked before it reaches the engine.
+
+    "The KV cache is"                            text (the model needs a tokenizer)
+    [791, 85, 9], (791, 85, 9), tensor([791, 85, 9])      token ids: ints in [0, vocab_size)
+    {"prompt": "The KV cache is", "cache_salt": "alice"}  text or ids ("prompt_token_ids") in a dict,
+    {"prompt_token_ids": [791, 85, 9]}                    with an optional cache salt (tenant)
+
+Anything else is a ValueError naming what was given and what to pass instead: a float id is never
+truncated (1.7 is not token 1), a string of digits is not a list of ids, True is not token 1.
+"""
+from __future__ import annotations
+
+from numbers import Integral, Number
+from typing import Any
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def validate_cache_salt(salt: Any) -> str | None:
+    """A cache salt names a tenant: requests with different salts never share cached blocks.
+    Only strings (or None) are salts: 1 and True, or 5 and 5.0, would otherwise be one tenant."""
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string or None, got {salt!r} ({type(salt).__name__}); "
+                         f"use str(...) of it to name the tenant")
+    return salt
+
+
+def is_single_prompt(prompts: Any) -> bool:
+    """True for one prompt (text, a dict, or one sequence of ids), False for a list of prompts."""
+    if isinstance(prompts, (str, dict, tuple)) or _is_array(prompts):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], Number)  # [1.7]: one bad prompt
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "tolist") and hasattr(x, "ndim")  # a torch tensor or a numpy array
+
+
+def token_ids(ids: Any, name: str = "prompt_token_ids") -> list[int]:
+    """A list, tuple or 1-D integer tensor/array of token ids -> a list of Python ints."""
+    if _is_array(ids):
+        if ids.ndim != 1:
+            raise ValueError(f"{name} must be 1-D (one prompt), got a tensor of shape {tuple(ids.shape)}; "
+                             "pass a list of prompts for a batch")
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        hint = " (pass text as a string prompt, or {'prompt': ...})" if isinstance(ids, str) else ""
+        raise ValueError(f"{name} must be a list of token ids (ints), got {type(ids).__name__} {ids!r}{hint}")
+    for i, t in enumerate(ids):
+        if not isinstance(t, Integral) or isinstance(t, bool):
+            raise ValueError(f"{name}[{i}] is {t!r} ({type(t).__name__}); token ids are integers")
+    return [int(t) for t in ids]
+
+
+def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], str | None, str | None]:
+    """One prompt -> (token ids, its text or None, cache salt or None), every id in [0, vocab_size)."""
+    salt = None
+    if isinstance(prompt, dict):
+        unknown = [k for k in prompt if k not in PROMPT_KEYS]
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"a dict prompt needs exactly one of 'prompt' (text) or 'prompt_token_ids' (ids), "
+                             f"and may have 'cache_salt'; got keys {list(prompt)}")
+        salt = validate_cache_salt(prompt.get("cache_salt"))
+        if "prompt_token_ids" in prompt:
+            prompt = token_ids(prompt["prompt_token_ids"])
+        else:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise ValueError(f"'prompt' must be text, got {type(prompt).__name__} {prompt!r}; "
+                                 "pass token ids as 'prompt_token_ids'")
+    text = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer; pass prompts as lists of token ids")
+        text = prompt
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    elif isinstance(prompt, (list, tuple)) or _is_array(prompt):
+        ids = token_ids(prompt, "prompt")
+    else:
+        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} "
+                         f"{prompt!r}" + ("; wrap one token id in a list: [id]" if isinstance(prompt, Integral) else ""))
+    if not ids:
+        raise ValueError("prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
+                         "use ids from this model's tokenizer")
+    return ids, text, salt
