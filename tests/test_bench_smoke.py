@@ -1,11 +1,32 @@
 """The GPU benchmark scripts run end to end on tiny shapes here, so they cannot rot between the
-rare runs on a GPU: every method they time must produce the reference's result."""
+rare runs on a GPU: every method they time must produce the reference's result. The kernel research
+scripts live beside their records in benchmarks/ (not in the package) and are loaded from there."""
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
-from minikv.bench import decode_attention, decode_profile, decode_variants
+from minikv.bench import decode_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def research_script(name: str):
+    """benchmarks/<name>.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+decode_variants = research_script("decode_variants")
+decode_profile = research_script("decode_profile")
 
 
 def test_decode_attention_benchmark_smoke(tmp_path, capsys):
@@ -47,3 +68,14 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             decode_profile.main(["--out", "never-made"])
+
+
+def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path):
+    """`python benchmarks/decode_variants.py --help` from anywhere: the script finds minikv in its
+    checkout. Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
+    site = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+    env = {**os.environ, "PYTHONPATH": site, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "decode_variants.py"), "--help"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--previous" in run.stdout

@@ -17,15 +17,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from minikv.bench import REPO, environment
 
 # English about the subject, tiled to the prompt length: a natural prompt keeps greedy decoding away
 # from the near-ties that random token ids produce.
@@ -86,25 +84,6 @@ def transformers_runner(ids: list[int], new_tokens: int, warmup_tokens: int) -> 
             seconds = time.perf_counter() - t
         return {"seconds": seconds, "token_ids": tokens, "attn_implementation": model.config._attn_implementation}
     return run
-
-
-def environment() -> dict:
-    import transformers
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()  # noqa: E731
-    commit = git("rev-parse", "--short=12", "HEAD") or None
-    if commit and git("status", "--porcelain", "--", "minikv"):
-        commit += "+uncommitted"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return {"device": f"CPU: {cpu or platform.processor() or platform.machine()}", "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "triton": triton_version,
-            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

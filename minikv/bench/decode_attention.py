@@ -27,16 +27,15 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import minikv.kernels  # noqa: F401  (first: on a CPU it must switch Triton to its interpreter before triton loads)
+import minikv.kernels  # noqa: F401, I001  (first: on a CPU it must switch Triton to its interpreter before triton loads)
+from minikv.bench import environment
 
 SHAPES = [(32, 4096), (64, 1024), (8, 16384)]  # (batch, context)
 BLOCK_SIZES = [16, 128]
@@ -160,14 +159,19 @@ def rel_err(a, b) -> float:
     return d / b.float().norm().item() if math.isfinite(d) else float("inf")
 
 
-def decode_case(B, L, block_size, dtype, device, heads, kv_layout=None):
-    """Inputs of one decode workload: a shuffled pool (stored as the Triton backend stores it, unless
-    kv_layout says otherwise), its block tables."""
-    from minikv.attention.triton_backend import TritonPagedBackend
+def engine_kv_layout() -> str:
+    """The pool's storage order in the engine with attention="triton" (its configuration's default)."""
+    from minikv.engine.config import EngineConfig
 
+    return EngineConfig("tiny-random", device="cpu", kv_backend="paged", attention="triton").kv_layout
+
+
+def decode_case(B, L, block_size, dtype, device, heads, kv_layout=None):
+    """Inputs of one decode workload: a shuffled pool (stored as the engine's Triton backend stores it,
+    unless kv_layout says otherwise), its block tables."""
     Hq, Hkv, D = heads
     k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=B + L + block_size,
-                                          kv_heads=Hkv, head_dim=D, kv_layout=kv_layout or TritonPagedBackend.kv_layout)
+                                          kv_heads=Hkv, head_dim=D, kv_layout=kv_layout or engine_kv_layout())
     q = torch.randn(B, Hq, D, device=device).to(dtype)
     return {"B": B, "L": L, "block_size": block_size, "heads": heads, "q": q, "k_cache": k_cache,
             "v_cache": v_cache, "tables": tables, "seq_lens": torch.full((B,), L, dtype=torch.long, device=device),
@@ -192,7 +196,7 @@ def bench_decode(c, device, clock, flex):
     q4 = q[:, :, None, :]  # [B, H, 1, D]
     kc, vc = contiguous_kv(k_cache, tables, L).contiguous(), contiguous_kv(v_cache, tables, L).contiguous()
     kx, vx = kc.repeat_interleave(Hq // Hkv, dim=1), vc.repeat_interleave(Hq // Hkv, dim=1)
-    meta = AttentionMetadata.build([1] * B, [L] * B, device, block_tables=tables)
+    meta = AttentionMetadata.build([1] * B, [L] * B, device)
     kv_bytes = c["kv_bytes"]
     k_nhd, v_nhd = k_cache.contiguous(), v_cache.contiguous()  # token-major copies (no copy if already so)
     methods = {
@@ -209,16 +213,21 @@ def bench_decode(c, device, clock, flex):
     }
     if flex is not None:
         methods["flex_contiguous"] = lambda: flex(q4, kc, vc, scale=scale, enable_gqa=True)
-    ref = fp32_decode_reference(q, kc, vc, scale)
     row = {"batch": B, "context": L, "block_size": block_size, "num_heads": Hq, "num_kv_heads": Hkv,
            "head_dim": D, "dtype": str(q.dtype).replace("torch.", ""), "kv_bytes": kv_bytes,
-           "num_splits": default_num_splits(B, Hkv, L, q.device), "time_us": {}, "eager_time_us": {},
-           "bandwidth_GBps": {}, "rel_err_vs_fp32": {}, "errors": {}}
+           "num_splits": default_num_splits(B, Hkv, L, q.device), "bandwidth_GBps": {}}
+    return measure(row, methods, fp32_decode_reference(q, kc, vc, scale), clock, kv_bytes)
+
+
+def measure(row: dict, methods: dict, ref, clock: Clock, kv_bytes: int | None = None) -> dict:
+    """Each method's error against ref, its eager time and its CUDA-graph time (the eager one where
+    capture fails: errors says so), into row; a method that does not run on this stack is reported."""
+    row.update(time_us={}, eager_time_us={}, rel_err_vs_fp32={}, errors={})
     for name, fn in methods.items():
         try:
-            row["rel_err_vs_fp32"][name] = rel_err(fn().reshape(B, Hq, D), ref)
+            row["rel_err_vs_fp32"][name] = rel_err(fn().reshape(ref.shape), ref)
             row["eager_time_us"][name] = round(clock(fn), 2)
-        except Exception as e:  # a baseline that does not run on this stack is reported, not fatal
+        except Exception as e:
             row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
         try:
@@ -227,12 +236,19 @@ def bench_decode(c, device, clock, flex):
             row["errors"][name + " (graph)"] = f"{type(e).__name__}: {str(e)[:300]}"
             us = row["eager_time_us"][name]
         row["time_us"][name] = round(us, 2)
-        row["bandwidth_GBps"][name] = round(kv_bytes / us / 1e3, 1)
+        if kv_bytes:
+            row["bandwidth_GBps"][name] = round(kv_bytes / us / 1e3, 1)
     row["ok"] = row["rel_err_vs_fp32"].get("triton_paged", float("inf")) <= TOL
     return row
 
 
 NOISE = 0.02  # a setting replaces the default only if it is this much faster: closer is run-to-run noise
+
+
+def keep_default(times: dict, default):
+    """The key of the fastest time, unless the default's is within NOISE of it (then the default)."""
+    best = min(times, key=times.get)
+    return default if default in times and times[best] > (1 - NOISE) * times[default] else best
 
 
 def tune_decode(cases, clock, deadline) -> dict:
@@ -241,8 +257,7 @@ def tune_decode(cases, clock, deadline) -> dict:
     defaults stay unless something beats them by more than NOISE (two runs of one setting differ by ~1%)."""
     import minikv.kernels.decode_attention as dec
 
-    log = {"programs_per_sm": {}, "configs": [], "start": {"programs_per_sm": dec.PROGRAMS_PER_SM,
-                                                          **dec.DECODE_CONFIG}}
+    log = {"configs": [], "start": {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}}
 
     def total(**kw):
         t = 0.0
@@ -250,16 +265,17 @@ def tune_decode(cases, clock, deadline) -> dict:
             t += kernel_time(clock, triton_decode(c, **kw))
         return round(t, 2)
 
-    for p in (2, 3, 4, 6, 8, 16):
-        if time.time() > deadline:
-            break
-        dec.PROGRAMS_PER_SM = p
-        log["programs_per_sm"][p] = total()
-    default_pps = log["start"]["programs_per_sm"]
-    best_pps = min(log["programs_per_sm"], key=log["programs_per_sm"].get)
-    if default_pps in log["programs_per_sm"] and \
-            log["programs_per_sm"][best_pps] > (1 - NOISE) * log["programs_per_sm"][default_pps]:
-        best_pps = default_pps
+    def sweep_programs_per_sm(key, values):
+        log[key] = {}
+        for p in values:
+            if time.time() > deadline:
+                break
+            dec.PROGRAMS_PER_SM = p
+            log[key][p] = total()
+        return log[key]
+
+    best_pps = keep_default(sweep_programs_per_sm("programs_per_sm", (2, 3, 4, 6, 8, 16)),
+                            log["start"]["programs_per_sm"])
     dec.PROGRAMS_PER_SM = best_pps
     for stages in (2, 3, 4):
         for block_n, warps in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4), (256, 8)):
@@ -270,26 +286,13 @@ def tune_decode(cases, clock, deadline) -> dict:
                 log["configs"].append({**kw, "total_us": total(**kw)})
             except Exception as e:
                 log["configs"].append({**kw, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    timed = [x for x in log["configs"] if "total_us" in x]
+    settings = ("block_n", "num_warps", "num_stages")
+    timed = {tuple(x[k] for k in settings): x["total_us"] for x in log["configs"] if "total_us" in x}
     if timed:
-        best = min(timed, key=lambda x: x["total_us"])
-        start = [x for x in timed if all(x[k] == log["start"][k] for k in ("block_n", "num_warps", "num_stages"))]
-        if start and best["total_us"] > (1 - NOISE) * start[0]["total_us"]:
-            best = start[0]
-        dec.DECODE_CONFIG.update({k: best[k] for k in ("block_n", "num_warps", "num_stages")})
+        dec.DECODE_CONFIG.update(zip(settings, keep_default(timed, tuple(log["start"][k] for k in settings))))
     # programs per SM again, with the chosen launch settings (the two interact)
-    log["programs_per_sm_again"] = {}
-    for p in (2, 3, 4, 6, 8):
-        if time.time() > deadline:
-            break
-        dec.PROGRAMS_PER_SM = p
-        log["programs_per_sm_again"][p] = total()
-    again = log["programs_per_sm_again"]
-    dec.PROGRAMS_PER_SM = best_pps
-    if again and best_pps in again:
-        best_again = min(again, key=again.get)
-        if again[best_again] <= (1 - NOISE) * again[best_pps]:
-            dec.PROGRAMS_PER_SM = best_again
+    again = sweep_programs_per_sm("programs_per_sm_again", (2, 3, 4, 6, 8))
+    dec.PROGRAMS_PER_SM = keep_default(again, best_pps) if best_pps in again else best_pps
     log["chosen"] = {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}
     log["rule"] = f"the fastest, unless the default is within {NOISE:.0%} of it (then the default)"
     return log
@@ -297,15 +300,14 @@ def tune_decode(cases, clock, deadline) -> dict:
 
 def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
     from minikv.attention.common import attend
-    from minikv.attention.triton_backend import TritonPagedBackend
     from minikv.attention.metadata import AttentionMetadata
     from minikv.kernels import paged_prefill_attention
 
     Hq, Hkv, D = heads
     scale = D**-0.5
     k_cache, v_cache, tables = paged_pool(B, L, block_size, dtype, device, seed=7, kv_heads=Hkv, head_dim=D,
-                                          kv_layout=TritonPagedBackend.kv_layout)
-    meta = AttentionMetadata.build([qlen] * B, [L] * B, device, block_tables=tables)
+                                          kv_layout=engine_kv_layout())
+    meta = AttentionMetadata.build([qlen] * B, [L] * B, device)
     q = torch.randn(B * qlen, Hq, D, device=device).to(dtype)
 
     def triton_fn(**kw):
@@ -317,25 +319,14 @@ def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
         return attend(qq, keys, values, meta, scale)
 
     row = {"case": name, "batch": B, "new_tokens": qlen, "context": L, "block_size": block_size,
-           "dtype": str(dtype).replace("torch.", ""), "time_us": {}, "errors": {}}
-    ref = torch_ref(k_cache.float(), v_cache.float(), q.float())
+           "dtype": str(dtype).replace("torch.", "")}
     methods = {"triton_paged": triton_fn, "torch_paged_ref": torch_ref}
     if qlen == L:  # whole prompts: flash attention on contiguous K/V is the ideal to compare with
         qc = q.view(B, L, Hq, D).transpose(1, 2)
         kc, vc = contiguous_kv(k_cache, tables, L).contiguous(), contiguous_kv(v_cache, tables, L).contiguous()
         methods["sdpa_causal_contiguous"] = lambda: F.scaled_dot_product_attention(
             qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2).reshape(B * L, Hq, D)
-    row["rel_err_vs_fp32"] = {}
-    row["eager_time_us"] = {}
-    for mname, fn in methods.items():
-        try:
-            row["rel_err_vs_fp32"][mname] = rel_err(fn(), ref)
-            row["eager_time_us"][mname] = round(clock(fn), 2)
-            row["time_us"][mname] = round(kernel_time(clock, fn), 2)
-        except Exception as e:
-            row["errors"][mname] = f"{type(e).__name__}: {str(e)[:300]}"
-    row["ok"] = row["rel_err_vs_fp32"].get("triton_paged", float("inf")) <= TOL
-    return row
+    return measure(row, methods, torch_ref(k_cache.float(), v_cache.float(), q.float()), clock)
 
 
 def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
@@ -407,35 +398,12 @@ def engine_check(device, smoke: bool = False) -> dict:
             llm = LLM("tiny-random", device=str(device), dtype=dtype, kv_backend="paged", attention=attention,
                       block_size=16, num_blocks=512, max_num_batched_tokens=256)
             outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
-        same = sum(a == b for x, y in zip(outs["torch"], outs["triton"]) for a, b in zip(x, y))
-        total = sum(len(x) for x in outs["torch"])
-        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                      for x, y in zip(outs["torch"], outs["triton"])]
-        result[dtype] = {"tokens_equal": same, "tokens": total, "sequences_identical":
-                         sum(x == y for x, y in zip(outs["torch"], outs["triton"])), "sequences": len(prompts),
-                         "first_differing_token": first_diff}
+        pairs = list(zip(outs["torch"], outs["triton"]))
+        result[dtype] = {"tokens_equal": sum(a == b for x, y in pairs for a, b in zip(x, y)),
+                         "tokens": sum(len(x) for x, _ in pairs), "sequences_identical": sum(x == y for x, y in pairs),
+                         "sequences": len(prompts), "first_differing_token": [
+                             next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in pairs]}
     return result
-
-
-def environment(device) -> dict:
-    import triton
-
-    try:
-        import transformers
-        tf_version = transformers.__version__
-    except Exception:
-        tf_version = None
-    commit = os.environ.get("MINIKV_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except Exception:
-            commit = None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__, "transformers": tf_version,
-            "cuda": torch.version.cuda, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "sms": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None}
 
 
 def print_tables(record: dict) -> None:
@@ -466,8 +434,6 @@ def print_tables(record: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    from minikv.attention.triton_backend import TritonPagedBackend
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_attention_gpu.json")
     ap.add_argument("--sweep", action="store_true",
@@ -493,10 +459,10 @@ def main(argv=None) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "decode_attention_gpu.json"
-    record = {"env": environment(device), "workload": {
+    record = {"env": {**environment(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "workload": {
         "decode_shapes": shapes, "block_sizes": block_sizes, "long_shapes": [list(x) for x in long_cases],
         "num_heads": heads[0], "num_kv_heads": heads[1], "head_dim": heads[2], "dtype": str(dtype).replace("torch.", ""),
-        "kv_layout": TritonPagedBackend.kv_layout,
+        "kv_layout": engine_kv_layout(),
         "timing": f"time_us: median of {clock.reps} CUDA-event timings of a CUDA graph replaying one call (GPU "
                   f"time, no Python launch cost) after {clock.warmup} warmups and 30 ms of back-to-back runs "
                   "(clocks up), L2 flushed by reading a 256 MiB buffer before each (a flush that writes leaves "

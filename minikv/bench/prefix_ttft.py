@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from minikv.bench.cache_speedup import PROMPT_TEXT, environment, write_record
-
-REPO = Path(__file__).resolve().parents[2]
+from minikv.bench import REPO, environment
+from minikv.bench.cache_speedup import PROMPT_TEXT, write_record
 MODES = (None, "hash", "radix")
 QUESTIONS = ["What is this text about?", "Summarise it in one sentence.", "Which memory does it describe?",
              "Why does the cache grow?", "What does a step cost?", "Name one trade-off.",
@@ -128,15 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         if llm.prefix_cache is not None:
             s = llm.stats()["prefix_cache"]
             results[k].update(prefix_cache_queries=s["queries"], prefix_cache_hits=s["hits"], hit_rate=s["hit_rate"])
-    env = environment()
-    if args.commit:
-        env["commit"] = args.commit
-    if args.device.startswith("cuda"):
-        env["device"] = torch.cuda.get_device_name(0)
     record = {
         "benchmark": "prefix_ttft",
         "date": datetime.date.today().isoformat(),
-        **env,
+        **environment(args.device, args.commit),
         "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
         "workload": {"model": args.model, "dtype": dtype, "device": args.device, "attention": args.attention,
                      "prefix_tokens": args.prefix_len, "suffix_tokens": args.suffix_len, "requests": args.requests,

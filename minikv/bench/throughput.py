@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from minikv.bench import environment
 
 QWEN25_05B_SHAPE = {
     "model_type": "qwen2",
@@ -278,25 +278,6 @@ def run_hf_padded(model, requests, device: str) -> dict:
 
 
 # ---- the record --------------------------------------------------------------------------------
-def environment(device: str, commit: str | None) -> dict:
-    import transformers
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except OSError:
-            commit = None
-    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() or "cpu"
-    return {"device": name, "torch": torch.__version__, "triton": triton_version,
-            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model and workload: a CPU smoke test")

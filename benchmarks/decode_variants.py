@@ -1,11 +1,11 @@
 """What limits the paged decode kernel on a GPU: one run that checks, times and prints a table.
 
-The decode benchmark (decode_attention.py) measures the kernel against its baselines; this script
-asks why it lands where it does. Each question is answered in the same run on the same card, at the
-benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 16:
+The decode benchmark (minikv/bench/decode_attention.py) measures the kernel against its baselines;
+this script asks why it lands where it does. Each question is answered in the same run on the same
+card, at the benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 16:
 
-    previous (--previous FILE) an earlier decode_attention.py timed beside the kernel as it is, on
-             the same values: what did a change to the kernel gain?
+    previous (--previous FILE) an earlier kernels/decode_attention.py timed beside the kernel as it
+             is, on the same values: what did a change to the kernel gain?
     layout   the pool stored token-major ([blocks, block_size, kv_heads, D] in memory: a program
              reads 128-byte rows 256 bytes apart) or head-major ([blocks, kv_heads, block_size, D],
              the engine's Triton backend; read through strides), and SDPA on contiguous K/V stored
@@ -37,7 +37,7 @@ fused merge, launch settings), each with its prediction.
 
 Every variant is checked against a float32 reference before it is timed.
 
-    python -m minikv.bench.decode_variants --out benchmarks/ [--splits] [--previous OLD_decode_attention.py]
+    python benchmarks/decode_variants.py --out benchmarks/ [--splits] [--previous OLD_decode_attention.py]
 """
 from __future__ import annotations
 
@@ -46,18 +46,23 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import minikv.kernels  # noqa: F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
-import minikv.kernels.decode_attention as dec
-import triton
-import triton.language as tl
-from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SHAPES, TOL, Clock, contiguous_kv,
-                                           copy_bandwidth, decode_case, environment, fp32_decode_reference,
+if __name__ == "__main__":  # run as a script: minikv from this checkout, installed or not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import minikv.kernels  # noqa: E402, F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
+import minikv.kernels.decode_attention as dec  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from minikv.bench import environment  # noqa: E402
+from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SHAPES, TOL, Clock,  # noqa: E402
+                                           contiguous_kv, copy_bandwidth, decode_case, fp32_decode_reference,
                                            kernel_time, rel_err)
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels' exponentials are base 2
@@ -856,7 +861,7 @@ def main(argv=None) -> dict:
         clock = Clock(device, 1, 0)
     if PREVIOUS is None:
         variants = {k: v for k, v in variants.items() if not v.get("previous")}
-    record = {"env": environment(device), "copy_bandwidth_GBps": round(copy_bandwidth(
+    record = {"env": {**environment(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "copy_bandwidth_GBps": round(copy_bandwidth(
               clock, 2**30 if not args.smoke else 2**20), 1),
               "decode_config": dict(dec.DECODE_CONFIG), "programs_per_sm": dec.PROGRAMS_PER_SM,
               "variants": variants, "shapes": {}}

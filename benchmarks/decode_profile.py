@@ -6,7 +6,7 @@ cudaProfilerStart/Stop, so that Nsight Compute profiles exactly those launches:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
-        python -m minikv.bench.decode_profile --out $OUT
+        python benchmarks/decode_profile.py --out $OUT
 
 (--clock-control none leaves the card's clocks as they are.) Cases: 64 x 1024 with the default
 split count, and with one split (one program per sequence and KV head, no merge; SDPA runs one
@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import minikv.kernels  # noqa: F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
-import minikv.kernels.decode_attention as dec
-from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, contiguous_kv, decode_case,
-                                           fp32_decode_reference, rel_err, TOL)
+if __name__ == "__main__":  # run as a script: minikv from this checkout, installed or not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import minikv.kernels  # noqa: E402, F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
+import minikv.kernels.decode_attention as dec  # noqa: E402
+from minikv.bench.decode_attention import (HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, TOL, contiguous_kv,  # noqa: E402
+                                           decode_case, fp32_decode_reference, rel_err)
 
 # (batch, context, splits (None = default), launch settings beyond the defaults)
 CASES = [(64, 1024, None, {}), (64, 1024, 1, {"block_n": 128, "num_warps": 4, "num_stages": 3}),
