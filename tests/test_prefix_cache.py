@@ -6,7 +6,7 @@ import pytest
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
 from minikv.cache.hash_chain import HashChainCache, block_hashes, extra_keys, hash_block
-from minikv.cache.prefix_cache import make_prefix_cache
+from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.radix import RadixCache
 from minikv.engine.sequence import Sequence
 from engine_checks import checked
@@ -45,11 +45,60 @@ class Manager(BlockManager):
 manager = Manager
 
 
+class BareRequest:
+    """The fields the cache reads (minikv/cache/block_table.py's CachedRequest) and nothing else. Only
+    block_table, the cache's own structure, may be assigned; any other write raises."""
+
+    def __init__(self, seq_id: int, token_ids: list[int], num_computed_tokens: int = 0, salt: str | None = None):
+        object.__setattr__(self, "block_table", [])
+        for name, value in dict(seq_id=seq_id, request_id=f"bare-{seq_id}", token_ids=list(token_ids),
+                                num_tokens=len(token_ids), num_computed_tokens=num_computed_tokens,
+                                cache_salt=salt).items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        if name != "block_table":
+            raise AttributeError(f"the cache wrote {name} = {value!r} into a request; return it to the caller instead")
+        object.__setattr__(self, name, value)
+
+    def computed(self, n: int) -> "BareRequest":
+        """The caller records progress (as the scheduler does for a Sequence)."""
+        object.__setattr__(self, "num_computed_tokens", n)
+        return self
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_the_cache_reads_requests_and_writes_only_their_block_table(design):
+    """Admit, cache, share, fork, copy on write and free a request that is not the engine's Sequence: the
+    block manager and the prefix cache read its fields and edit block_table only; what the caller must
+    record (the tokens a hit computed) comes back from acquire_prefix."""
+    bm = manager(design)
+    first = BareRequest(0, list(range(10)))
+    assert bm.acquire_prefix(first, bm.match_prefix(first)) == 0  # nothing cached yet
+    bm.grow(first, 10)
+    bm.cache_blocks(first.computed(10))
+    second = BareRequest(1, list(range(8)) + [50, 51])
+    hit = bm.match_prefix(second)
+    assert bm.acquire_prefix(second, hit) == 8 == hit.num_tokens and second.num_computed_tokens == 0
+    assert second.block_table == first.block_table[:2]
+    bm.grow(second.computed(8), 10)
+    assert bm.acquire_prefix(second, hit) is None  # it holds blocks already: nothing to take
+    child = BareRequest(2, second.token_ids + [60], num_computed_tokens=10)
+    bm.fork(second, child)  # the child writes position 10 next, into the partial block both hold
+    shared = second.block_table[2]
+    [(src, dst)] = bm.copy_on_write(child, 11)
+    assert src == shared and child.block_table == second.block_table[:2] + [dst]
+    bm.check([first, second, child])
+    for r in (first, second, child):
+        bm.free(r)
+    assert bm.num_used_blocks == 0
+
+
 def run(bm: Manager, tokens: list[int], salt: str | None = None) -> Sequence:
     """Admit a sequence the way the scheduler does and compute all its tokens (no model)."""
     seq = Sequence(tokens, SamplingParams(), cache_salt=salt)
     hit = bm.match_prefix(seq)
-    bm.acquire_prefix(seq, hit)
+    seq.num_computed_tokens = seq.num_cached_tokens = bm.acquire_prefix(seq, hit)  # the scheduler records it
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_blocks(seq)

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.hash_chain import block_hashes
-from minikv.cache.prefix_cache import make_prefix_cache
+from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.engine.sequence import Sequence
 from engine_checks import checked
 
@@ -74,7 +74,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert hit.num_tokens < seq.num_tokens, "a hit must leave a token to compute"
         if not self.bm.can_admit(seq, hit, min(seq.num_tokens, hit.num_tokens + n)):
             return False
-        self.bm.acquire_prefix(seq, hit)
+        seq.num_computed_tokens = self.bm.acquire_prefix(seq, hit)  # the caller records what the hit computed
         self.expect(seq, hit.num_tokens)  # the hit serves this request's own tokens and salt
         self.running.append(seq)
         self.compute(seq, n)

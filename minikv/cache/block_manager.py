@@ -13,6 +13,10 @@ copies the K/V of `(src, dst)` on the device) and drops its reference to the sha
     parent [0 1 2]  child [0 1 2]      block 2 = positions 8-9 of 10, ref_count 2
     parent writes position 10  ->  parent [0 1 5] (5 = copy of 2), child [0 1 2], both ref 1
 
+The rule is `copy_on_write_rule`, on plain lists; exercise 07c's version plugs in in its place with
+`BlockManager(..., copy_on_write=fn)` (or `LLM(..., kv_backend="paged", copy_on_write=fn)`), and
+the block manager still counts the copies and checks what comes back.
+
 Prefix caching (rung 6, `attach_prefix_cache`): a block whose ref_count drops to 0 may keep its
 K/V in the prefix cache (unused, evictable) instead of going back empty; an admitted sequence first
 takes the blocks of its cached prefix (`acquire_prefix`), and its newly full blocks join the cache
@@ -20,23 +24,49 @@ after each step (`cache_blocks`). Cached blocks are never written: writes start 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
+from minikv.cache.block_table import CachedRequest, blocks_needed
 from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
 
-if TYPE_CHECKING:
-    from minikv.engine.sequence import Sequence
+# copy_on_write(block_table, ref_count, num_computed_tokens, num_tokens, block_size, allocate) -> [(src, dst)]
+CopyOnWrite = Callable[[list[int], list[int], int, int, int, Callable[[], int]], list[tuple[int, int]]]
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+def copy_on_write_rule(block_table: list[int], ref_count: list[int], num_computed_tokens: int, num_tokens: int,
+                       block_size: int, allocate: Callable[[], int]) -> list[tuple[int, int]]:
+    """The engine's copy-on-write rule on plain lists (what `BlockManager(copy_on_write=...)` replaces).
+
+    The step writes positions [num_computed_tokens, num_tokens); block_table already covers them.
+    Every block they fall in that another table still holds (ref_count > 1) is swapped, in place in
+    block_table, for a fresh block from allocate() (ref_count 1); the shared one loses this holder.
+    Returns the (src, dst) pairs whose K/V the runner copies before the forward."""
+    copies = []
+    first, last = num_computed_tokens // block_size, min(len(block_table), blocks_needed(num_tokens, block_size))
+    for i in range(first, last):
+        src = block_table[i]
+        if ref_count[src] > 1:  # someone else reads it: never write in place
+            dst = allocate()
+            ref_count[dst] = 1
+            ref_count[src] -= 1  # > 0 still: the others keep it
+            block_table[i] = dst
+            copies.append((src, dst))
+    return copies
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None):
+    """allocator: who hands out free block ids (`BlockAllocator`; rung 4's seam).
+    copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam)."""
+
+    def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None,
+                 copy_on_write: CopyOnWrite | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.allocator = allocator if allocator is not None else FreeListAllocator(num_blocks)
+        if copy_on_write is not None and not callable(copy_on_write):
+            raise TypeError(f"copy_on_write must be a function (block_table, ref_count, num_computed_tokens, "
+                            f"num_tokens, block_size, allocate) -> [(src, dst), ...], got {copy_on_write!r}")
+        self.copy_on_write_fn: CopyOnWrite = copy_on_write or copy_on_write_rule
         self.ref_count = [0] * num_blocks
         self.prefix_cache: PrefixCache | None = None
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
@@ -60,16 +90,16 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
+    def num_new_blocks(self, seq: CachedRequest, num_tokens: int) -> int:
         """Blocks `seq` must still get to hold `num_tokens` tokens."""
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def can_grow(self, seq: CachedRequest, num_tokens: int) -> bool:
         """Room for the new blocks AND for the private copies of shared blocks the step writes into."""
         need = self.num_new_blocks(seq, num_tokens) + len(self.shared_blocks_to_write(seq, num_tokens))
         return need <= self.num_free_blocks
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: CachedRequest, num_tokens: int) -> None:
         """Append blocks to seq.block_table until it can hold `num_tokens` tokens."""
         need = self.num_new_blocks(seq, num_tokens)
         if need > self.num_free_blocks:
@@ -83,7 +113,7 @@ class BlockManager:
             seq.block_table.append(block)
         self._track_peaks()
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: CachedRequest) -> None:
         """Drop the sequence's references, tail first; blocks nobody references go back."""
         for block in reversed(seq.block_table):
             self.decref(block)
@@ -107,7 +137,7 @@ class BlockManager:
         if self.ref_count[block] == 0:
             self.allocator.free(block)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: CachedRequest, child: CachedRequest) -> None:
         """The child shares every block of the parent (copy-on-write happens on the next write)."""
         for block in parent.block_table:
             self.incref(block)
@@ -115,29 +145,66 @@ class BlockManager:
         self.num_forks += 1
         self._track_peaks()
 
-    def shared_blocks_to_write(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def shared_blocks_to_write(self, seq: CachedRequest, num_tokens: int) -> list[int]:
         """Logical indexes of the blocks that writing positions [num_computed_tokens, num_tokens) touches
         while another block table still holds them (ref_count > 1)."""
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_table), blocks_needed(num_tokens, self.block_size))
         return [i for i in range(first, last) if self.ref_count[seq.block_table[i]] > 1]
 
-    def copy_on_write(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+    def copy_on_write(self, seq: CachedRequest, num_tokens: int) -> list[tuple[int, int]]:
         """Before a step writes positions [seq.num_computed_tokens, num_tokens): swap every shared block
-        it writes into for a private copy. Returns the (src, dst) pairs whose K/V must be copied (all
-        layers) before the forward. The last owner of a block writes in place: its ref_count is 1."""
-        copies = []
-        for i in self.shared_blocks_to_write(seq, num_tokens):
-            src, dst = seq.block_table[i], self.allocator.allocate()
-            if self.ref_count[dst] != 0:
-                raise RuntimeError(f"allocator returned block {dst}, which is still in use")
-            self.ref_count[dst] = 1
-            self.num_refs += 1
-            seq.block_table[i] = dst
-            self.decref(src)  # others still hold src: it stays allocated
-            copies.append((src, dst))
+        it writes into for a private copy (`copy_on_write_rule`, or the function given to the
+        constructor). Returns the (src, dst) pairs whose K/V must be copied (all layers) before the
+        forward. The last owner of a block writes in place: its ref_count is 1.
+
+        The rule edits block_table and ref_count in place; num_refs stays as it was (each copy adds
+        one holder to dst and takes one from src), so `check` catches a rule that miscounts."""
+        handed: list[int] = []
+
+        def allocate() -> int:
+            block = self.allocator.allocate()
+            if self.ref_count[block] != 0:
+                raise RuntimeError(f"allocator returned block {block}, which is still in use")
+            handed.append(block)
+            return block
+
+        table_len = len(seq.block_table)
+        raw = self.copy_on_write_fn(seq.block_table, self.ref_count, seq.num_computed_tokens, num_tokens,
+                                    self.block_size, allocate)
+        copies = self._checked_copies(raw, handed, seq, table_len)
         self.num_cow_copies += len(copies)
         self._track_peaks()
+        return copies
+
+    def _checked_copies(self, raw, handed: list[int], seq: CachedRequest, table_len: int) -> list[tuple[int, int]]:
+        """What a copy_on_write function returned, as (src, dst) int pairs, or a ValueError naming the fault."""
+        if isinstance(raw, (list, tuple)) and not raw and not handed and len(seq.block_table) == table_len:
+            return []  # nothing shared was written: the common case, checked cheaply
+
+        def fault(what: str) -> ValueError:
+            name = getattr(self.copy_on_write_fn, "__name__", "copy_on_write")
+            return ValueError(f"{name} for request {seq.request_id} (block_table now {seq.block_table}) {what}")
+
+        if raw is None:
+            raise fault("returned None; return the list of (src, dst) copies, [] when nothing is copied "
+                        "(did it forget to `return`?)")
+        try:
+            copies = [(int(src), int(dst)) for src, dst in raw]
+        except (TypeError, ValueError):
+            raise fault(f"returned {raw!r}; expected a list of (src, dst) pairs of block ids") from None
+        for src, dst in copies:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise fault(f"returned the copy ({src}, {dst}); block ids are in [0, {self.num_blocks})")
+            if dst not in handed:
+                raise fault(f"returned the copy ({src}, {dst}), but block {dst} did not come from allocate() "
+                            f"(it handed out {handed}): the copy would overwrite a block in use")
+        if sorted(d for _, d in copies) != sorted(handed):
+            raise fault(f"took blocks {handed} from allocate() but returned copies into {[d for _, d in copies]}: "
+                        "each allocated block holds exactly one copy, returned once")
+        if len(seq.block_table) != table_len:
+            raise fault(f"changed the length of block_table from {table_len} to {len(seq.block_table)}; "
+                        "copy-on-write replaces entries, it never adds or removes one")
         return copies
 
     # ---- prefix cache (rung 6) -------------------------------------------------------------------
@@ -149,33 +216,33 @@ class BlockManager:
         cache.bind(self.ref_count)
         self.allocator = CachingAllocator(self.allocator, cache)
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+    def match_prefix(self, seq: CachedRequest) -> PrefixMatch:
         """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
         if self.prefix_cache is None or seq.block_table:
             return PrefixMatch()
         return self.prefix_cache.lookup(seq)
 
-    def can_admit(self, seq: Sequence, hit: PrefixMatch, num_tokens: int) -> bool:
+    def can_admit(self, seq: CachedRequest, hit: PrefixMatch, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
         if not hit.blocks:
             return self.can_grow(seq, num_tokens)
         revived = sum(1 for b in hit.blocks if self.ref_count[b] == 0)
         return blocks_needed(num_tokens, self.block_size) - len(hit.blocks) + revived <= self.num_free_blocks
 
-    def acquire_prefix(self, seq: Sequence, hit: PrefixMatch) -> None:
-        """Start the sequence on its cached prefix: [0, hit.num_tokens) needs no compute."""
+    def acquire_prefix(self, seq: CachedRequest, hit: PrefixMatch) -> int | None:
+        """Start the sequence on its cached prefix: [0, hit.num_tokens) needs no compute. Returns
+        hit.num_tokens, the tokens the caller records as computed; None if it took nothing (caching
+        off, or the sequence already holds blocks) and the sequence stays as it was."""
         if self.prefix_cache is None or seq.block_table:
-            return
+            return None
         for b in hit.blocks:
             self.incref(b)
         seq.block_table = list(hit.blocks)
-        seq.num_computed_tokens = hit.num_tokens
-        if seq.num_preemptions == 0:  # what the request saved on arrival (a recompute may hit more)
-            seq.num_cached_tokens = hit.num_tokens
         self.prefix_cache.record(seq, hit)
         self._track_peaks()
+        return hit.num_tokens
 
-    def cache_blocks(self, seq: Sequence) -> None:
+    def cache_blocks(self, seq: CachedRequest) -> None:
         """After a step: the sequence's newly full blocks join the cache. A block the cache already
         holds under another id (computed twice) is swapped for the cached one, and ours goes back."""
         if self.prefix_cache is None:
@@ -194,7 +261,7 @@ class BlockManager:
         for b in self.prefix_cache.clear():
             self.allocator.inner.free(b)
 
-    def check(self, seqs: list[Sequence]) -> None:
+    def check(self, seqs: list[CachedRequest]) -> None:
         """Invariants: refcounts equal block-table membership; used + free == total."""
         counts = [0] * self.num_blocks
         for s in seqs:

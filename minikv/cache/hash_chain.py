@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence as Seq
+from typing import Callable
 
+from minikv.cache.block_table import CachedRequest, TokenIds
 from minikv.cache.prefix_cache import EvictionQueue, PrefixCache, PrefixMatch
 
-if TYPE_CHECKING:
-    from minikv.engine.sequence import Sequence
 
 BlockHash = bytes
 HashFn = Callable[[BlockHash | None, tuple, tuple], BlockHash]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Seq[int], extra_keys: tuple = ()) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: TokenIds, extra_keys: tuple = ()) -> BlockHash:
     """Key of one full block: sha256 of (parent key, its token ids, its extra keys)."""
     text = repr((parent.hex() if parent is not None else None, tuple(int(t) for t in token_ids), tuple(extra_keys)))
     return hashlib.sha256(text.encode()).digest()
@@ -50,7 +49,7 @@ def extra_keys(block_index: int, cache_salt: str | None = None) -> tuple:
     return ()
 
 
-def block_hashes(token_ids: Seq[int], block_size: int, cache_salt: str | None = None,
+def block_hashes(token_ids: TokenIds, block_size: int, cache_salt: str | None = None,
                  hash_fn: HashFn = hash_block) -> list[BlockHash]:
     """Keys of every full block of `token_ids`, chained from the first."""
     keys: list[BlockHash] = []
@@ -85,7 +84,7 @@ class HashChainCache(PrefixCache):
         self.num_collisions = 0
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def _key(self, parent: BlockHash | None, token_ids: Seq[int], i: int, salt: str | None) -> tuple:
+    def _key(self, parent: BlockHash | None, token_ids: TokenIds, i: int, salt: str | None) -> tuple:
         bs = self.block_size
         toks, extra = tuple(token_ids[i * bs:(i + 1) * bs]), extra_keys(i, salt)
         return self.hash_fn(parent, toks, extra), toks, extra
@@ -96,7 +95,7 @@ class HashChainCache(PrefixCache):
         self.num_collisions += 1  # equal keys, different content: never serve it
         return False
 
-    def match(self, token_ids: Seq[int], salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+    def match(self, token_ids: TokenIds, salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         blocks: list[int] = []
         parent = None
@@ -115,7 +114,7 @@ class HashChainCache(PrefixCache):
             self.by_block[b].last_used = now
 
     # ---- filling --------------------------------------------------------------------------------
-    def insert(self, seq: Sequence) -> dict[int, int]:
+    def insert(self, seq: CachedRequest) -> dict[int, int]:
         if not self.enabled:
             return {}
         keys = self._seq_keys.setdefault(seq.seq_id, [])
@@ -134,7 +133,7 @@ class HashChainCache(PrefixCache):
                 adopt[i] = entry.block  # computed twice (two requests in flight): keep one copy
         return adopt
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: CachedRequest) -> None:
         self._seq_keys.pop(seq.seq_id, None)
 
     # ---- unused blocks --------------------------------------------------------------------------

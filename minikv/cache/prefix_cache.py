@@ -13,6 +13,8 @@ Two designs implement this interface side by side:
                             key(block i) = hash(key(block i-1), tokens of block i, extra keys)
     RadixCache (SGLang)     a tree whose edges hold token runs; a lookup walks it from the root
 
+(`make_prefix_cache` in prefix_caches.py builds either by name.)
+
 Rules both keep:
   * only FULL blocks are cached: a block is immutable once its last slot is written
   * a cached block keeps its K/V after its last user leaves; it is "unused" (ref_count 0) and
@@ -31,10 +33,9 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Iterable, Sequence as Seq
+from typing import Hashable, Iterable
 
-if TYPE_CHECKING:
-    from minikv.engine.sequence import Sequence
+from minikv.cache.block_table import CachedRequest, TokenIds
 
 EVICTION_POLICIES = ("lru", "fifo")
 
@@ -121,16 +122,16 @@ class PrefixCache(ABC):
 
     # ---- lookup ---------------------------------------------------------------------------------
     @abstractmethod
-    def match(self, token_ids: Seq[int], salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+    def match(self, token_ids: TokenIds, salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
         """Longest cached prefix of token_ids[:max_tokens] in whole blocks. No side effects."""
 
-    def lookup(self, seq: Sequence) -> PrefixMatch:
+    def lookup(self, seq: CachedRequest) -> PrefixMatch:
         """What a sequence about to be prefilled can reuse: everything but its last token."""
         if not self.enabled:
             return PrefixMatch()
         return self.match(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
 
-    def record(self, seq: Sequence, hit: PrefixMatch) -> None:
+    def record(self, seq: CachedRequest, hit: PrefixMatch) -> None:
         """A sequence was admitted with `hit` (possibly empty): count it, refresh LRU times."""
         self.queries += seq.num_tokens
         self.hits += hit.num_tokens
@@ -143,12 +144,12 @@ class PrefixCache(ABC):
 
     # ---- filling --------------------------------------------------------------------------------
     @abstractmethod
-    def insert(self, seq: Sequence) -> dict[int, int]:
+    def insert(self, seq: CachedRequest) -> dict[int, int]:
         """Offer the sequence's full computed blocks. Returns {index: block} for each of its blocks
         whose content the cache already holds in another block: the sequence should use that one."""
 
     @abstractmethod
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: CachedRequest) -> None:
         """The sequence let go of its blocks (finished, preempted, aborted): drop its progress."""
 
     # ---- unused blocks --------------------------------------------------------------------------
@@ -179,7 +180,7 @@ class PrefixCache(ABC):
         """Every block the cache holds, used or not."""
 
     # ---- control --------------------------------------------------------------------------------
-    def pin(self, token_ids: Seq[int], salt: str | None = None) -> int:
+    def pin(self, token_ids: TokenIds, salt: str | None = None) -> int:
         """Never evict the cached blocks of this prefix (the whole path from the first block, so
         what stays is always reachable). Returns the number of tokens pinned."""
         key = (salt, tuple(token_ids))
@@ -191,7 +192,7 @@ class PrefixCache(ABC):
                     self._on_pin(b)
         return len(self._pins[key]) * self.block_size
 
-    def unpin(self, token_ids: Seq[int], salt: str | None = None) -> int:
+    def unpin(self, token_ids: TokenIds, salt: str | None = None) -> int:
         """Undo `pin` of the same tokens and salt (blocks other pins cover stay pinned)."""
         blocks = self._pins.pop((salt, tuple(token_ids)), [])
         for b in blocks:
@@ -238,7 +239,7 @@ class PrefixCache(ABC):
             "pinned_blocks": len(self.pinned), "evicted_blocks": self.num_evicted, "resets": self.num_resets,
         }
 
-    def check(self, seqs: Iterable[Sequence] = ()) -> None:
+    def check(self, seqs: Iterable[CachedRequest] = ()) -> None:
         """Invariants of the design (see each implementation); AssertionError names the first broken."""
         cached = set(self.cached_blocks())
         if not set(self.pinned) <= cached:
@@ -256,20 +257,3 @@ class PrefixCache(ABC):
     def salt_of(self, block: int) -> str | None:
         """The cache_salt of the request that cached this block."""
 
-
-def make_prefix_cache(design: str | PrefixCache, block_size: int, eviction: str = "lru") -> PrefixCache:
-    """`LLM(prefix_caching=...)`: "hash", "radix", or a PrefixCache instance (a learner's, say)."""
-    if isinstance(design, PrefixCache):
-        if design.block_size != block_size:
-            raise ValueError(f"the prefix cache was built for block_size {design.block_size}, the engine uses "
-                             f"{block_size}; build it with the engine's block_size")
-        return design
-    if design == "hash":
-        from minikv.cache.hash_chain import HashChainCache
-
-        return HashChainCache(block_size, eviction)
-    if design == "radix":
-        from minikv.cache.radix import RadixCache
-
-        return RadixCache(block_size, eviction)
-    raise ValueError(f"prefix_caching must be None, 'hash' or 'radix' (or a PrefixCache), got {design!r}")

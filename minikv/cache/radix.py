@@ -21,12 +21,11 @@ Generated tokens are inserted too, so the next turn of a chat hits on the previo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence as Seq
+from typing import Callable
 
+from minikv.cache.block_table import CachedRequest, TokenIds
 from minikv.cache.prefix_cache import EvictionQueue, PrefixCache, PrefixMatch
 
-if TYPE_CHECKING:
-    from minikv.engine.sequence import Sequence
 
 
 class Node:
@@ -50,7 +49,7 @@ class Node:
         return f"Node({len(self.key)} tokens, blocks={self.blocks}, {len(self.children)} children)"
 
 
-def match_prefix(root: Node, token_ids: Seq[int], block_size: int) -> tuple[list[int], int]:
+def match_prefix(root: Node, token_ids: TokenIds, block_size: int) -> tuple[list[int], int]:
     """Longest prefix of `token_ids` spelled by a path from `root`, in whole blocks.
     Returns (blocks holding it, number of tokens)."""
     node, blocks, pos = root, [], 0
@@ -67,7 +66,7 @@ def match_prefix(root: Node, token_ids: Seq[int], block_size: int) -> tuple[list
     return blocks, pos
 
 
-def shared_blocks(key: tuple, token_ids: Seq[int], start: int, block_size: int) -> int:
+def shared_blocks(key: tuple, token_ids: TokenIds, start: int, block_size: int) -> int:
     """How many whole blocks of `key` equal token_ids[start:], block by block."""
     n = 0
     while (n + 1) * block_size <= len(key) and start + (n + 1) * block_size <= len(token_ids):
@@ -78,7 +77,7 @@ def shared_blocks(key: tuple, token_ids: Seq[int], start: int, block_size: int) 
     return n
 
 
-MatchFn = Callable[[Node, Seq[int], int], tuple[list[int], int]]
+MatchFn = Callable[[Node, TokenIds, int], tuple[list[int], int]]
 
 
 class RadixCache(PrefixCache):
@@ -94,7 +93,7 @@ class RadixCache(PrefixCache):
         self._unused = 0  # unused, unpinned blocks in the tree
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def match(self, token_ids: Seq[int], salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+    def match(self, token_ids: TokenIds, salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
         root = self.roots.get(salt)
         if root is None:
             return PrefixMatch()
@@ -113,7 +112,7 @@ class RadixCache(PrefixCache):
             self.leaves.push(node, self._priority(node))
 
     # ---- filling --------------------------------------------------------------------------------
-    def insert(self, seq: Sequence) -> dict[int, int]:
+    def insert(self, seq: CachedRequest) -> dict[int, int]:
         if not self.enabled:
             return {}
         bs, n_full = self.block_size, seq.num_computed_tokens // self.block_size
@@ -169,7 +168,7 @@ class RadixCache(PrefixCache):
             self.node_of[b] = upper
         return upper
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: CachedRequest) -> None:
         self._progress.pop(seq.seq_id, None)
 
     # ---- unused blocks --------------------------------------------------------------------------
@@ -262,7 +261,7 @@ class RadixCache(PrefixCache):
             stack += [(c, d + 1) for c in reversed(list(node.children.values()))]
         return out
 
-    def path_blocks(self, token_ids: Seq[int], salt: str | None, num_blocks: int) -> list[int]:
+    def path_blocks(self, token_ids: TokenIds, salt: str | None, num_blocks: int) -> list[int]:
         return self.match(token_ids[:num_blocks * self.block_size], salt).blocks
 
     # ---- invariants -----------------------------------------------------------------------------

@@ -26,6 +26,11 @@ Prefix caching (rung 6): a waiting sequence starts on the longest cached prefix 
 and after every step its newly full blocks join the cache. policy="lpm" admits the waiting
 sequence with the longest cached prefix first (SGLang's cache-aware scheduling): more hits, but a
 request that shares nothing can wait as long as others that share keep arriving (starvation).
+
+A learner's decision (exercise 05b) plugs in with `Scheduler(..., schedule_step=fn)`, or
+`LLM(..., kv_backend="paged", schedule_step=fn)` (the seam: minikv/engine/schedule_step.py). The
+scheduler asks it every step in place of steps 1-3, admits the waiting sequences it chose and grows
+their block tables; it never preempts: the exercise covers the case where everything fits.
 """
 from __future__ import annotations
 
@@ -33,20 +38,27 @@ from collections import deque
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.swap import SwapSpace
+from minikv.engine.batch import ScheduledBatch
+from minikv.engine.schedule_step import ScheduleStep, checked_decision
 from minikv.engine.sequence import Sequence, SequenceStatus
-from minikv.engine.simple_scheduler import ScheduledBatch
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Scheduler:
+    """schedule_step: a function deciding each step's batch in place of the built-in policy (see above)."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, preemption: str = "recompute",
-                 swap_space: SwapSpace | None = None):
+                 swap_space: SwapSpace | None = None, schedule_step: ScheduleStep | None = None):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if preemption == "swap" and swap_space is None:
             raise ValueError("preemption='swap' needs a swap space (swap_blocks > 0)")
+        if schedule_step is not None and not callable(schedule_step):
+            raise TypeError("schedule_step must be a function (running, waiting, budget, max_num_seqs, free_blocks, "
+                            f"block_size) -> [(request_id, num_tokens), ...], got {schedule_step!r}")
+        self.schedule_step = schedule_step
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,6 +89,8 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        if self.schedule_step is not None:
+            return self._schedule_with(self.schedule_step)
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted_now = False
@@ -129,11 +143,33 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._trace(seq, "admit")
-            self.bm.acquire_prefix(seq, hit)
+            cached = self.bm.acquire_prefix(seq, hit)  # [0, cached) served by the prefix cache
+            if cached is not None:
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:  # what the request saved on arrival (a recompute may hit more)
+                    seq.num_cached_tokens = cached
             self.bm.grow(seq, seq.num_computed_tokens + n)
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
+        self.step_index += 1
+        return batch
+
+    def _schedule_with(self, schedule_step: ScheduleStep) -> ScheduledBatch:
+        """One step decided by `schedule_step`: ask it, check its answer, then apply it the way the
+        built-in policy would (admit, grow, copy-on-write), running ones and admitted ones in its order."""
+        decision = checked_decision(schedule_step, self.running, list(self.waiting), self.max_num_batched_tokens,
+                                    self.max_num_seqs, self.bm, f"at engine step {self.step_index}")
+        batch = ScheduledBatch()
+        for seq, n in decision:
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self._trace(seq, "admit")
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
+            batch.add(seq, seq.num_computed_tokens, n)
         self.step_index += 1
         return batch
 

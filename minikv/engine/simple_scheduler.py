@@ -8,26 +8,9 @@ contiguous:  a sequence gets a preallocated cache row when admitted; its first s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from minikv.engine.batch import ScheduledBatch
 from minikv.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence runs this step
-    starts: list[int] = field(default_factory=list)  # first position each sequence runs this step
-    preempted: list[Sequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def add(self, seq: Sequence, start: int, n: int) -> None:
-        self.seqs.append(seq)
-        self.starts.append(start)
-        self.num_new_tokens.append(n)
 
 
 class SimpleScheduler:

@@ -1,0 +1,115 @@
+"""Who may import whom: the cache knows nothing of the engine, and no module of minikv imports itself
+back through others.
+
+The imports are read with `ast` from the source, not by importing, so a circle is found even when
+Python would get away with it. Every import statement counts, wherever it sits:
+
+    top of the file              the module needs the other at import time
+    under `if TYPE_CHECKING:`    the module's types name the other: the design still depends on it
+    inside a function            a lazy import is the usual way to hide a circle; it is still one
+
+An edge goes to the module named (`from minikv.cache import allocator` -> minikv.cache.allocator,
+`from minikv.cache.radix import Node` -> minikv.cache.radix), not to the packages above it that
+Python runs first: every module imports its parents' `__init__`, so counting those would make a
+circle of any package whose `__init__` re-exports its children.
+kernels/ is imported as minikv.kernels (pyproject.toml maps it there).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = {"minikv": REPO / "minikv", "minikv.kernels": REPO / "kernels"}
+
+
+def module_files() -> dict[str, tuple[Path, bool]]:
+    """Every module of minikv: name -> (file, is a package __init__)."""
+    mods = {}
+    for pkg, root in PACKAGES.items():
+        for f in sorted(root.rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            mods[".".join([pkg] + (parts[:-1] if is_pkg else parts))] = (f, is_pkg)
+    return mods
+
+
+MODULES = module_files()
+
+
+def imports_of(name: str) -> list[tuple[str, int]]:
+    """(imported name, line) for every import statement in the module, resolved to an absolute name:
+    the submodule when `from X import Y` names one, else X."""
+    path, is_pkg = MODULES[name]
+    package = name if is_pkg else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x, from ..cache import y
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for a in node.names:
+                out.append((f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target, node.lineno))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """minikv module -> the minikv modules it imports."""
+    return {m: {t for t, _ in imports_of(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle as a path [a, b, ..., a], or None if the graph is acyclic (depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_graph_reader_sees_every_kind_of_import():
+    """The reader itself: the kinds of import the two tests below rely on are found."""
+    assert len(MODULES) > 40 and "minikv.kernels.decode_attention" in MODULES and "minikv.cache" in MODULES
+    llm = {t for t, _ in imports_of("minikv.engine.llm")}
+    assert {"minikv.cache.block_manager", "minikv.engine.sequence"} <= llm
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_cache_never_imports_the_engine():
+    """minikv/cache/ owns KV memory and knows no request type, scheduler or runner: what it needs of a
+    request is the Protocol in minikv/cache/block_table.py, which the engine's Sequence satisfies."""
+    bad = [f"{MODULES[m][0].relative_to(REPO)}:{line} imports {t}"
+           for m in MODULES if m == "minikv.cache" or m.startswith("minikv.cache.")
+           for t, line in imports_of(m) if t == "minikv.engine" or t.startswith("minikv.engine.")]
+    assert not bad, ("the cache must not import the engine (TYPE_CHECKING and function-level imports count):\n  "
+                     + "\n  ".join(bad) + "\nuse the request Protocol of minikv/cache/block_table.py instead")
+
+
+def test_no_import_circle_among_minikv_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, ("import circle: " + " -> ".join(cycle) + "\nmove what both need into a module "
+                           "neither imports from, or build the objects in a factory both sides import")
