@@ -24,6 +24,7 @@ from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
+from minikv.engine.prompts import parse_prompt
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
@@ -233,26 +234,7 @@ class LLM:
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
         """Return (token ids, text or None, cache salt or None) of one prompt, validated."""
-        salt = None
-        if isinstance(prompt, dict):
-            salt = prompt.get("cache_salt")
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids' (and may have 'cache_salt')")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model_type!r} was loaded without a tokenizer; "
-                                 "pass prompts as lists of token ids")
-            text = prompt
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty; give at least one token")
+        ids, text, salt = parse_prompt(prompt, self.tokenizer, self.config.vocab_size)  # minikv/engine/prompts.py
         if len(ids) > self.max_model_len:
             if self.block_size is not None and self.max_model_len == self.block_manager.num_blocks * self.block_size:
                 raise ValueError(
@@ -261,9 +243,6 @@ class LLM:
                     "num_blocks or kv_cache_memory, or shorten the prompt")
             raise ValueError(f"prompt has {len(ids):,} tokens but max_model_len is {self.max_model_len:,}; "
                              "raise max_model_len or shorten the prompt")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids, text, salt
 
     def chat_prompt(self, user_message: str, system: str | None = None) -> str:
