@@ -1,5 +1,29 @@
 """minikv: a small, real LLM inference engine, built rung by rung to teach the KV cache."""
-from minikv.engine import LLM, RequestOutput, SamplingParams, StreamEvent
+import sys as _sys
+from importlib.util import spec_from_file_location as _spec_from_file_location
+from pathlib import Path as _Path
+
+
+class _CheckoutKernels:
+    """Finds `minikv.kernels` in the repository's top-level kernels/ folder.
+
+    An install maps that folder to minikv.kernels (pyproject.toml, package-dir); a checkout on
+    PYTHONPATH has no such map, so this finder, last on sys.meta_path, supplies it there."""
+
+    folder = _Path(__file__).resolve().parent.parent / "kernels"
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "minikv.kernels":
+            return None
+        return _spec_from_file_location(name, cls.folder / "__init__.py", submodule_search_locations=[str(cls.folder)])
+
+
+if not (_Path(__file__).parent / "kernels").is_dir() and (_CheckoutKernels.folder / "__init__.py").is_file():
+    if not any(getattr(f, "__name__", "") == "_CheckoutKernels" for f in _sys.meta_path):  # once, even on a reload
+        _sys.meta_path.append(_CheckoutKernels)
+
+from minikv.engine import LLM, RequestOutput, SamplingParams, StreamEvent  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent"]
 __version__ = "0.1.0"
