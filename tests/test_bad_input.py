@@ -68,9 +68,9 @@ def test_prompts_and_params_of_different_lengths(tiny):
      "max_num_batched_tokens=100 is smaller than max_model_len=256.*enable_chunked_prefill=True"),
     (dict(kv_backend="paged", preemption="drop"), "preemption must be one of recompute, swap"),
     (dict(kv_backend="contiguous", attention="triton"), "attention='triton' runs on the paged pool"),
-    (dict(kv_backend="contiguous", kv_layout="hnd"), "kv_layout is the storage order of the paged pool"),
-    (dict(kv_backend="paged", kv_layout="headmajor"), "kv_layout must be one of nhd, hnd"),
-    (dict(max_model_len=10**6), "exceeds the model's 2048 positions"),
+    (dict(kv_backend="contiguous", kv_layout="hnd"), "kv_layout is an option of the paged pool .* use kv_backend='paged'"),
+    (dict(kv_backend="paged", kv_layout="headmajor"), "kv_layout must be (None or )?one of nhd, hnd"),
+    (dict(max_model_len=10**6), "exceeds the model's 2,?048 positions"),
 ])
 def test_engine_options_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -115,3 +115,100 @@ def test_broken_allocator_raises_instead_of_hanging():
     llm = LLM("tiny-random", kv_backend="paged", num_blocks=4, block_size=4, block_allocator=Forgetful)
     with pytest.raises(RuntimeError, match="could run nothing this step"):
         llm.generate([[1] * 10, [2] * 10, [3] * 10], SamplingParams(max_tokens=5, ignore_eos=True))
+
+
+# ---- issue 11: every bad value is a ValueError (or FileNotFoundError) naming the argument, and the
+# engine serves normally afterwards
+
+BAD_SAMPLING = [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e-45), "temperature"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(stop=5), "stop"),
+    (dict(priority="high"), "priority"),
+    (dict(seed="abc"), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=2**64 - 1, n=2), "seed"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(n=1.0), "n must be"),
+]
+
+
+@pytest.mark.parametrize("kwargs, names", BAD_SAMPLING, ids=[repr(k) for k, _ in BAD_SAMPLING])
+def test_bad_sampling_value_names_its_argument(tiny, kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        tiny.generate([[1, 2, 3]], SamplingParams(**{"max_tokens": 2, **kwargs}))
+    assert len(tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+BAD_PROMPTS = [
+    ([1.7, 2], r"prompt\[0\] is 1.7"),
+    ([1, True], r"prompt\[1\] is True"),
+    ({"prompt_token_ids": "123"}, "prompt_token_ids must be a list of token ids"),
+    (None, "a prompt is text, a list of token ids or a dict"),
+    (5, "a prompt is text, a list of token ids or a dict"),
+    ({"prompt_token_ids": [1], "cache_salt": 1}, "cache_salt must be a string or None"),
+    ({"prompt_token_ids": [1], "cache_salt": [1]}, "cache_salt must be a string or None"),
+    ({"prompt_ids": [1]}, "a dict prompt needs exactly one of 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("prompt, message", BAD_PROMPTS, ids=[repr(p) for p, _ in BAD_PROMPTS])
+def test_bad_prompt_names_what_to_pass(tiny, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        tiny.add_request(prompt, SamplingParams(max_tokens=2))
+    assert not tiny.has_unfinished()
+    assert len(tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def _checkpoint(path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from minikv.model.config import ModelConfig
+    from minikv.model.llama import LlamaForCausalLM
+    from minikv.model.named import TINY_RANDOM_CONFIG
+
+    path.mkdir()
+    model = LlamaForCausalLM(ModelConfig.from_hf(TINY_RANDOM_CONFIG))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(TINY_RANDOM_CONFIG))
+    return path
+
+
+def _break(tmp_path, how):
+    if how in ("random.gguf", "empty.gguf"):
+        f = tmp_path / "model.gguf"
+        f.write_bytes(bytes(range(256)) * 64 if how == "random.gguf" else b"")
+        return f
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    if how == "corrupt config":
+        (ckpt / "config.json").write_text("{ not json")
+    elif how == "config without heads":
+        (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace('"num_attention_heads"', '"x"'))
+    elif how == "truncated weights":
+        w = ckpt / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:1000])
+    return ckpt
+
+
+@pytest.mark.parametrize("how, error, message", [
+    ("random.gguf", ValueError, "model.gguf is not a GGUF file"),
+    ("empty.gguf", ValueError, r"model.gguf is empty \(0 bytes\)"),
+    ("corrupt config", ValueError, "config.json is not valid JSON"),
+    ("config without heads", ValueError, "config.json is missing 'num_attention_heads'"),
+    ("truncated weights", ValueError, "could not read the weights in .*model.safetensors"),
+])
+def test_broken_model_file_is_named(tmp_path, monkeypatch, how, error, message):
+    monkeypatch.setenv("MINIKV_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(error, match=message):
+        LLM(str(_break(tmp_path, how)), kv_backend="contiguous")
+
+
+def test_missing_model_path_and_unknown_dtype(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"model path {tmp_path / 'nope'} does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="dtype must be one of .*float32.*got 'float8'"):
+        LLM("tiny-random", dtype="float8")

@@ -89,8 +89,11 @@ def test_largest_seed_accepted_runs_every_sample(paged):
 
 
 def test_issue_reproducer_tiny_temperature_is_refused_before_it_can_wedge_the_engine(paged):
-    paged.add_request([5, 6, 7], SamplingParams(max_tokens=5, n=2))
+    earlier = paged.add_request([5, 6, 7], SamplingParams(max_tokens=5, n=2, ignore_eos=True))
     with pytest.raises(ValueError, match="temperature 1e-45 is below"):
         paged.generate([[8, 9]], SamplingParams(max_tokens=3, temperature=1e-45))
-    out = paged.generate([[10, 11]], SamplingParams(max_tokens=2))  # the queued request finishes too
-    assert len(out[0].token_ids) == 2 and not paged.has_unfinished()
+    out = paged.generate([[10, 11]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
+    while paged.has_unfinished():
+        paged.step()
+    assert [len(s.output_token_ids) for s in [earlier] + earlier.forks] == [5, 5]
