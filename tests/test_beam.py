@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv import LLM, SamplingParams
-from minikv.engine.beam import best_candidates, reference_beam_search
+from minikv.engine.beam import best_candidates
+from beam_reference import reference_beam_search
 from engine_checks import checked
 
 PROMPTS = [[7, 3, 91, 45, 12, 300, 8, 77, 150, 23], list(range(20, 37)), [5, 6, 7]]

@@ -16,8 +16,8 @@ cumulative_logprob / num_generated_tokens ** length_penalty (EOS not counted), b
 In the engine a beam is an ordinary sequence: the scheduler batches, preempts and swaps it like any
 other. Its logits are not sampled: they go to its BeamSearch, which moves only once every live beam
 has handed in its next-token log-probabilities (a beam that is done waits, "stalled", for the
-others). `reference_beam_search` runs the same rule with no cache at all, every beam recomputed
-from scratch each step: the engine must return the same beams.
+others). The tests check it against the same rule run with no cache at all, every beam recomputed
+from scratch each step (tests/beam_reference.py): the engine must return the same beams.
 """
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minikv.attention.metadata import AttentionMetadata
-from minikv.attention.naive import NaiveBackend
 from minikv.engine.fork import clone
 from minikv.engine.sequence import Sequence, SequenceStatus
 
@@ -155,36 +153,3 @@ def take_beam_rows(seqs: list[Sequence], logits: torch.Tensor
     if len(keep) == len(seqs):
         return seqs, logits, ready
     return [seqs[r] for r in keep], logits[keep], ready
-
-
-@torch.inference_mode()
-def reference_beam_search(model, prompt_token_ids: list[int], beam_width: int, max_tokens: int,
-                          eos_token_ids: set[int], ignore_eos: bool = False, length_penalty: float = 1.0,
-                          max_model_len: int = 2048) -> list[Hypothesis]:
-    """The same search with no cache and no sharing: each beam's whole token list runs through the
-    model again at every step (rung 1). Slow and obviously right: the engine is checked against it."""
-    beams: list[tuple[list[int], float]] = [([], 0.0)]  # (generated tokens, cumulative logprob)
-    finished: list[Hypothesis] = []
-    backend = NaiveBackend(model.config.sliding_window)
-    device = next(model.parameters()).device
-    while beams:
-        seqs = [prompt_token_ids + out for out, _ in beams]  # one flattened batch, every beam whole
-        lens = [len(s) for s in seqs]
-        meta = AttentionMetadata.build(lens, lens, device)
-        ids = torch.tensor([t for s in seqs for t in s], device=device)
-        positions = torch.tensor([p for n in lens for p in range(n)], device=device)
-        logits = model(ids, positions, meta, backend, logits_indices=meta.query_start_loc[1:] - 1)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [beams, vocab]
-        chosen = best_candidates([c for _, c in beams], logprobs, beam_width)
-        nxt = []
-        for b, token, score in chosen:
-            out = beams[b][0] + [token]
-            if token in eos_token_ids and not ignore_eos:
-                finished.append(Hypothesis(out, score, "stop"))
-            else:
-                nxt.append((out, score))
-        beams = nxt
-        if beams and (len(beams[0][0]) >= max_tokens or len(prompt_token_ids) + len(beams[0][0]) >= max_model_len):
-            finished += [Hypothesis(out, score, "length") for out, score in beams]
-            beams = []
-    return rank(finished, beam_width, length_penalty, eos_token_ids)
