@@ -188,3 +188,20 @@ def test_engine_aborted_request_text_is_what_was_streamed(worded):
     assert seq.text == full.text[:at]  # the last 2 characters could still begin `never`: held back
     worded.abort(seq)
     assert worded.output(seq).text == "".join(deltas)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_streams_multibyte_text_and_a_stop_string_across_tokens(smollm2_dir):
+    from minikv.model.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    ids = tok.encode("The sea is a vast, deep ocean 🌊 海は広い. Naïve sailors!", add_special_tokens=False)
+    deltas, text, stopped = run(tok, ids, [], finish_at_end=False)
+    assert text == tok.decode(ids) and all(REPLACEMENT not in d for d in deltas)
+    assert any(d == "" for d in deltas)  # the emoji and the kanji arrive in pieces: held back, then sent whole
+    pieces = [tok.decode([t]) for t in ids]
+    assert " vast" in pieces and "," in pieces  # so "st," spans two tokens
+    deltas, text, stopped = run(tok, ids, ["st,", "広い."])
+    assert stopped and text == "The sea is a va" and "".join(deltas) == text
+    deltas, text, stopped = run(tok, ids, ["広い."])
+    assert stopped and text == "The sea is a vast, deep ocean 🌊 海は" and "".join(deltas) == text
