@@ -4,14 +4,15 @@ A stream must only ever send text that stays in the final output: every delta is
 deltas joined ARE the output text. Two things in the newest text may still change, so they are
 held back until the next token settles them:
 
-    decoded output   "The sea is a va" + "s"        stop = ["vast."]
-                      [0, sent)          already streamed (seq.text)
-                      [sent, hold)       streamed now: the delta
-                      [hold, end)        held back: "vas" could still begin "vast."
-                                         (or a half-decoded multi-byte character, shown as "\ufffd")
+    stop = ["vast."], decoded output "The sea is a vas"
+    [0, sent)       "The sea is a"   already streamed (seq.text)
+    [sent, hold)    " "              streamed now: the delta
+    [hold, end)     "vas"            held back: it could still begin "vast."
+                                     (so is a half-decoded multi-byte character, decoded as "\ufffd")
 
 When a stop string appears the text is cut where it begins and nothing after it is ever sent.
-When the sequence finishes for another reason (EOS, length) everything held back is sent.
+When the sequence finishes for another reason (EOS, length) everything held back is sent. An aborted
+sequence keeps what was streamed; `flush` gives what was held back, for a last delta.
 
 The state is the sequence's own (its output token ids and the text already streamed), so forks,
 beams and preemption need nothing extra. Each step decodes the whole output again, as the tokenizer
