@@ -77,8 +77,8 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], st
     elif isinstance(prompt, (list, tuple)) or _is_array(prompt):
         ids = token_ids(prompt, "prompt")
     else:
-        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} "
-                         f"{prompt!r}" + ("; wrap one token id in a list: [id]" if isinstance(prompt, Integral) else ""))
+        hint = "; wrap one token id in a list: [id]" if isinstance(prompt, Integral) else ""
+        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} {prompt!r}{hint}")
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     bad = [t for t in ids if not 0 <= t < vocab_size]
