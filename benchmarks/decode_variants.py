@@ -861,8 +861,8 @@ def main(argv=None) -> dict:
         clock = Clock(device, 1, 0)
     if PREVIOUS is None:
         variants = {k: v for k, v in variants.items() if not v.get("previous")}
-    record = {"env": {**environment(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "copy_bandwidth_GBps": round(copy_bandwidth(
-              clock, 2**30 if not args.smoke else 2**20), 1),
+    record = {"env": {**environment(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+              "copy_bandwidth_GBps": round(copy_bandwidth(clock, 2**30 if not args.smoke else 2**20), 1),
               "decode_config": dict(dec.DECODE_CONFIG), "programs_per_sm": dec.PROGRAMS_PER_SM,
               "variants": variants, "shapes": {}}
     out_path = Path(args.out) / "decode_variants_gpu.json"

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import minikv.kernels  # noqa: F401, I001  (first: on a CPU it must switch Triton to its interpreter before triton loads)
+import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 from minikv.bench import environment
 
 SHAPES = [(32, 4096), (64, 1024), (8, 16384)]  # (batch, context)
