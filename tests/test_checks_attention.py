@@ -187,6 +187,6 @@ def test_in_engine_checks_catch_a_wrong_function_and_leave_the_engine_usable():
     llm = LLM("tiny-random", kv_backend="contiguous")
     with pytest.raises(AssertionError, match="generated token"):
         check_decode_step_in_engine(llm, decode(scaled=False), PROMPT, max_tokens=8)
-    assert llm.runner.backend is llm.backend and len(llm.backend.free_rows) == 4
+    assert llm.runner.backend is llm.backend and len(llm.backend.pool.free_rows) == 4
     with pytest.raises(AssertionError, match="generated token"):
         check_causal_attention_in_engine(LLM("tiny-random", kv_backend="naive"), causal(mask="none"), PROMPT, 8)

@@ -70,7 +70,7 @@ def test_cow_hand_computed_prompt_10_block_4_three_samples():
     b0, b1, b2 = root.block_table
     assert [bm.ref_count[b] for b in (b0, b1, b2)] == [3, 3, 3]
     assert bm.num_used_blocks == 3 and bm.num_cow_copies == 0
-    kv_b2 = llm.backend.k_cache[:, b2, :2].clone(), llm.backend.v_cache[:, b2, :2].clone()
+    kv_b2 = llm.backend.pool.k_cache[:, b2, :2].clone(), llm.backend.pool.v_cache[:, b2, :2].clone()
 
     llm.step()  # every sample writes position 10, inside the shared partial block
     assert bm.num_cow_copies == 2
@@ -80,8 +80,8 @@ def test_cow_hand_computed_prompt_10_block_4_three_samples():
     copies = [samples[0].block_table[2], samples[1].block_table[2]]
     assert len(set(copies + [b2])) == 3
     for c in copies:  # all layers, K and V, the two slots written by the prefill
-        assert torch.equal(llm.backend.k_cache[:, c, :2], kv_b2[0])
-        assert torch.equal(llm.backend.v_cache[:, c, :2], kv_b2[1])
+        assert torch.equal(llm.backend.pool.k_cache[:, c, :2], kv_b2[0])
+        assert torch.equal(llm.backend.pool.v_cache[:, c, :2], kv_b2[1])
 
     llm.step()  # position 11: every partial block is private now
     llm.step()  # position 12 opens a new block: nothing to copy

@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minikv.attention.paged import PagedBackend
 from minikv.cache.block_manager import BlockManager, blocks_needed
+from minikv.cache.pool import KVPool
 from minikv.cache.swap import SwapSpace
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
@@ -31,9 +31,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs: list[Sequence] = []
 
     def _setup(self, mode: str, budget: int, chunked: bool, max_seqs: int, swap_blocks: int):
-        backend = PagedBackend(1, NUM_BLOCKS, BLOCK_SIZE, 1, 2, torch.float32, "cpu")
+        pool = KVPool(1, NUM_BLOCKS, BLOCK_SIZE, 1, 2, torch.float32, "cpu")
         self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-        swap = SwapSpace(backend, swap_blocks) if mode == "swap" else None
+        swap = SwapSpace(pool, swap_blocks) if mode == "swap" else None
         budget = budget if chunked else max(budget, NUM_BLOCKS * BLOCK_SIZE)
         self.sched = Scheduler(self.bm, max_seqs, budget, chunked, mode, swap)
         self.mode = mode

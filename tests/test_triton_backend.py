@@ -11,10 +11,13 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from minikv.attention.metadata import AttentionMetadata  # noqa: E402
+from minikv.attention.metadata import PagedMetadata  # noqa: E402
 from minikv.attention.paged import PagedBackend  # noqa: E402
 from minikv.attention.triton_backend import TritonPagedBackend  # noqa: E402
+from minikv.cache.pool import KVPool  # noqa: E402
 from minikv.model.loader import load_model  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 40
@@ -57,8 +60,8 @@ def greedy_run(model, backend, prompts, max_new_tokens, chunk, seed=0):
                 sample.append(len(qlens) - 1)
         width = max(len(t) for t in tables)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        meta = AttentionMetadata.build(qlens, slens, "cpu", slot_mapping=as_long(slots),
-                                       block_tables=as_long([t + [-1] * (width - len(t)) for t in tables]))
+        meta = PagedMetadata.build(qlens, slens, "cpu", slot_mapping=as_long(slots),
+                                   block_tables=as_long([t + [-1] * (width - len(t)) for t in tables]))
         last = (meta.query_start_loc[1:] - 1)[sample]
         with torch.inference_mode():
             logits = model(as_long(ids), as_long(pos), meta, backend, logits_indices=last)
@@ -73,25 +76,27 @@ def greedy_run(model, backend, prompts, max_new_tokens, chunk, seed=0):
     return [s["new"] for s in seqs], torch.stack(logits_seen)
 
 
-def make_backend(cls, cfg, dtype=torch.float32, sliding_window=None, kv_layout=None):
-    return cls(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu", sliding_window,
-               kv_layout)
+def make_backend(cls, cfg, dtype=torch.float32, sliding_window=None, kv_layout=None, **kw):
+    """A backend on its own pool (layout: the engine's default for that attention unless given)."""
+    kv_layout = kv_layout or ("hnd" if cls is TritonPagedBackend else "nhd")
+    pool = KVPool(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu", kv_layout)
+    return cls(pool, sliding_window, **kw)
 
 
 def test_the_pool_layouts_index_alike_and_store_the_heads_in_their_own_order(tiny):
-    """kv_layout changes only the storage order: "hnd" keeps each KV head's block contiguous."""
+    """kv_layout changes only the storage order: "hnd" keeps each KV head's block contiguous; both
+    backends write either layout to the same slots."""
     cfg = tiny.config
-    nhd, hnd = make_backend(PagedBackend, cfg), make_backend(PagedBackend, cfg, kv_layout="hnd")
-    assert nhd.k_cache.shape == hnd.k_cache.shape == (cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads,
-                                                      cfg.head_dim)
-    assert nhd.k_cache.stride()[2:] == (cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, 1)  # slot, head, dim
-    assert hnd.k_cache.stride()[2:] == (cfg.head_dim, BLOCK_SIZE * cfg.head_dim, 1)
-    assert make_backend(TritonPagedBackend, cfg).kv_layout == "hnd"
+    nhd, hnd = make_backend(PagedBackend, cfg), make_backend(TritonPagedBackend, cfg, kv_layout="hnd")
+    assert nhd.pool.k_cache.shape == hnd.pool.k_cache.shape == (cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE,
+                                                                cfg.num_kv_heads, cfg.head_dim)
+    assert nhd.pool.k_cache.stride()[2:] == (cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, 1)  # slot, head, dim
+    assert hnd.pool.k_cache.stride()[2:] == (cfg.head_dim, BLOCK_SIZE * cfg.head_dim, 1)
     k = torch.randn(3, cfg.num_kv_heads, cfg.head_dim)
     for b in (nhd, hnd):
         b.store(1, k, -k, torch.tensor([5, 17, 40]))
-    assert torch.equal(nhd.k_cache, hnd.k_cache) and torch.equal(nhd.v_cache, hnd.v_cache)
-    assert torch.equal(hnd.k_cache[1, 2, 1], k[1])  # slot 17 = block 2, offset 1
+    assert torch.equal(nhd.pool.k_cache, hnd.pool.k_cache) and torch.equal(nhd.pool.v_cache, hnd.pool.v_cache)
+    assert torch.equal(hnd.pool.k_cache[1, 2, 1], k[1])  # slot 17 = block 2, offset 1
     with pytest.raises(ValueError, match="kv_layout"):
         make_backend(PagedBackend, cfg, kv_layout="hdn")
 
@@ -135,8 +140,7 @@ def test_llm_with_triton_attention_generates_the_same_tokens_as_torch_attention(
     for attention, kv_layout in (("torch", None), ("triton", None), ("torch", "hnd"), ("triton", "nhd")):
         llm = LLM("tiny-random", device="cpu", kv_backend="paged", attention=attention, block_size=8, num_blocks=32,
                   max_num_batched_tokens=16, kv_layout=kv_layout)
-        assert llm.backend.kv_layout == kv_layout or (kv_layout is None and llm.backend.kv_layout ==
-                                                      {"torch": "nhd", "triton": "hnd"}[attention])
+        assert llm.backend.pool.kv_layout == (kv_layout or {"torch": "nhd", "triton": "hnd"}[attention])
         outs[attention, kv_layout] = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(o == outs["torch", None] for o in outs.values()), outs
 
@@ -162,3 +166,38 @@ def test_llm_with_triton_attention_and_prefix_caching_generates_the_same_tokens(
         llm.generate(prompts[:1], params)  # warm the cache with the shared prefix
         outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+@triton.jit
+def _inner_loop_without_rescale(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
+    """online_softmax_block with a classic bug: what was summed is never rescaled when the max grows."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i + tl.sum(p, axis=1), acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
+def test_decode_inner_loop_reaches_the_decode_kernel(tiny):
+    """The rung-7 seam: TritonPagedBackend(decode_inner_loop=fn) decodes with fn; None keeps the kernel's own."""
+    from minikv.kernels.decode_attention import online_softmax_block
+
+    cfg = tiny.config
+    pool = KVPool(1, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu", "hnd")
+    g = torch.Generator().manual_seed(3)
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=g))
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=g))
+    seq_lens = [100, 37]  # a split of 100 positions runs several tiles: the running max grows
+    tables = torch.tensor([list(range(13)), list(range(20, 25)) + [-1] * 8])
+    meta = PagedMetadata.build([1, 1], seq_lens, slot_mapping=torch.tensor([-1, -1]), block_tables=tables)
+    q = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=g) * 4
+    k = v = torch.zeros(2, cfg.num_kv_heads, cfg.head_dim)  # slot -1: nothing stored
+
+    def decode(loop):
+        backend = TritonPagedBackend(pool, decode_inner_loop=loop)
+        backend.decode_num_splits = 1
+        return backend.forward(0, q, k, v, meta, cfg.head_dim**-0.5)
+
+    want = decode(None)
+    assert torch.equal(decode(online_softmax_block), want)
+    assert (decode(_inner_loop_without_rescale) - want).abs().max() > 1e-2, "the backend ignored decode_inner_loop"

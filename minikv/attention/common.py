@@ -38,7 +38,7 @@ def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None) -> 
     """[B, max_query_len, L] bool: may padded query (b, i) see key position j? Built once per step
     and reused by every layer."""
     key = ("causal_mask", L, sliding_window)
-    if key not in meta.cache:
+    if key not in meta.step_memo:
         B, max_q = meta.num_seqs, meta.max_query_len
         # absolute position of each padded query; padding rows see position 0 only (never NaN)
         q_pos = torch.zeros(B, max_q, dtype=torch.long, device=meta.token_pos.device)
@@ -47,5 +47,5 @@ def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None) -> 
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also keeps j < seq_len
         if sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        meta.cache[key] = mask
-    return meta.cache[key]
+        meta.step_memo[key] = mask
+    return meta.step_memo[key]

@@ -1,4 +1,5 @@
-"""Rung 2: a contiguous KV cache. Each request owns one preallocated row of max_len positions:
+"""Rung 2: a contiguous KV cache. Each request owns one preallocated row of max_len positions
+(the RowPool of minikv/cache/pool.py):
 
     k_cache[layer]: [num_rows, max_len, num_kv_heads, head_dim]
     row r:  [0, seq_len)         filled: prompt, then one token per decode step
@@ -12,42 +13,27 @@ from __future__ import annotations
 import torch
 
 from minikv.attention.common import attend
-from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.metadata import BatchInputs, ContiguousMetadata
+from minikv.cache.pool import RowPool
 
 
 class ContiguousBackend:
     name = "contiguous"
 
-    def __init__(self, num_layers: int, num_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, sliding_window: int | None = None):
-        shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+    def __init__(self, pool: RowPool, sliding_window: int | None = None):
+        self.pool = pool
         self.sliding_window = sliding_window
-        self.free_rows = list(range(num_rows))
 
-    @property
-    def bytes_reserved(self) -> int:
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+    def prepare_metadata(self, inputs: BatchInputs) -> ContiguousMetadata:
+        return ContiguousMetadata.from_inputs(inputs, cache_rows=inputs.cache_rows)
 
-    def allocate_row(self) -> int:
-        if not self.free_rows:
-            raise RuntimeError(f"all {self.k_cache.shape[1]} cache rows are in use; free one first")
-        return self.free_rows.pop(0)
-
-    def free_row(self, row: int) -> None:
-        if row in self.free_rows:
-            raise RuntimeError(f"cache row {row} freed twice")
-        self.free_rows.append(row)
-
-    def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.max_seq_len > self.max_len:
-            raise ValueError(f"sequence reached {meta.max_seq_len} tokens but cache rows hold {self.max_len}")
-        rows = meta.cache_rows
-        self.k_cache[layer, rows[meta.token_seq], meta.token_pos] = k
-        self.v_cache[layer, rows[meta.token_seq], meta.token_pos] = v
+    def forward(self, layer, q, k, v, meta: ContiguousMetadata, scale: float) -> torch.Tensor:
+        if meta.max_seq_len > self.pool.max_len:
+            raise ValueError(f"sequence reached {meta.max_seq_len} tokens but cache rows hold {self.pool.max_len}")
+        rows, k_cache, v_cache = meta.cache_rows, self.pool.k_cache[layer], self.pool.v_cache[layer]
+        k_cache[rows[meta.token_seq], meta.token_pos] = k
+        v_cache[rows[meta.token_seq], meta.token_pos] = v
         L = meta.max_seq_len
-        keys = self.k_cache[layer, rows, :L]  # [B, L, num_kv_heads, head_dim]
-        values = self.v_cache[layer, rows, :L]
+        keys = k_cache[rows, :L]  # [B, L, num_kv_heads, head_dim]
+        values = v_cache[rows, :L]
         return attend(q, keys, values, meta, scale, self.sliding_window)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minikv.attention.common import attend
-from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.metadata import AttentionMetadata, BatchInputs
 
 
 class NaiveBackend:
@@ -13,6 +13,9 @@ class NaiveBackend:
 
     def __init__(self, sliding_window: int | None = None):
         self.sliding_window = sliding_window
+
+    def prepare_metadata(self, inputs: BatchInputs) -> AttentionMetadata:
+        return AttentionMetadata.from_inputs(inputs)
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.query_lens_list != meta.seq_lens_list:

@@ -17,49 +17,49 @@ K/V at 32 x 4096 and 8 x 16384 (within 2%), 11% slower at 64 x 1024 (the split m
 reference. Prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on
 contiguous K/V), so prefill steps use the kernel by default.
 
-CUDA graphs: a captured decode step keeps its split count and split length (cut from the longest
-context at capture). Any count is correct for any lengths (the last split reads whatever lies past
-the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with the longest context
-set to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
+CUDA graphs: a captured decode step keeps its split count and split length (cut from the metadata's
+max_seq_len at capture). Any count is correct for any lengths (the last split reads whatever lies
+past the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with max_seq_len set
+to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
+
+`decode_inner_loop` is the seam of exercise 08: a @triton.jit function with the signature of the
+decode kernel's online-softmax step, passed down as `paged_decode_attention(..., inner_loop=...)`.
 """
 from __future__ import annotations
 
 import torch
 
 from minikv.attention.common import attend
-from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.metadata import PagedMetadata
 from minikv.attention.paged import PagedBackend
+from minikv.cache.pool import KVPool
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
 class TritonPagedBackend(PagedBackend):
     attention = "triton"
-    # head-major storage: a program reads its KV head's blocks whole (6% faster decode at 512 MiB on
-    # an H100 than rows two heads apart; benchmarks/NOTES_decode.md, run 15). The kernels read either.
-    kv_layout = "hnd"
     # prefill steps: "triton" (the paged prefill kernel) or "torch" (rung 4's gather + masked SDPA)
     prefill_impl = "triton"
     # decode split count; None = chosen per step from the batch and the longest context
     decode_num_splits: int | None = None
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, sliding_window: int | None = None, kv_layout: str | None = None):
-        if torch.device(device).type != "cuda" and dtype == torch.bfloat16:
+    def __init__(self, pool: KVPool, sliding_window: int | None = None, decode_inner_loop=None):
+        if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
-        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, sliding_window,
-                         kv_layout)
+        super().__init__(pool, sliding_window)
+        self.decode_inner_loop = decode_inner_loop  # None: the kernel's own online-softmax step
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kvcache(k, v, self.k_cache[layer], self.v_cache[layer], slot_mapping)
+        store_kvcache(k, v, *self.pool.layer(layer), slot_mapping)  # slot -1: nothing stored
 
-    def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:
         self.store(layer, k, v, meta.slot_mapping)
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache, v_cache = self.pool.layer(layer)
         if meta.is_decode_only:  # one token per sequence: q [B, num_heads, head_dim]
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
-                                          max_seq_len=meta.max_seq_len)
+                                          max_seq_len=meta.max_seq_len, inner_loop=self.decode_inner_loop)
         if self.prefill_impl == "torch":
             keys, values = self.gather(layer, meta)
             return attend(q, keys, values, meta, scale, self.sliding_window)

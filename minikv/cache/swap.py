@@ -1,7 +1,7 @@
 """CPU swap space: where a preempted sequence's KV blocks wait instead of being recomputed.
 
-    device pool  k_cache[:, block]  --swap out-->  cpu pool  k_swap[:, cpu_block]
-                                    <--swap in---
+    device KVPool  block          --swap out-->  cpu blocks  k_swap[:, cpu_block]
+                   (read_blocks)  <--swap in---  (write_blocks)
 Costs bytes over the host link instead of FLOPs; pays off when re-prefilling is expensive.
 """
 from __future__ import annotations
@@ -9,19 +9,21 @@ from __future__ import annotations
 import torch
 
 from minikv.cache.allocator import FreeListAllocator
+from minikv.cache.pool import KVPool
 
 
 class SwapSpace:
-    def __init__(self, backend, num_cpu_blocks: int):
+    def __init__(self, pool: KVPool, num_cpu_blocks: int):
         if num_cpu_blocks < 0:
             raise ValueError(f"swap space needs num_cpu_blocks >= 0, got {num_cpu_blocks}")
-        self.backend = backend
-        pin = backend.k_cache.is_cuda
-        shape = (backend.k_cache.shape[0], num_cpu_blocks, *backend.k_cache.shape[2:])
-        self.k_swap = torch.zeros(shape, dtype=backend.k_cache.dtype, pin_memory=pin)
-        self.v_swap = torch.zeros(shape, dtype=backend.v_cache.dtype, pin_memory=pin)
+        self.pool = pool
+        # [num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim], pinned for fast copies from a GPU
+        shape = (pool.num_layers, num_cpu_blocks, pool.block_size, pool.num_kv_heads, pool.head_dim)
+        pin = pool.device.type == "cuda"
+        self.k_swap = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        self.v_swap = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
         self.allocator = FreeListAllocator(num_cpu_blocks)
-        self.bytes_per_block = 2 * backend.k_cache[:, 0].numel() * backend.k_cache.element_size()  # K+V, all layers
+        self.bytes_per_block = pool.block_bytes  # K+V, all layers
         self.blocks_out = self.blocks_in = 0
 
     @property
@@ -29,17 +31,17 @@ class SwapSpace:
         return self.allocator.num_free_blocks
 
     def swap_out(self, device_blocks: list[int]) -> list[int]:
+        """Copy these pool blocks to free CPU blocks; returns the CPU blocks, in the same order."""
         cpu = [self.allocator.allocate() for _ in device_blocks]
-        src = torch.tensor(device_blocks, device=self.backend.k_cache.device)
-        self.k_swap[:, cpu] = self.backend.k_cache[:, src].to("cpu")
-        self.v_swap[:, cpu] = self.backend.v_cache[:, src].to("cpu")
+        k, v = self.pool.read_blocks(device_blocks)
+        self.k_swap[:, cpu] = k.to("cpu")
+        self.v_swap[:, cpu] = v.to("cpu")
         self.blocks_out += len(cpu)
         return cpu
 
     def swap_in(self, cpu_blocks: list[int], device_blocks: list[int]) -> None:
-        dst = torch.tensor(device_blocks, device=self.backend.k_cache.device)
-        self.backend.k_cache[:, dst] = self.k_swap[:, cpu_blocks].to(self.backend.k_cache.device)
-        self.backend.v_cache[:, dst] = self.v_swap[:, cpu_blocks].to(self.backend.v_cache.device)
+        """Copy CPU blocks back into these pool blocks and free the CPU blocks."""
+        self.pool.write_blocks(device_blocks, self.k_swap[:, cpu_blocks], self.v_swap[:, cpu_blocks])
         self.release(cpu_blocks)
         self.blocks_in += len(cpu_blocks)
 

@@ -1,80 +1,120 @@
 """Turn a scheduled batch into ONE flattened model call and return the logits to sample from.
 
     seq A prefill (5 tokens) + seq B decode (1) + seq C chunk (3):
-    input_ids    [a0 a1 a2 a3 a4 | b7 | c0 c1 c2]
-    positions    [ 0  1  2  3  4 |  7 |  0  1  2]
-    slot_mapping [physical slot of each token]          (paged)
+    input_ids       [a0 a1 a2 a3 a4 | b7 | c0 c1 c2]
+    positions       [ 0  1  2  3  4 |  7 |  0  1  2]
+    query_start_loc [0, 5, 6, 9]        seq_lens [5, 8, 3]
+    block_tables    one row per sequence, -1 past its table                       (paged)
+    slot_mapping    [physical slot of each token]                                 (paged)
+    cache_rows      [the row each sequence owns]                                  (contiguous)
     logits for A and B only: C's chunk does not reach the end of its prompt, nothing to sample yet
 
-On a GPU, a step that only decodes (one token per sequence) is instead copied into static buffers
-and replayed from a CUDA graph (minikv/engine/cuda_graph.py).
+`prepare` builds these tensors once (`BatchInputs`); the backend builds its own metadata from them.
+A step that only decodes (one token per sequence, every one sampled) goes instead through the CUDA
+graphs when the engine has them (minikv/engine/cuda_graph.py), which copy the same tensors into
+their static buffers and replay.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from minikv.attention.metadata import AttentionMetadata
-from minikv.engine.simple_scheduler import ScheduledBatch
+from minikv.attention.metadata import BatchInputs
+from minikv.engine.batch import ScheduledBatch
+
+# the rung-4 seam: fn(block_table, positions, block_size) -> the slot of each position
+SlotMappingFn = Callable[[list[int], list[int], int], list[int]]
 
 
 class ModelRunner:
-    def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None):
+    def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None,
+                 slot_mapping: SlotMappingFn | None = None):
+        """block_size: the paged pool's (None: not paged). slot_mapping: a per-sequence function
+        (minikv/cache/block_table.py `slot_mapping` is the formula); None = the vectorized one here."""
         self.model = model
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = block_size
         self.decode_graphs = decode_graphs  # a DecodeGraphs: decode-only steps replayed from CUDA graphs
+        self.slot_mapping_fn = slot_mapping
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        ids, pos, query_lens, seq_lens, sample_rows = [], [], [], [], []
+    def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
+        """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
+        ids, pos, query_lens, seq_lens, starts, sample_rows = [], [], [], [], [0], []
         for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
             end = start + n
             ids += seq.token_ids[start:end]
             pos += range(start, end)
             query_lens.append(n)
             seq_lens.append(end)
+            starts.append(starts[-1] + n)
             if end == seq.num_tokens:  # every known token computed: the next one can be sampled
                 sample_rows.append(i)
-        extra = {}
-        if self.backend.name == "contiguous":
-            extra["cache_rows"] = self._long([s.cache_row for s in batch.seqs])
-        elif self.block_size is not None:  # paged layouts
-            extra["slot_mapping"] = self._long(self.slot_mapping(batch))
+        host = {"input_ids": torch.tensor(ids), "positions": torch.tensor(pos), "query_start_loc": torch.tensor(starts),
+                "seq_lens": torch.tensor(seq_lens),
+                "logits_indices": torch.tensor([starts[i + 1] - 1 for i in sample_rows], dtype=torch.long)}
+        if self.block_size is not None:  # paged
             width = max(len(s.block_table) for s in batch.seqs)
-            extra["block_tables"] = self._long([s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs])
-        meta = AttentionMetadata.build(query_lens, seq_lens, self.device, **extra)
-        return self._long(ids), self._long(pos), meta, sample_rows
+            host["block_tables"] = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
+                                                 for s in batch.seqs])
+            host["slot_mapping"] = self._slot_mapping(batch, host)
+        elif batch.seqs[0].cache_row is not None:  # contiguous rows
+            host["cache_rows"] = torch.tensor([s.cache_row for s in batch.seqs])
+        inputs = BatchInputs(**self._to_device(host), query_lens_list=query_lens, seq_lens_list=seq_lens,
+                             max_seq_len=max(seq_lens))
+        return inputs, sample_rows
 
-    def slot_mapping(self, batch: ScheduledBatch) -> list[int]:
+    def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, torch.Tensor]) -> torch.Tensor:
         """Physical slot of every new token: block_table[pos // block_size] * block_size + pos % block_size."""
-        bs, slots = self.block_size, []
+        bs = self.block_size
+        if self.slot_mapping_fn is None:  # vectorized over the whole batch
+            pos, lens = host["positions"], host["query_start_loc"].diff()
+            seq = torch.repeat_interleave(torch.arange(len(batch.seqs)), lens)
+            slots = host["block_tables"][seq, pos // bs] * bs + pos % bs
+            if (slots < 0).any():  # a -1 past the end of a table: the block manager gave too few blocks
+                b = int(seq[slots < 0][0])
+                last = batch.starts[b] + batch.num_new_tokens[b] - 1
+                raise RuntimeError(f"request {batch.seqs[b].request_id} runs positions up to {last} but its block "
+                                   f"table holds {len(batch.seqs[b].block_table)} blocks of {bs}; the block manager "
+                                   "must allocate a block before a position in it runs")
+            return slots
+        slots = []
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        return slots
+            got = list(self.slot_mapping_fn(list(seq.block_table), list(range(start, start + n)), bs))
+            if len(got) != n:
+                raise ValueError(f"slot_mapping returned {len(got)} slots for {n} positions of request "
+                                 f"{seq.request_id}; return one slot per position")
+            slots += got
+        return torch.tensor(slots, dtype=torch.long)
+
+    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every int64 tensor of the step in ONE host-to-device copy (pinned on a GPU, so it does not
+        wait), then seen as views. Each part starts on a 16-byte boundary, as kernels like it."""
+        parts = [(name, t.to(torch.long)) for name, t in host.items()]
+        sizes = [t.numel() + t.numel() % 2 for _, t in parts]
+        flat = torch.empty(sum(sizes), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        at = 0
+        for (_, t), size in zip(parts, sizes):
+            flat[at:at + t.numel()] = t.flatten()
+            at += size
+        flat = flat.to(self.device, non_blocking=True)
+        out, at = {}, 0
+        for (name, t), size in zip(parts, sizes):
+            out[name] = flat[at:at + t.numel()].view(t.shape)
+            at += size
+        return out
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [len(sample_rows), vocab] float32, sample_rows)."""
         if batch.blocks_to_copy:  # copy-on-write: private copies of shared blocks this step writes into
-            self.backend.copy_blocks(batch.blocks_to_copy)
-        if self.decode_graphs is not None and self.is_plain_decode(batch):
-            seqs = batch.seqs
-            logits = self.decode_graphs.run([s.token_ids[start] for s, start in zip(seqs, batch.starts)],
-                                            list(batch.starts), self.slot_mapping(batch), [s.block_table for s in seqs])
-            return logits, list(range(len(seqs)))
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        last = (meta.query_start_loc[1:] - 1)[sample_rows]  # last new token of each sampling sequence
-        logits = self.model(input_ids, positions, meta, self.backend, logits_indices=last)
-        return logits, sample_rows
-
-    def is_plain_decode(self, batch: ScheduledBatch) -> bool:
-        """One new token per sequence, each its last known token (so every row samples), few enough
-        sequences for the largest graph, block tables that fit its static buffer, and the backend the
-        graphs recorded (a backend swapped in, as the exercise checkers do, runs eagerly)."""
+            self.backend.pool.copy_blocks(batch.blocks_to_copy)
+        inputs, sample_rows = self.prepare(batch)
         graphs = self.decode_graphs
-        return (self.backend is graphs.backend and len(batch.seqs) <= graphs.buckets[-1]
-                and all(n == 1 and start + 1 == seq.num_tokens and len(seq.block_table) <= graphs.max_blocks
-                        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)))
-
-    def _long(self, xs) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=self.device)
+        if graphs is not None and len(sample_rows) == len(batch.seqs) and graphs.fits(inputs):
+            return graphs.run(inputs), sample_rows
+        meta = self.backend.prepare_metadata(inputs)
+        logits = self.model(inputs.input_ids, inputs.positions, meta, self.backend,
+                            logits_indices=inputs.logits_indices)
+        return logits, sample_rows

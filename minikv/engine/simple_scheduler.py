@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections import deque
 
+from minikv.cache.pool import RowPool
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.sequence import Sequence, SequenceStatus
 
 
 class SimpleScheduler:
-    def __init__(self, backend, max_num_seqs: int):
-        self.backend = backend
-        self.cached = backend.name != "naive"
+    def __init__(self, rows: RowPool | None, max_num_seqs: int):
+        """rows: the contiguous cache rows (minikv/cache/pool.py), None for rung 1 (no cache)."""
+        self.rows = rows
+        self.cached = rows is not None
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -31,7 +33,7 @@ class SimpleScheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if self.cached:
-                seq.cache_row = self.backend.allocate_row()
+                seq.cache_row = self.rows.allocate_row()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         batch = ScheduledBatch()
@@ -50,7 +52,7 @@ class SimpleScheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         if self.cached and seq.cache_row is not None:
-            self.backend.free_row(seq.cache_row)
+            self.rows.free_row(seq.cache_row)
             seq.cache_row = None
 
     def abort(self, seq: Sequence) -> None:

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from minikv.attention.contiguous import ContiguousBackend
-from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.metadata import ContiguousMetadata
+from minikv.cache.pool import RowPool
 from minikv.engine.llm import pair_requests
 from minikv.engine.outputs import RequestOutput
 from minikv.engine.sampler import sample
@@ -55,9 +56,9 @@ CELL_NAMES = {EMPTY: "empty slot", PAD: "prompt padding", PROMPT: "prompt", DECO
               IDLE: "idle decode"}
 
 
-@dataclass
-class PaddedMetadata(AttentionMetadata):
-    pad_lens: torch.Tensor | None = None  # [B] left pads of each row: columns [0, pad) are masked
+@dataclass(kw_only=True)
+class PaddedMetadata(ContiguousMetadata):
+    pad_lens: torch.Tensor  # [B] left pads of each row: columns [0, pad) are masked
 
 
 class PaddedContiguousBackend(ContiguousBackend):
@@ -65,14 +66,9 @@ class PaddedContiguousBackend(ContiguousBackend):
 
     name = "contiguous-padded"
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy a whole cache row (every layer, every column): what a slot change costs here."""
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
-
     def padded_mask(self, meta: PaddedMetadata, L: int) -> torch.Tensor:
         """[B, n, L] bool: may the query in column i of row b see the key in column j? Once per step."""
-        if "padded_mask" not in meta.cache:
+        if "padded_mask" not in meta.step_memo:
             B, n = meta.num_seqs, meta.max_query_len
             q_col = meta.token_pos.view(B, n, 1)  # column of each query
             k_col = torch.arange(L, device=q_col.device).view(1, 1, L)
@@ -81,19 +77,19 @@ class PaddedContiguousBackend(ContiguousBackend):
             mask = (k_col <= q_col) & ((k_col >= pad) | (q_col < pad))
             if self.sliding_window is not None:
                 mask &= k_col > q_col - self.sliding_window
-            meta.cache["padded_mask"] = mask
-        return meta.cache["padded_mask"]
+            meta.step_memo["padded_mask"] = mask
+        return meta.step_memo["padded_mask"]
 
     def forward(self, layer, q, k, v, meta: PaddedMetadata, scale: float) -> torch.Tensor:
-        if meta.max_seq_len > self.max_len:
-            raise ValueError(f"batch reached column {meta.max_seq_len} but cache rows hold {self.max_len}")
-        rows = meta.cache_rows
-        self.k_cache[layer, rows[meta.token_seq], meta.token_pos] = k  # token_pos = column in the row
-        self.v_cache[layer, rows[meta.token_seq], meta.token_pos] = v
+        if meta.max_seq_len > self.pool.max_len:
+            raise ValueError(f"batch reached column {meta.max_seq_len} but cache rows hold {self.pool.max_len}")
+        rows, k_cache, v_cache = meta.cache_rows, self.pool.k_cache[layer], self.pool.v_cache[layer]
+        k_cache[rows[meta.token_seq], meta.token_pos] = k  # token_pos = column in the row
+        v_cache[rows[meta.token_seq], meta.token_pos] = v
         B, n, L = meta.num_seqs, meta.max_query_len, meta.max_seq_len  # every row runs the same n columns
         T, num_heads, head_dim = q.shape
-        keys = self.k_cache[layer, rows, :L]  # [B, L, num_kv_heads, head_dim]
-        values = self.v_cache[layer, rows, :L]
+        keys = k_cache[rows, :L]  # [B, L, num_kv_heads, head_dim]
+        values = v_cache[rows, :L]
         mask = self.padded_mask(meta, L)  # [B, n, L]
         group = num_heads // keys.shape[2]  # grouped-query attention
         kk = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
@@ -204,6 +200,7 @@ class StaticBatcher:
         if not 0 <= pad_token_id < llm.config.vocab_size:
             raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {llm.config.vocab_size})")
         self.llm, self.batch_size, self.compact, self.pad_token_id = llm, batch_size, compact, pad_token_id
+        self.rows: RowPool | None = None
         self.backend: PaddedContiguousBackend | None = None
         self.stats: StaticBatchStats | None = None
 
@@ -217,15 +214,16 @@ class StaticBatcher:
         width = max(max(seqs[i].num_prompt_tokens for i in g) + max(seqs[i].params.max_tokens for i in g) - 1
                     for g in groups)
         c = self.llm.config
-        self.backend = PaddedContiguousBackend(c.num_layers, self.batch_size, width, c.num_kv_heads, c.head_dim,
-                                               self.llm.dtype, self.llm.device, c.sliding_window)
+        self.rows = RowPool(c.num_layers, self.batch_size, width, c.num_kv_heads, c.head_dim, self.llm.dtype,
+                            self.llm.device)
+        self.backend = PaddedContiguousBackend(self.rows, c.sliding_window)
         traces = [self._run_batch(g, [seqs[i] for i in g]) for g in groups]
         self.stats = StaticBatchStats.from_traces(self.batch_size, traces, time.perf_counter() - start)
         return [self.llm.output(s) for s in seqs]
 
     def _run_batch(self, indices: list[int], seqs: list[Sequence]) -> BatchTrace:
         P = max(s.num_prompt_tokens for s in seqs)
-        held = [self.backend.allocate_row() for _ in seqs]  # slot i of the batch owns cache row held[i]
+        held = [self.rows.allocate_row() for _ in seqs]  # slot i of the batch owns cache row held[i]
         slots = [_Slot(s, P - s.num_prompt_tokens, row) for s, row in zip(seqs, held)]
         for s in seqs:
             s.status = SequenceStatus.RUNNING
@@ -244,7 +242,7 @@ class StaticBatcher:
         for s in seqs:
             s.num_computed_tokens = s.num_tokens - 1  # the last sampled token is never fed
         for row in held:
-            self.backend.free_row(row)
+            self.rows.free_row(row)
         cells = np.array(grid, dtype=np.int8).T  # [batch_size, columns]
         return BatchTrace(indices, P, cells, [len(s.output_token_ids) for s in seqs])
 
@@ -271,7 +269,7 @@ class StaticBatcher:
         for i, sl in enumerate(survivors):
             if sl.row != held[i]:
                 if self.compact == "move":
-                    self.backend.move_row(sl.row, held[i])  # its K/V go with it
+                    self.rows.move_row(sl.row, held[i])  # its K/V go with it
                 sl.row = held[i]  # "renumber" stops here: the request now reads slot i's old row
         return survivors
 

@@ -1,0 +1,129 @@
+"""KV memory: the tensors that hold every layer's keys and values, and the copies between them.
+
+Two pools, one per way of laying requests out (the attention backends read and write them, the
+scheduler and the block manager decide who owns which part; nobody else holds the tensors):
+
+    RowPool  (rung 2)  one preallocated row of max_len positions per request
+        k_cache: [num_layers, num_rows, max_len, num_kv_heads, head_dim]        (v_cache the same)
+        row r:  [0, seq_len)        filled: prompt, then one token per decode step
+                [seq_len, max_len)  reserved for this request whether it is ever used or not
+
+    KVPool   (rung 4)  fixed-size blocks shared by every request through block tables
+        k_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
+        slot s = block s // block_size, offset s % block_size
+
+    Storage order of a KVPool (kv_layout), the same indexing either way:
+      "nhd"  token-major: a slot's kv_heads x head_dim values side by side (one row per token)
+      "hnd"  head-major: each KV head's block_size x head_dim values side by side (stored as
+             [layers, blocks, kv_heads, block_size, head_dim], seen through a transposed view), so a
+             kernel reading one KV head streams whole blocks instead of rows num_kv_heads apart
+
+Whole blocks move through `copy_blocks` (copy-on-write), `read_blocks` / `write_blocks` (swap to the
+CPU and back, and any other tier that keeps blocks elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+
+KV_LAYOUTS = ("nhd", "hnd")
+
+
+def new_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype, device, kv_layout: str = "nhd") -> torch.Tensor:
+    """A zeroed tensor indexed [layer, block, slot, kv_head, dim], stored in kv_layout's order."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout {kv_layout!r} is not one of {KV_LAYOUTS}")
+    if kv_layout == "hnd":
+        stored = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        return stored.transpose(2, 3)
+    return torch.zeros(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+class KVPool:
+    """The paged pool: K and V of `num_blocks` blocks of `block_size` slots, in every layer."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, kv_layout: str = "nhd"):
+        self.k_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_layout)
+        self.v_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_layout)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device, self.kv_layout = dtype, self.k_cache.device, kv_layout
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one block over all layers (static: sizes a pool before it exists)."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one of this pool's blocks over all layers."""
+        return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] views (what kernels take)."""
+        return self.k_cache[layer], self.v_cache[layer]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write K/V [T, num_kv_heads, head_dim] of one layer into their slots (every slot >= 0)."""
+        block, offset = slot_mapping // self.block_size, slot_mapping % self.block_size
+        self.k_cache[layer][block, offset] = k
+        self.v_cache[layer][block, offset] = v
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's K and V in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def read_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of these blocks' K and V: [num_layers, len(blocks), block_size, num_kv_heads, head_dim]
+        each, token-major whatever the pool's layout."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return self.k_cache[:, index].contiguous(), self.v_cache[:, index].contiguous()
+
+    def write_blocks(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put K/V shaped as `read_blocks` returns them (any device) into these blocks."""
+        expected = (self.num_layers, len(blocks), self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"write_blocks of {len(blocks)} blocks needs K and V shaped {expected}, "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self.k_cache[:, index] = k.to(self.device, self.dtype)
+        self.v_cache[:, index] = v.to(self.device, self.dtype)
+
+
+class RowPool:
+    """Rung 2's memory: `num_rows` rows of `max_len` positions; a request owns one row while it runs."""
+
+    def __init__(self, num_layers: int, num_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_rows, self.max_len = num_rows, max_len
+        self.free_rows = list(range(num_rows))
+
+    @property
+    def bytes_reserved(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def allocate_row(self) -> int:
+        if not self.free_rows:
+            raise RuntimeError(f"all {self.num_rows} cache rows are in use; free one first")
+        return self.free_rows.pop(0)
+
+    def free_row(self, row: int) -> None:
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"cache row {row} does not exist (rows 0..{self.num_rows - 1})")
+        if row in self.free_rows:
+            raise RuntimeError(f"cache row {row} freed twice")
+        self.free_rows.append(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy a whole row (every layer, every position) to another: what a request changing rows costs."""
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
