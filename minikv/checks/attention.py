@@ -32,8 +32,9 @@ from typing import Callable
 import torch
 
 from minikv.attention.contiguous import ContiguousBackend
-from minikv.attention.metadata import AttentionMetadata
+from minikv.attention.metadata import AttentionMetadata, ContiguousMetadata
 from minikv.attention.naive import NaiveBackend
+from minikv.cache.pool import RowPool
 from minikv.checks.report import fail, first_difference, passed
 
 OUT_DIMS = ("position", "head", "dim")
@@ -157,12 +158,12 @@ def reference_decode_step(q, k_new, v_new, k_cache, v_cache, pos: int, scale: fl
     """The engine's rung-2 step (ContiguousBackend, one layer, one row); writes the caches in place, as the
     exercise does."""
     max_len, KV, D = k_cache.shape
-    backend = ContiguousBackend(1, 1, max_len, KV, D, k_cache.dtype, k_cache.device)
-    backend.k_cache[0, 0], backend.v_cache[0, 0] = k_cache, v_cache
-    meta = AttentionMetadata.build([1], [pos + 1], cache_rows=torch.tensor([0]))
-    out = backend.forward(0, q[None], k_new[None], v_new[None], meta, scale)[0]
-    k_cache.copy_(backend.k_cache[0, 0])
-    v_cache.copy_(backend.v_cache[0, 0])
+    rows = RowPool(1, 1, max_len, KV, D, k_cache.dtype, k_cache.device)
+    rows.k_cache[0, 0], rows.v_cache[0, 0] = k_cache, v_cache
+    meta = ContiguousMetadata.build([1], [pos + 1], cache_rows=torch.tensor([0]))
+    out = ContiguousBackend(rows).forward(0, q[None], k_new[None], v_new[None], meta, scale)[0]
+    k_cache.copy_(rows.k_cache[0, 0])
+    v_cache.copy_(rows.v_cache[0, 0])
     return out
 
 
