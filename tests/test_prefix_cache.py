@@ -423,7 +423,7 @@ def test_reset_after_changing_the_weights_serves_no_stale_blocks():
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_pin_prefix_computes_then_pins_a_system_prompt(design):
-    llm = paged(design, num_blocks=20)
+    llm = paged(design, num_blocks=20, max_model_len=64)  # 4 pinned blocks leave 16: one request of 64 tokens fits
     system = tokens(16, 11)
     assert llm.pin_prefix(system) == 16
     for i in range(6):
