@@ -180,3 +180,48 @@ def test_a_schedule_step_that_needs_blocks_nobody_has_is_stopped():
     sch = scheduler_state(lambda *args: [("a", 1), ("b", 15)], num_blocks=6)  # b needs 4 more, 1 is free
     with pytest.raises(ValueError, match="blocks that needs are not free \\(1 free"):
         sch.schedule()
+
+
+# ---- through the engine: LLM(..., copy_on_write=fn, schedule_step=fn) ---------------------------
+def paged(**kwargs) -> LLM:
+    return LLM("tiny-random", kv_backend="paged", block_size=BS, num_blocks=64, **kwargs)
+
+
+PROMPTS = [[(13 * i + 7 * j) % 300 + 3 for j in range(n)] for i, n in enumerate((9, 23, 4, 15, 6))]
+
+
+def test_the_engine_on_a_learners_copy_on_write_gives_its_own_tokens():
+    samples = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=0, ignore_eos=True)
+
+    def run(llm):
+        out = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], samples)]
+        beams = [c.token_ids for c in llm.beam_search(PROMPTS[1], 3, 8)[0].outputs]
+        return out, beams, llm.stats()["cow_copies"]
+
+    want = run(paged())
+    assert want[2] > 0  # the samples really shared a partial block
+    assert run(paged(copy_on_write=learner_copy_on_write)) == want
+
+
+def test_the_engine_on_a_wrong_copy_on_write_stops_with_the_reason():
+    llm = paged(copy_on_write=_into_a_block_in_use)
+    with pytest.raises(ValueError, match="_into_a_block_in_use .* did not come from allocate"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=0, ignore_eos=True))
+
+
+def test_the_engine_on_a_learners_schedule_step_gives_its_own_tokens():
+    kwargs = dict(max_num_seqs=3, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in paged(**kwargs).generate(PROMPTS, params)]
+    llm = paged(schedule_step=fcfs_schedule_step, **kwargs)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert llm.scheduler.num_preemptions == 0
+
+
+def test_the_engine_on_a_wrong_schedule_step_stops_with_the_reason():
+    def greedy_for_tokens(running, waiting, budget, max_num_seqs, free_blocks, block_size):
+        return [(s.request_id, s.num_tokens - s.num_computed_tokens) for s in running + waiting]
+
+    llm = paged(schedule_step=greedy_for_tokens, max_num_seqs=3, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="greedy_for_tokens at engine step \\d+ runs more than the budget of 16"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
