@@ -23,6 +23,17 @@ if not (_Path(__file__).parent / "kernels").is_dir() and (_CheckoutKernels.folde
     if not any(getattr(f, "__name__", "") == "_CheckoutKernels" for f in _sys.meta_path):  # once, even on a reload
         _sys.meta_path.append(_CheckoutKernels)
 
+# Without CUDA the kernels run in Triton's interpreter, which must be switched on before triton is
+# imported; transformers may import it before minikv.kernels is, so the switch is set here already.
+# (If triton came first, minikv/kernels/interpreter.py says so, with the fix, when the kernels load.)
+if "triton" not in _sys.modules:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        import os as _os
+
+        _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from minikv.engine import LLM, RequestOutput, SamplingParams, StreamEvent  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent"]

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Test modules import transformers (which may import triton) before minikv: without CUDA, Triton's
+# interpreter must be on before triton is first imported (see kernels/interpreter.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -2,15 +2,15 @@
 from minikv import LLM
 
 
-def checked(llm: LLM) -> LLM:
-    """Wrap llm.step so that refcounts == block-table membership (and the prefix cache's own
-    bookkeeping) is verified after every step; returns the same engine."""
-    step = llm.step
+class InvariantCheck:
+    """An observer (LLM.add_observer): refcounts == block-table membership, and the prefix cache's own
+    bookkeeping, verified after every engine step."""
 
-    def step_and_check():
-        events = step()
+    def on_step(self, llm: LLM, batch, events) -> None:
         llm.block_manager.check(llm.scheduler.all_sequences())
-        return events
 
-    llm.step = step_and_check
+
+def checked(llm: LLM) -> LLM:
+    """Watch llm with InvariantCheck; returns the same engine."""
+    llm.add_observer(InvariantCheck())
     return llm

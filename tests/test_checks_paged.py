@@ -333,8 +333,9 @@ def test_task_06_schedule_step_can_drive_the_engine(capsys):
     assert "same batches, same tokens" in capsys.readouterr().out
 
 
-def test_task_06_engine_check_catches_a_wrong_policy():
-    with pytest.raises(AssertionError, match="batch differs"):
+def test_task_06_engine_check_catches_a_wrong_policy_with_the_rule_it_breaks():
+    # the scheduler checks the seam's decision as it comes: the message names the seat limit
+    with pytest.raises(AssertionError, match="admits request '3' but all max_num_seqs = 3 seats are taken"):
         check_schedule_in_engine(ignores_max_num_seqs)
 
 

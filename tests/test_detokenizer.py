@@ -176,7 +176,7 @@ def test_engine_parallel_samples_each_stream_their_own_text(worded):
         assert "".join(e.text_delta for e in events if e.sample_index == c.index) == c.text
 
 
-def test_engine_aborted_request_text_is_what_was_streamed(worded):
+def test_engine_aborted_request_text_is_what_was_streamed_then_what_was_held_back(worded):
     full = worded.generate([PROMPT], GREEDY)[0]
     stop, at, k = spanning_stop(worded, full.token_ids)
     never = stop[:2] + "\x00"  # begins like the spanning stop, never completes
@@ -186,8 +186,8 @@ def test_engine_aborted_request_text_is_what_was_streamed(worded):
         deltas += [d for s, _, d in worded.step() if s is seq]
         assert seq.text == "".join(deltas)
     assert seq.text == full.text[:at]  # the last 2 characters could still begin `never`: held back
-    worded.abort(seq)
-    assert worded.output(seq).text == "".join(deltas)
+    worded.abort(seq)  # the request ends: what was held back is text after all, and goes out last
+    assert worded.output(seq).text == full.text[:at + 2] == "".join(deltas) + stop[:2]
 
 
 @pytest.mark.slow

@@ -441,13 +441,20 @@ def test_longest_prefix_first_serves_more_hits_but_can_starve_a_loner():
     def admission_order(policy):
         llm = paged("radix", max_num_seqs=1, schedule_policy=policy)
         llm.generate(system + [1], SamplingParams(max_tokens=1))
-        llm.scheduler.log = []
+        admitted = []
+
+        class Admissions:
+            def on_event(self, engine, step, request_id, event):
+                if event == "admit":
+                    admitted.append(request_id)
+
+        llm.add_observer(Admissions())
         llm.add_request(loner, SamplingParams(max_tokens=2), request_id="loner")
         for i in range(4):
             llm.add_request(system + tokens(3, 30 + i), SamplingParams(max_tokens=2), request_id=f"shared{i}")
         while llm.has_unfinished():
             llm.step()
-        return [rid for _, rid, ev in llm.scheduler.log if ev == "admit"]
+        return admitted
 
     assert admission_order("fcfs")[0] == "loner"
     assert admission_order("lpm")[-1] == "loner"  # the shared ones jump ahead of it, every time

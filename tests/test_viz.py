@@ -52,10 +52,13 @@ def test_recording_does_not_change_what_the_engine_generates(trace):
     assert [trace.outputs[str(i)] for i in range(len(PROMPTS))] == [o.token_ids for o in outputs]
 
 
-def test_recorder_leaves_the_scheduler_as_it_was():
+def test_recorder_only_observes_and_leaves_the_engine_as_it_was():
     llm = paged()
+    before = dict(vars(llm.scheduler)), dict(vars(llm.runner))
     record_trace(llm, PROMPTS[:2], PARAMS)
-    assert "schedule" not in vars(llm.scheduler) and llm.scheduler.log is None
+    assert "schedule" not in vars(llm.scheduler) and "step" not in vars(llm)
+    assert set(vars(llm.scheduler)) == set(before[0]) and set(vars(llm.runner)) == set(before[1])
+    assert llm._observers == []  # the recorder removed itself
 
 
 def test_requests_arrive_at_their_step(trace):

@@ -226,7 +226,8 @@ class BlockManager:
         """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
         if not hit.blocks:
             return self.can_grow(seq, num_tokens)
-        revived = sum(1 for b in hit.blocks if self.ref_count[b] == 0)
+        # unused hit blocks leave the free pool; pinned ones were never in it
+        revived = sum(1 for b in hit.blocks if self.ref_count[b] == 0 and b not in self.prefix_cache.pinned)
         return blocks_needed(num_tokens, self.block_size) - len(hit.blocks) + revived <= self.num_free_blocks
 
     def acquire_prefix(self, seq: CachedRequest, hit: PrefixMatch) -> int | None:

@@ -229,56 +229,14 @@ def check_decode_step(decode_step: Callable, num_cases: int = 25, seed: int = 0)
     passed(num_cases, "decode_step writes the cache and attends like the engine's contiguous backend")
 
 
-# ---- plugging the learner's function into the running engine -------------------------------------
+# ---- the learner's function inside the running engine ---------------------------------------------
 
-class LearnerCausalAttention:
-    """A rung-1 backend that runs the learner's `causal_attention` on each sequence of the batch."""
-
-    name = "naive"
-
-    def __init__(self, causal_attention: Callable):
-        self.fn = causal_attention
-
-    def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.query_lens_list != meta.seq_lens_list:
-            raise ValueError("causal_attention needs whole sequences; build the LLM with kv_backend='naive'")
-        outs, start = [], 0
-        for n in meta.query_lens_list:  # [start, start + n) are this sequence's tokens in the flat batch
-            outs.append(self.fn(q[start:start + n], k[start:start + n], v[start:start + n], scale))
-            start += n
-        return torch.cat(outs).to(q.dtype)
-
-
-class LearnerDecodeStep:
-    """A rung-2 backend: the engine's contiguous backend does the prefill, the learner's `decode_step` every
-    decode step, reading and writing the engine's own cache rows."""
-
-    name = "contiguous"
-
-    def __init__(self, base: ContiguousBackend, decode_step: Callable):
-        self.base, self.fn = base, decode_step
-
-    def forward(self, layer, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not meta.is_decode_only:
-            return self.base.forward(layer, q, k, v, meta, scale)
-        outs = []
-        for b, row in enumerate(meta.cache_rows.tolist()):  # one new token per sequence
-            pos = meta.seq_lens_list[b] - 1
-            outs.append(self.fn(q[b], k[b], v[b], self.base.k_cache[layer, row], self.base.v_cache[layer, row],
-                                pos, scale))
-        return torch.stack(outs).to(q.dtype)
-
-
-def _compare_generation(llm, backend, prompt, max_tokens: int, what: str) -> None:
+def _compare_generation(llm, mine, prompt, max_tokens: int, what: str) -> None:
+    """Greedy tokens of `mine` (the engine with the learner's function in its seam) against `llm`'s."""
     from minikv.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    saved = llm.runner.backend
-    llm.runner.backend = backend  # the learner's function first: an unfinished stub fails at once
-    try:
-        got = llm.generate(prompt, params)[0]
-    finally:
-        llm.runner.backend = saved
+    got = mine.generate(prompt, params)[0]  # the learner's function first: an unfinished stub fails at once
     expected = llm.generate(prompt, params)[0]
     show = (lambda ids: repr(llm.tokenizer.decode(ids))) if llm.tokenizer is not None else str
     for i, (a, b) in enumerate(zip(expected.token_ids, got.token_ids)):
@@ -291,14 +249,18 @@ def _compare_generation(llm, backend, prompt, max_tokens: int, what: str) -> Non
 
 
 def check_causal_attention_in_engine(llm, causal_attention: Callable, prompt, max_tokens: int = 16) -> None:
-    """Generate greedily with the engine's attention, then with the learner's; the tokens must be the same."""
+    """Generate greedily with the learner's function in the engine's rung-1 seam,
+    `LLM(..., kv_backend="naive", causal_attention=causal_attention)`, then with the engine's own
+    attention; the tokens must be the same."""
     if llm.kv_backend != "naive":
         raise ValueError(f"this LLM uses kv_backend={llm.kv_backend!r}; build it with kv_backend='naive'")
-    _compare_generation(llm, LearnerCausalAttention(causal_attention), prompt, max_tokens, "causal_attention")
+    _compare_generation(llm, llm.derive(causal_attention=causal_attention), prompt, max_tokens, "causal_attention")
 
 
 def check_decode_step_in_engine(llm, decode_step: Callable, prompt, max_tokens: int = 16) -> None:
-    """Generate greedily with the engine's decode steps, then with the learner's; the tokens must be the same."""
+    """Generate greedily with the learner's function in the engine's rung-2 seam,
+    `LLM(..., kv_backend="contiguous", decode_step=decode_step)`, then with the engine's own decode
+    steps; the tokens must be the same."""
     if llm.kv_backend != "contiguous":
         raise ValueError(f"this LLM uses kv_backend={llm.kv_backend!r}; build it with kv_backend='contiguous'")
-    _compare_generation(llm, LearnerDecodeStep(llm.backend, decode_step), prompt, max_tokens, "decode_step")
+    _compare_generation(llm, llm.derive(decode_step=decode_step), prompt, max_tokens, "decode_step")

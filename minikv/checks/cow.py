@@ -18,23 +18,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from minikv.cache.block_manager import copy_on_write_rule
 from minikv.checks.report import fail, passed
 
 
-def reference_copy_on_write(block_table: list[int], ref_count: list[int], start: int, end: int, block_size: int,
-                            allocate: Callable[[], int]) -> list[tuple[int, int]]:
-    """The engine's rule (BlockManager.copy_on_write) on plain lists."""
-    copies = []
-    first, last = start // block_size, min(len(block_table), -(-end // block_size))
-    for i in range(first, last):  # only the blocks that positions [start, end) fall in
-        src = block_table[i]
-        if ref_count[src] > 1:  # someone else reads it: never write in place
-            dst = allocate()
-            ref_count[dst] = 1
-            ref_count[src] -= 1
-            block_table[i] = dst
-            copies.append((src, dst))
-    return copies
+reference_copy_on_write = copy_on_write_rule  # the engine's own rule, on plain lists
 
 
 @dataclass
@@ -189,29 +177,11 @@ def check_copy_on_write(fn: Callable, num_random: int = 300, seed: int = 0) -> N
                        "and keeps block tables and ref_counts exact")
 
 
-def plug_into_engine(llm, fn: Callable) -> Callable[[], None]:
-    """Make `llm`'s block manager copy on write with `fn`; returns the function that undoes it."""
-    bm = llm.block_manager
-
-    def learner_cow(seq, num_tokens: int) -> list[tuple[int, int]]:
-        copies = fn(seq.block_table, bm.ref_count, seq.num_computed_tokens, num_tokens, bm.block_size,
-                    bm.allocator.allocate)
-        copies = [(int(s), int(d)) for s, d in copies or []]
-        bm.num_cow_copies += len(copies)
-        return copies
-
-    bm.copy_on_write = learner_cow  # this engine only
-
-    def undo() -> None:
-        del bm.copy_on_write
-
-    return undo
-
-
 def check_copy_on_write_in_engine(llm, fn: Callable, prompt, n: int = 4, max_tokens: int = 12,
                                   beam_width: int = 3) -> None:
-    """Parallel samples (seeded) and a beam search on `llm`, with the engine's copy-on-write and then
-    with `fn`: same tokens, same number of copies, block tables and ref_counts exact after every step."""
+    """Parallel samples (seeded) and a beam search on `llm` with the engine's copy-on-write, then on the
+    same weights with `fn` in the rung-6 seam, `LLM(..., kv_backend="paged", copy_on_write=fn)`: same
+    tokens, same number of copies, block tables and ref_counts exact after every step."""
     from minikv import SamplingParams
 
     if llm.block_size is None:
@@ -221,27 +191,21 @@ def check_copy_on_write_in_engine(llm, fn: Callable, prompt, n: int = 4, max_tok
     want_copies = llm.stats()["cow_copies"]
     want_beams = [c.token_ids for c in llm.beam_search(prompt, beam_width, max_tokens)[0].outputs]
 
-    undo = plug_into_engine(llm, fn)
-    step = llm.step
+    mine = llm.derive(copy_on_write=fn)  # the rung-6 seam: LLM(..., copy_on_write=fn)
 
-    def checked_step():
-        events = step()
-        try:
-            llm.block_manager.check(llm.scheduler.all_sequences())
-        except AssertionError as e:
-            fail("the engine with your copy_on_write", f"bookkeeping broke at engine step {llm.scheduler.step_index}",
-                 str(e), "every copy takes one block (ref_count 1) and gives back one reference to the source")
-        return events
+    class InvariantCheck:  # an observer: after every step, block tables and ref_counts must agree
+        def on_step(self, engine, batch, events) -> None:
+            try:
+                engine.block_manager.check(engine.scheduler.all_sequences())
+            except AssertionError as e:
+                fail("the engine with your copy_on_write",
+                     f"bookkeeping broke at engine step {engine.scheduler.step_index}", str(e),
+                     "every copy takes one block (ref_count 1) and gives back one reference to the source")
 
-    llm.step = checked_step
-    try:
-        got_samples = [c.token_ids for c in llm.generate(prompt, params)[0].outputs]
-        got_copies = llm.stats()["cow_copies"]
-        got_beams = [c.token_ids for c in llm.beam_search(prompt, beam_width, max_tokens)[0].outputs]
-    finally:
-        undo()
-        del llm.step
-        _reset_pool_if_broken(llm)
+    mine.add_observer(InvariantCheck())
+    got_samples = [c.token_ids for c in mine.generate(prompt, params)[0].outputs]
+    got_copies = mine.stats()["cow_copies"]
+    got_beams = [c.token_ids for c in mine.beam_search(prompt, beam_width, max_tokens)[0].outputs]
     _compare("parallel sample", want_samples, got_samples, _decode(llm))
     if got_copies != want_copies:
         fail(f"{n} parallel samples", f"copies: expected {want_copies}, got {got_copies}",
@@ -249,20 +213,6 @@ def check_copy_on_write_in_engine(llm, fn: Callable, prompt, n: int = 4, max_tok
     _compare("beam", want_beams, got_beams, _decode(llm))
     passed(2, f"the engine ran {n} parallel samples and a beam search of width {beam_width} on your copy_on_write "
               f"({got_copies} copies) and generated the engine's own tokens")
-
-
-def _reset_pool_if_broken(llm) -> None:
-    """A wrong copy_on_write can leave blocks counted that nobody holds: give the engine a clean, empty
-    pool again, so the next attempt starts fresh (the model and its weights are untouched)."""
-    from minikv.cache.block_manager import BlockManager
-
-    bm, sch = llm.block_manager, llm.scheduler
-    if not (sch.has_unfinished() or bm.num_used_blocks or any(bm.ref_count)):
-        return
-    for queue in (sch.waiting, sch.running, sch.swapped):
-        queue.clear()
-    if getattr(bm, "prefix_cache", None) is None:
-        BlockManager.__init__(bm, bm.num_blocks, bm.block_size)
 
 
 def _decode(llm) -> Callable[[list[int]], str]:

@@ -24,12 +24,13 @@ from typing import Callable
 
 from minikv.cache.allocator import FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_manager import BlockManager
+from minikv.cache.block_table import slot_mapping as engine_slot_mapping
 from minikv.checks.report import fail, passed
+from minikv.engine.schedule_step import SeqInfo
 
 
 # ---- exercise 04: slot mapping -----------------------------------------------------------------
-def reference_slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+reference_slot_mapping = engine_slot_mapping  # the engine's own formula (minikv/cache/block_table.py)
 
 
 # (block_table, positions, block_size, what the case teaches)
@@ -98,9 +99,10 @@ def check_slot_mapping(slot_mapping: Callable, num_random: int = 200, seed: int 
 
 
 def check_slot_mapping_in_engine(slot_mapping: Callable, llm=None, prompts=None, max_tokens: int = 12) -> None:
-    """Run a paged engine whose model runner writes K/V through the learner's slot mapping.
+    """Run a paged engine whose model runner writes K/V through the learner's slot mapping, plugged into
+    the rung-4 seam: `LLM(..., kv_backend="paged", slot_mapping=slot_mapping)`.
 
-    Generates greedily with the engine's own mapping, then with the learner's, on the same LLM; the
+    Generates greedily with the engine's own mapping, then with the learner's, on the same weights; the
     tokens must be the same. A wrong mapping writes keys where another token (or request) reads them."""
     from minikv import LLM, SamplingParams
 
@@ -111,22 +113,16 @@ def check_slot_mapping_in_engine(slot_mapping: Callable, llm=None, prompts=None,
                           if llm.tokenizer is None else ["The KV cache", "Paged attention stores", "A block table"])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    bs = llm.block_size
 
-    def learner_mapping(batch) -> list[int]:
-        slots = []
-        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
-            slots += _as_int_list(slot_mapping(list(seq.block_table), list(range(start, start + n)), bs)) or []
-        return slots
+    def learner_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
+        return _as_int_list(slot_mapping(list(block_table), list(positions), block_size)) or []
 
-    llm.runner.slot_mapping = learner_mapping  # this engine only; removed below
+    mine = llm.derive(slot_mapping=learner_mapping)  # the rung-4 seam: LLM(..., slot_mapping=fn)
     try:
-        got = [o.token_ids for o in llm.generate(prompts, params)]
-    except (IndexError, RuntimeError) as e:
+        got = [o.token_ids for o in mine.generate(prompts, params)]
+    except (IndexError, RuntimeError, ValueError) as e:
         fail("the engine with your slot_mapping", "crashed", f"{type(e).__name__}: {e}",
              "a slot outside [0, num_blocks * block_size) means a block id or an offset is wrong")
-    finally:
-        del llm.runner.slot_mapping
     for i, (w, g) in enumerate(zip(want, got)):
         if w != g:
             j = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
@@ -299,21 +295,6 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
 
 # ---- exercise 06: one scheduler decision ---------------------------------------------------------
 @dataclass(frozen=True)
-class SeqInfo:
-    """What the scheduler knows about a sequence when it decides a step.
-
-    [0, num_computed_tokens)           K/V already in its blocks
-    [num_computed_tokens, num_tokens)  still to run (a prompt, a chunk's rest, or 1 token to decode)
-    num_blocks                         blocks it holds now (ceil(num_computed_tokens / block_size))
-    """
-
-    request_id: str
-    num_tokens: int
-    num_computed_tokens: int = 0
-    num_blocks: int = 0
-
-
-@dataclass(frozen=True)
 class ScheduleCase:
     running: tuple[SeqInfo, ...]
     waiting: tuple[SeqInfo, ...]
@@ -433,40 +414,6 @@ def check_schedule_step(schedule_step: Callable, num_random: int = 300, seed: in
     passed(len(cases), "schedule_step makes the same decisions as minikv's Scheduler")
 
 
-def schedule_step_from_engine(schedule_step: Callable):
-    """Wrap the learner's function as a `Scheduler.schedule` replacement for one engine, for
-    `check_schedule_in_engine`: it reads the engine's queues, asks the learner, and applies the
-    decision through the block manager exactly as the real scheduler would."""
-    from minikv.engine.sequence import SequenceStatus
-    from minikv.engine.simple_scheduler import ScheduledBatch
-
-    def info(seq) -> SeqInfo:
-        return SeqInfo(seq.request_id, seq.num_tokens, seq.num_computed_tokens, len(seq.block_table))
-
-    def make(sch):
-        def schedule() -> ScheduledBatch:
-            bm = sch.bm
-            decision = schedule_step([info(s) for s in sch.running], [info(s) for s in sch.waiting],
-                                     sch.max_num_batched_tokens, sch.max_num_seqs, bm.num_free_blocks, bm.block_size)
-            by_id = {s.request_id: s for s in list(sch.running) + list(sch.waiting)}
-            batch = ScheduledBatch()
-            for rid, n in decision:
-                if n <= 0:
-                    continue
-                seq = by_id[rid]
-                if seq.status == SequenceStatus.WAITING:
-                    sch.waiting.remove(seq)
-                    seq.status = SequenceStatus.RUNNING
-                    sch.running.append(seq)
-                    sch._trace(seq, "admit")
-                bm.grow(seq, seq.num_computed_tokens + n)
-                batch.add(seq, seq.num_computed_tokens, n)
-            sch.step_index += 1
-            return batch
-        return schedule
-    return make
-
-
 def check_schedule_in_engine(schedule_step: Callable, prompts=None, max_tokens: int = 10) -> None:
     """Let the learner's function drive a paged engine (no memory pressure: no preemption needed) and
     compare tokens and per-step batches with the engine's own scheduler."""
@@ -478,8 +425,7 @@ def check_schedule_in_engine(schedule_step: Callable, prompts=None, max_tokens: 
     from minikv.viz.pool import record_trace
 
     ref = record_trace(LLM("tiny-random", **kwargs), prompts, params)
-    llm = LLM("tiny-random", **kwargs)
-    llm.scheduler.schedule = schedule_step_from_engine(schedule_step)(llm.scheduler)
+    llm = LLM("tiny-random", schedule_step=schedule_step, **kwargs)  # the rung-5 seam
     try:
         mine = record_trace(llm, prompts, params, max_steps=len(ref) + 50)
     except NotImplementedError:

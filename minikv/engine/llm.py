@@ -8,228 +8,237 @@ One engine step = schedule -> prepare one flattened batch -> model -> sample -> 
 """
 from __future__ import annotations
 
-from typing import Iterator
+import dataclasses
+import difflib
+import threading
+from collections import deque
+from typing import Callable, Iterator
 
 import torch
 
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.naive import NaiveBackend
-from minikv.attention.paged import KV_LAYOUTS, PagedBackend
+from minikv.attention.paged import PagedBackend
+from minikv.attention.seams import CausalAttentionSeam, DecodeStepSeam
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.prefix_cache import EVICTION_POLICIES, PrefixCache
+from minikv.cache.block_table import blocks_needed
+from minikv.cache.pool import KVPool, RowPool
+
+from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
+from minikv.engine.config import EngineConfig
 from minikv.engine.cuda_graph import DecodeGraphs
-from minikv.engine.detokenizer import detokenize
+from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
-from minikv.engine.prompts import parse_prompt
+from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampler import sample
 from minikv.engine.sampling_params import SamplingParams
-from minikv.engine.scheduler import PREEMPTION_MODES, Scheduler
+from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
 from minikv.engine.simple_scheduler import SimpleScheduler
-from minikv.model.loader import load_model
-
-KV_BACKENDS = ("naive", "contiguous", "paged")
-ATTENTION_IMPLS = ("torch", "triton")
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 1024
-PREFIX_CACHING = ("hash", "radix")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+from minikv.model.loader import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
 
 
 def pair_requests(prompts, params) -> tuple[list[Prompt], list[SamplingParams]]:
     """One prompt or a list of them, with one SamplingParams for all or one each -> two equal lists."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if is_single_prompt(prompts):
         prompts = [prompts]
+    if not isinstance(prompts, list):
+        raise ValueError(f"prompts must be a prompt (text, a list of token ids, a dict) or a list of prompts, "
+                         f"got {type(prompts).__name__} {prompts!r}")
     if not prompts:
         raise ValueError("no prompts given")
     params = params if params is not None else SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("params must be a SamplingParams or a list of them, one per prompt (build each with "
+                         f"SamplingParams(...), not a dict); got {params!r}")
     if len(params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
     return list(prompts), list(params)
 
 
+def _done(seq: Sequence) -> bool:
+    """Every sample of the request seq started has finished (forks still to come count as unfinished)."""
+    return not seq.num_pending_forks and all(s.is_finished for s in samples_of(seq))
+
+
+def _given(**kwargs) -> dict:
+    """The keyword arguments that were given (not None): seams reach the parts that take them only when used."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 class LLM:
-    def __init__(
-        self,
-        model: str = "smollm2-135m",
-        device: str | None = None,
-        dtype: torch.dtype | str | None = None,
-        kv_backend: str = "contiguous",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        seed: int = 0,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        preemption: str = "recompute",
-        swap_blocks: int | None = None,
-        block_allocator=None,
-        attention: str | None = None,
-        kv_layout: str | None = None,
-        cuda_graphs: bool | None = None,
-        prefix_caching: str | PrefixCache | None = None,
-        eviction: str = "lru",
-        schedule_policy: str = "fcfs",
-    ):
-        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-5).
+    def __init__(self, model: str = "smollm2-135m", device: str | None = None, dtype: torch.dtype | str | None = None,
+                 kv_backend: str = "contiguous", max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 seed: int = 0, **options):
+        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-7). Every option is
+        checked at once by `EngineConfig` (minikv/engine/config.py), which also fills in the defaults.
 
-        Paged options: block_size (tokens per block, a power of two), num_blocks or kv_cache_memory
-        (bytes) for the pool, max_num_seqs, max_num_batched_tokens (token budget per step),
-        enable_chunked_prefill, preemption ("recompute" or "swap"), swap_blocks (CPU swap space,
-        default num_blocks), block_allocator (a class called with num_blocks, see minikv.cache),
-        attention ("torch" reference or "triton" kernels; default: "triton" for a paged pool on a GPU,
-        where it is measured faster, see benchmarks/RESULTS.md, and "torch" otherwise), kv_layout (the
-        pool's storage order: "nhd" token-major or "hnd" head-major; default: the attention's own,
-        "nhd" for torch, "hnd" for triton; indexing is the same either way), cuda_graphs (decode
-        steps replayed from CUDA graphs, one per batch-size bucket; default on with triton attention
-        on a GPU, see minikv/engine/cuda_graph.py).
+        Paged pool: block_size (tokens per block, a power of two), num_blocks or kv_cache_memory
+        (bytes) for the pool, max_num_batched_tokens (token budget per step), enable_chunked_prefill,
+        preemption ("recompute" or "swap"), swap_blocks (CPU swap space, default num_blocks),
+        attention ("torch" reference or "triton" kernels; default "triton" for a paged pool on a GPU,
+        "torch" otherwise), kv_layout (the pool's storage order: "nhd" token-major or "hnd"
+        head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
+        default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py).
 
-        Prefix caching (rung 6, paged only): prefix_caching None (off), "hash" (vLLM's hashed block
-        chain) or "radix" (SGLang's radix tree); eviction "lru" or "fifo" (which unused cached block
-        goes first); schedule_policy "fcfs" or "lpm" (longest cached prefix first). Requests with
-        different `cache_salt` never share cached blocks.
+        Prefix caching (rung 6, paged): prefix_caching None, "hash" (vLLM's hashed block chain), "radix"
+        (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs" or
+        "lpm" (longest cached prefix first). Requests with different `cache_salt` never share blocks.
+
+        Named seams, where your own code runs inside the engine (each exercise plugs into one):
+            causal_attention=fn   rung 1  attention of one whole sequence (kv_backend="naive")
+            decode_step=fn        rung 2  one decode step on a contiguous cache row (kv_backend="contiguous")
+            block_allocator=cls   rung 4  hands out and takes back block ids
+            slot_mapping=fn       rung 4  physical slot of each new token
+            schedule_step=fn      rung 5  which sequences run this step, and how many tokens each
+            copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
+            decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
+        Views and checkers watch the engine through `add_observer`.
         """
-        if kv_backend not in KV_BACKENDS:
-            raise ValueError(f"unknown kv_backend {kv_backend!r}; choose one of {', '.join(KV_BACKENDS)}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if attention is None:
-            attention = "triton" if kv_backend == "paged" and self.device.type == "cuda" else "torch"
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
-        if attention == "triton" and kv_backend != "paged":
-            raise ValueError("attention='triton' runs on the paged pool; use kv_backend='paged'")
-        if kv_layout is not None and kv_backend != "paged":
-            raise ValueError("kv_layout is the storage order of the paged pool's blocks; use kv_backend='paged'")
-        if kv_layout is not None and kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True, False or None (on where supported), got {cuda_graphs!r}")
-        if cuda_graphs and (self.device.type != "cuda" or attention != "triton" or kv_backend != "paged"):
-            raise ValueError(f"cuda_graphs replays decode steps of the Triton kernels on a GPU (here: device "
-                             f"{self.device.type}, attention {attention!r}, kv_backend {kv_backend!r}); "
-                             "use kv_backend='paged', attention='triton' on a CUDA device, or cuda_graphs=False")
-        if preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {preemption!r}")
-        if prefix_caching is not None and kv_backend != "paged":
-            raise ValueError("prefix caching shares KV blocks between requests; use kv_backend='paged'")
-        if isinstance(prefix_caching, str) and prefix_caching not in PREFIX_CACHING:
-            raise ValueError(f"prefix_caching must be None or one of {', '.join(PREFIX_CACHING)}, got {prefix_caching!r}")
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}")
-        if schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {schedule_policy!r}")
-        if schedule_policy == "lpm" and prefix_caching is None:
-            raise ValueError("schedule_policy='lpm' orders requests by their cached prefix; turn prefix_caching on")
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        loaded = load_model(model, self.device, self.dtype)
+        try:
+            cfg = EngineConfig(model=model, device=device, dtype=dtype, kv_backend=kv_backend,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, **options)
+        except TypeError as e:  # an unknown keyword
+            known = [f.name for f in dataclasses.fields(EngineConfig)]
+            unknown = [k for k in options if k not in known]
+            if not unknown:
+                raise
+            hint = difflib.get_close_matches(unknown[0], known, n=1)
+            raise ValueError(f"LLM got an unknown option {unknown[0]!r}"
+                             + (f"; did you mean {hint[0]!r}?" if hint else f"; options: {', '.join(known)}")) from e
+        self.engine_config = cfg
+        self.device, self.dtype, self.kv_backend, self.seed = cfg.device, cfg.dtype, cfg.kv_backend, cfg.seed
+        self._options = dict(device=device, dtype=dtype, kv_backend=kv_backend, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, seed=seed, **options)
+        if isinstance(model, LoadedModel):  # the weights of another engine (see derive)
+            weight = next(model.model.parameters())
+            if (weight.device.type, weight.dtype) != (self.device.type, self.dtype):
+                raise ValueError(f"the loaded weights are {weight.dtype} on {weight.device}, the engine asks for "
+                                 f"{self.dtype} on {self.device}; derive an engine with the same device and dtype")
+            loaded = model
+        else:
+            if not isinstance(model, str):
+                raise ValueError(f"model must be a name ('tiny-random', 'smollm2-135m'), a checkpoint directory, "
+                                 f"a .gguf file or a hub id, got {type(model).__name__} {model!r}")
+            loaded = load_model(model, self.device, self.dtype)
+        self.loaded = loaded
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions; lower it")
-        self.max_model_len = max_model_len or min(limit, 2048)
-        self.eos_token_ids = set(self.config.eos_token_ids)
+        c = self.config
+        cfg.fit(c.max_position_embeddings,
+                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype))
+        self.max_model_len = cfg.max_model_len
+        self.attention = cfg.attention if cfg.is_paged else None
+        self.block_size = cfg.block_size if cfg.is_paged else None
+        self.eos_token_ids = set(c.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.kv_backend = kv_backend
-        self.attention = attention if kv_backend == "paged" else None
-        self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
-        c = self.config
-        self.block_size = None
-        if kv_backend == "naive":
-            self.backend = NaiveBackend(c.sliding_window)
-            self.scheduler = SimpleScheduler(self.backend, max_num_seqs or 1)
-        elif kv_backend == "contiguous":
-            max_num_seqs = max_num_seqs or 4
-            self.backend = ContiguousBackend(c.num_layers, max_num_seqs, self.max_model_len, c.num_kv_heads,
-                                             c.head_dim, self.dtype, self.device, c.sliding_window)
-            self.scheduler = SimpleScheduler(self.backend, max_num_seqs)
-        else:
-            self._build_paged(block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs or 32,
-                              max_num_batched_tokens, enable_chunked_prefill, preemption, swap_blocks,
-                              block_allocator, attention, kv_layout)
+        self._generator = torch.Generator().manual_seed(cfg.seed)
+        self.prefix_cache: PrefixCache | None = None
+        self.block_manager: BlockManager | None = None
+        self._last: list[Sequence] = []  # the requests of the last generate / stream / beam_search (stats)
+        self._observers: list = []
+        self._lock = threading.RLock()  # one step at a time, whichever thread or loop drives the engine
+        self._listeners: dict[int, tuple[deque, int]] = {}  # root seq_id -> (its stream's events, prompt index)
+        self._reset_pending = False
+        {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}[cfg.kv_backend](cfg)
         graphs = None
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and self.attention == "triton"
-        if cuda_graphs:
-            graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, self.scheduler.max_num_seqs,
+        if cfg.cuda_graphs:
+            graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,
                                   self.max_model_len, c.vocab_size)
             with torch.inference_mode():
                 graphs.capture_all()
-        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs)
-        self._last: list[Sequence] = []
-        self.prefix_cache: PrefixCache | None = None
-        self._reset_pending = False
-        if prefix_caching is not None:
-            self.prefix_cache = make_prefix_cache(prefix_caching, self.block_size, eviction)
-            self.block_manager.attach_prefix_cache(self.prefix_cache)
-            self.scheduler.policy = schedule_policy
+        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
+                                  **_given(slot_mapping=cfg.slot_mapping))
 
-    def _build_paged(self, block_size, num_blocks, kv_cache_memory, max_model_len, max_num_seqs,
-                     max_num_batched_tokens, chunked, preemption, swap_blocks, block_allocator, attention,
-                     kv_layout=None) -> None:
-        c = self.config
-        if not isinstance(block_size, int) or block_size & (block_size - 1) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}")
-        per_block = PagedBackend.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
-        if num_blocks is None:
-            if kv_cache_memory is None:
-                if self.device.type == "cuda":
-                    kv_cache_memory = int(torch.cuda.mem_get_info(self.device)[0] * 0.5)
-                else:
-                    kv_cache_memory = 256 * 2**20
-            num_blocks = kv_cache_memory // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={kv_cache_memory:,} bytes holds no block of {per_block:,} bytes "
-                                 f"(block_size {block_size}); give more memory or a smaller block_size")
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        capacity = num_blocks * block_size
-        if max_model_len is None:
-            self.max_model_len = min(self.max_model_len, capacity)
-        elif max_model_len > capacity:
-            raise ValueError(
-                f"num_blocks={num_blocks} x block_size={block_size} holds {capacity:,} tokens, too small for one "
-                f"request of max_model_len={max_model_len:,}; raise num_blocks (or kv_cache_memory) to at least "
-                f"{-(-max_model_len // block_size)}, or lower max_model_len")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 512 if chunked else self.max_model_len
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
-        if not chunked and max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len={self.max_model_len}: "
-                "without chunked prefill a whole prompt must fit one step. Raise max_num_batched_tokens, lower "
-                "max_model_len, or set enable_chunked_prefill=True")
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if attention == "triton":
-            from minikv.attention.triton_backend import TritonPagedBackend as backend_cls
+    # ---- one builder per rung -------------------------------------------------------------------
+    def _build_naive(self, cfg: EngineConfig) -> None:
+        """Rung 1: no cache; every step feeds the whole sequence again."""
+        if cfg.causal_attention is not None:
+            self.backend = CausalAttentionSeam(cfg.causal_attention)
         else:
-            backend_cls = PagedBackend
-        self.backend = backend_cls(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                   self.dtype, self.device, c.sliding_window, kv_layout)
-        if block_allocator is not None and isinstance(block_allocator, type):
-            block_allocator = block_allocator(num_blocks)
-        self.block_manager = BlockManager(num_blocks, block_size, block_allocator)
-        swap = None
-        if preemption == "swap":
-            swap = SwapSpace(self.backend, swap_blocks if swap_blocks is not None else num_blocks)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, chunked, preemption, swap)
-        self.block_size = block_size
+            self.backend = NaiveBackend(self.config.sliding_window)
+        self.scheduler = SimpleScheduler(None, cfg.max_num_seqs)
+
+    def _build_contiguous(self, cfg: EngineConfig) -> None:
+        """Rung 2: one preallocated row of max_model_len positions per running request."""
+        c = self.config
+        rows = RowPool(c.num_layers, cfg.max_num_seqs, self.max_model_len, c.num_kv_heads, c.head_dim, self.dtype,
+                       self.device)
+        self.backend = ContiguousBackend(rows, c.sliding_window)
+        if cfg.decode_step is not None:
+            self.backend = DecodeStepSeam(self.backend, cfg.decode_step)
+        self.scheduler = SimpleScheduler(rows, cfg.max_num_seqs)
+
+    def _build_paged(self, cfg: EngineConfig) -> None:
+        """Rungs 4-7: a block pool, block tables, a continuous-batching scheduler, optionally a prefix cache."""
+        c = self.config
+        if cfg.attention == "triton":
+            from minikv.attention.triton_backend import TritonPagedBackend as backend_cls
+            extra = _given(decode_inner_loop=cfg.decode_inner_loop)
+        else:
+            backend_cls, extra = PagedBackend, {}
+        pool = KVPool(c.num_layers, cfg.num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype,
+                      self.device, cfg.kv_layout)
+        self.backend = backend_cls(pool, c.sliding_window, **extra)
+        allocator = cfg.block_allocator
+        if isinstance(allocator, type):
+            allocator = allocator(cfg.num_blocks)
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, allocator,
+                                          **_given(copy_on_write=cfg.copy_on_write))
+        swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, cfg.preemption, swap,
+                                   **_given(schedule_step=cfg.schedule_step), on_event=self._on_event)
+        if cfg.prefix_caching is not None:
+            self.prefix_cache = make_prefix_cache(cfg.prefix_caching, cfg.block_size, cfg.eviction)
+            self.block_manager.attach_prefix_cache(self.prefix_cache)
+            self.scheduler.policy = cfg.schedule_policy
+
+    @property
+    def is_paged(self) -> bool:
+        """A paged pool (rungs 4-7): block tables, the block manager, prefix caching, forks."""
+        return self.engine_config.is_paged
+
+    def derive(self, **changes) -> "LLM":
+        """A new engine on the same loaded weights, with the same options except `changes`. This is how a
+        checker runs your function beside the engine's own:
+
+            mine = llm.derive(slot_mapping=my_slot_mapping)   # = LLM(same model, same options, slot_mapping=...)
+        """
+        return LLM(self.loaded, **{**self._options, **changes})
+
+    # ---- observers ------------------------------------------------------------------------------
+    def add_observer(self, observer) -> Callable[[], None]:
+        """Watch every step: `observer.on_schedule(llm, batch)` once the scheduler picked the batch (before
+        the model runs), `observer.on_step(llm, batch, events)` once the step is done, and
+        `observer.on_event(llm, step, request_id, event)` for each scheduler event of a paged engine
+        (arrive, admit, preempt, swap_out, swap_in, fork, finish, abort); any may be missing. Views and
+        checkers use this instead of wrapping engine methods. Returns `remove()`."""
+        if not any(hasattr(observer, hook) for hook in ("on_schedule", "on_step", "on_event")):
+            raise ValueError("an observer needs an on_schedule(llm, batch), on_step(llm, batch, events) or "
+                             "on_event(llm, step, request_id, event) method")
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
+
+    def _on_event(self, step: int, request_id: str, event: str) -> None:
+        """The scheduler's events (arrive, admit, preempt, swap_out, swap_in, fork, finish, abort) go to
+        observers with an `on_event(llm, step, request_id, event)` method."""
+        self._notify("on_event", step, request_id, event)
+
+    def _notify(self, hook: str, *args) -> None:
+        for obs in list(self._observers):
+            fn = getattr(obs, hook, None)
+            if fn is not None:
+                fn(self, *args)
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
@@ -255,10 +264,18 @@ class LLM:
     # ---- running -------------------------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         ids, text, salt = self.encode(prompt)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (or a list of them, one per prompt), "
+                             f"got {type(params).__name__} {params!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} can never match: model {self.config.model_type!r} has no "
+                             "tokenizer, so no text is produced; stop on token ids with EOS, or load a model with one")
+        if self.is_paged:
+            self._check_fits_beside_pins(ids, salt, params)
         seq = Sequence(ids, params, request_id=request_id, cache_salt=salt, prompt=text)
         seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         if params.n > 1:
-            if self.block_size is not None:  # paged: prefill once, then fork (minikv/engine/fork.py)
+            if self.is_paged:  # paged: prefill once, then fork (minikv/engine/fork.py)
                 if params.n > self.scheduler.max_num_seqs:
                     raise ValueError(f"n={params.n} parallel samples run at once but max_num_seqs is "
                                      f"{self.scheduler.max_num_seqs}; raise max_num_seqs or lower n")
@@ -274,8 +291,9 @@ class LLM:
         """Queue one request (validated now: a bad one raises and leaves the engine untouched).
         Drive the engine with `step()` until `has_unfinished()` is False."""
         seq = self.make_sequence(prompt, params or SamplingParams(), request_id)
-        for s in samples_of(seq):
-            self.scheduler.add(s)
+        with self._lock:
+            for s in samples_of(seq):
+                self.scheduler.add(s)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -283,41 +301,70 @@ class LLM:
 
     def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
                ) -> Iterator[StreamEvent]:
-        """Yield a StreamEvent for every generated token of every request, as the engine makes it."""
-        seqs = self._submit(prompts, params)
-        self._last = seqs
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        try:
-            while self.scheduler.has_unfinished():
-                for seq, token, delta in self.step():
-                    if seq.root.seq_id in index:  # requests queued earlier with add_request run too
-                        yield StreamEvent(index[seq.root.seq_id], seq.root.request_id, token, delta,
-                                          seq.is_finished, seq.finish_reason, sample_index=seq.index)
-        finally:  # a consumer that stops early must not leave requests holding cache
-            for seq in seqs:
-                self.abort(seq)
+        """Yield a StreamEvent for every generated token of these requests, as the engine makes it.
+
+        Every request's last event has `finished=True` (an aborted one: finish_reason "abort"). Each call
+        gets exactly its own events, whoever drives the engine: calls from several threads share the
+        engine one step at a time, and a `generate` called inside a `stream` loop runs the outer
+        requests too, keeping their events for the outer loop."""
+        yield from self._follow(*self._submit(prompts, params))
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
-        for _ in self.stream(prompts, params):
+        seqs, events = self._submit(prompts, params)
+        for _ in self._follow(seqs, events):
             pass
-        return [self.output(s) for s in self._last]
+        return [self.output(s) for s in seqs]
 
-    def _submit(self, prompts, params) -> list[Sequence]:
+    def _follow(self, seqs: list[Sequence], events: deque[StreamEvent]) -> Iterator[StreamEvent]:
+        """Drive the engine until these requests are done, yielding their events (and only theirs)."""
+        try:
+            while True:
+                while events:
+                    yield events.popleft()
+                if all(_done(s) for s in seqs):
+                    break
+                with self._lock:
+                    if not events and not all(_done(s) for s in seqs):
+                        self.step()
+        finally:  # a consumer that stops early must not leave requests holding cache
+            with self._lock:
+                for seq in seqs:
+                    self.abort(seq)
+                    self._listeners.pop(seq.seq_id, None)
+                self._last = seqs
+
+    def _submit(self, prompts, params) -> tuple[list[Sequence], deque[StreamEvent]]:
+        """Validate every request, then queue them all; their events will go to the returned queue."""
         prompts, params = pair_requests(prompts, params)
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all before queuing any
-        if self.block_size is not None:
-            self.block_manager.reset_sharing_stats()
-        for seq in seqs:
-            for s in samples_of(seq):
-                self.scheduler.add(s)
-        return seqs
+        events: deque[StreamEvent] = deque()
+        with self._lock:
+            if self.is_paged:
+                self.block_manager.reset_sharing_stats()
+            for i, seq in enumerate(seqs):
+                self._listeners[seq.seq_id] = (events, i)
+                for s in samples_of(seq):
+                    self.scheduler.add(s)
+        return seqs, events
+
+    def _publish(self, seq: Sequence, token: int | None, delta: str) -> None:
+        """Hand one event to the stream that submitted seq's request (if a stream did)."""
+        listener = self._listeners.get(seq.root.seq_id)
+        if listener is not None:
+            queue, i = listener
+            queue.append(StreamEvent(i, seq.root.request_id, token, delta, seq.is_finished, seq.finish_reason,
+                                     sample_index=seq.index))
 
     def step(self) -> list[tuple[Sequence, int, str]]:
         """One engine step. Returns (sequence, new token, new text) for each sequence that sampled."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[tuple[Sequence, int, str]]:
         batch = self.scheduler.schedule()
-        while not batch and self.block_size is not None and self.scheduler.preempt_stalled():
+        while not batch and self.is_paged and self.scheduler.preempt_stalled():
             batch = self.scheduler.schedule()  # stalled beams made room for a waiting sequence
         if not batch:
             if self.scheduler.has_unfinished():  # never spin: say what is stuck
@@ -325,19 +372,23 @@ class LLM:
                                    f"({self.scheduler.__class__.__name__}: {self.stats()}); is the block allocator "
                                    "returning freed blocks?")
             return []
+        self._notify("on_schedule", batch)
         logits, rows = self.runner.run(batch)
         seqs = [batch.seqs[r] for r in rows]
         searches = []
-        if self.block_size is not None:
+        if self.is_paged:
             seqs, logits = fork_samples(self.scheduler, seqs, logits, self._generator)  # n > 1: prompt done
             seqs, logits, searches = take_beam_rows(seqs, logits)  # beams are not sampled: they are ranked
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
         events = [(seq, tok, self._append(seq, tok)) for seq, tok in zip(seqs, tokens)]
+        for seq, tok, delta in events:
+            self._publish(seq, tok, delta)
         self.scheduler.update(batch)
         for search in searches:
             search.advance(self.scheduler)
         if self._reset_pending and not self._holds_blocks():
             self.reset_prefix_cache()  # the deferred reset: no request holds blocks any more
+        self._notify("on_step", batch, events)
         return events
 
     def _append(self, seq: Sequence, token: int) -> str:
@@ -373,15 +424,14 @@ class LLM:
         and returns `BeamSearchOutput(sequences=[...])`, best first. All beams run at once: keep
         max_num_seqs >= beam_width x prompts, or some forks wait their turn and share nothing.
         """
-        if self.block_size is None:
+        if not self.is_paged:
             raise ValueError("beam search shares blocks between beams: use kv_backend='paged'")
         if not isinstance(beam_width, int) or not 1 <= beam_width <= self.scheduler.max_num_seqs:
             raise ValueError(f"beam_width must be an integer in [1, max_num_seqs={self.scheduler.max_num_seqs}], "
                              f"got {beam_width!r}; raise max_num_seqs for wider beams")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # beams stop by BeamSearch's rules
-        seqs = [self.make_sequence(p, params) for p in prompts]
+        prompts, params = pair_requests(prompts, params)
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         searches = [BeamSearch(s, beam_width, max_tokens, self.eos_token_ids, ignore_eos, self.max_model_len)
                     for s in seqs]
         self.block_manager.reset_sharing_stats()
@@ -411,11 +461,21 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def abort(self, seq: Sequence) -> None:
-        """Stop a request (all its samples) now; whatever cache it holds goes back."""
-        for s in samples_of(seq):
-            if not s.is_finished:
-                s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
-                self.scheduler.abort(s)
+        """Stop a request (all its samples) now; whatever cache it holds goes back. A stream of it gets a
+        last event with finish_reason "abort"."""
+        if not isinstance(seq, Sequence):
+            raise ValueError(f"abort takes the Sequence that add_request returned, got {type(seq).__name__} {seq!r}")
+        with self._lock:
+            seq.num_pending_forks = 0  # samples not forked yet never will be
+            for s in samples_of(seq):
+                if not s.is_finished:
+                    s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+                    self.scheduler.abort(s)
+                    held = flush(self.tokenizer, s.output_token_ids, s.text, s.params.stop)
+                    s.text += held  # what the detokenizer held back is part of the text after all
+                    self._publish(s, None, held)
+                elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
+                    self.scheduler.abort(s)
 
     # ---- prefix cache (rung 6) ----------------------------------------------------------------
     def _need_prefix_cache(self, what: str) -> PrefixCache:
@@ -450,7 +510,29 @@ class LLM:
         full = len(ids) // self.block_size * self.block_size
         if cache.match(ids, salt).num_tokens < full and cache.enabled:
             self.generate({"prompt_token_ids": ids, "cache_salt": salt}, SamplingParams(max_tokens=1))
+        pinned = set(cache.pinned) | set(cache.match(ids, salt).blocks)
+        keep_free = blocks_needed(self.max_model_len, self.block_size)  # one request of max_model_len must fit
+        if len(pinned) > self.block_manager.num_blocks - keep_free:
+            raise ValueError(
+                f"pinning this prefix would pin {len(pinned)} of the pool's {self.block_manager.num_blocks} blocks, "
+                f"leaving fewer than the {keep_free} blocks one request of max_model_len={self.max_model_len} "
+                "needs; unpin_prefix another prefix, raise num_blocks, or lower max_model_len")
         return cache.pin(ids, salt)
+
+    def _check_fits_beside_pins(self, ids: list[int], salt: str | None, params: SamplingParams) -> None:
+        """Pinned blocks never leave the pool: refuse now a request that could never fit beside them
+        (it may share the pinned blocks of its own prefix)."""
+        cache = self.prefix_cache
+        if cache is None or not cache.pinned:
+            return
+        pinned = set(cache.pinned)
+        usable = self.block_manager.num_blocks - len(pinned) + len(pinned & set(cache.match(ids, salt).blocks))
+        need = blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len), self.block_size)
+        if need > usable:
+            raise ValueError(
+                f"this request may need {need} blocks ({len(ids)} prompt + up to {params.max_tokens} output tokens) "
+                f"but {len(pinned)} of the pool's {self.block_manager.num_blocks} blocks are pinned by pin_prefix, "
+                f"leaving {usable}; unpin_prefix a prefix, raise num_blocks, or lower max_tokens")
 
     def unpin_prefix(self, prompt: Prompt) -> int:
         """Let the pinned blocks of this prefix be evicted again. Returns the number of tokens unpinned."""
@@ -460,7 +542,7 @@ class LLM:
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
         out: dict = {"kv_backend": self.kv_backend}
-        if self.block_size is not None:
+        if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
             out.update(
                 num_blocks=bm.num_blocks, block_size=self.block_size, used_blocks=bm.num_used_blocks,

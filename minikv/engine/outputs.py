@@ -72,11 +72,12 @@ class RequestOutput:
 
 @dataclass
 class StreamEvent:
-    """One generated token of one request, as it comes."""
+    """One generated token of one request, as it comes. An aborted request ends with an event whose
+    token_id is None, finished True and finish_reason "abort"."""
 
     index: int  # position of the request in the list given to LLM.stream / LLM.generate
     request_id: str
-    token_id: int
+    token_id: int | None
     text_delta: str
     finished: bool
     finish_reason: str | None = None

@@ -35,6 +35,7 @@ their block tables; it never preempts: the exercise covers the case where everyt
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.swap import SwapSpace
@@ -46,11 +47,14 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Scheduler:
-    """schedule_step: a function deciding each step's batch in place of the built-in policy (see above)."""
+    """schedule_step: a function deciding each step's batch in place of the built-in policy (see above).
+    on_event: called as on_event(step, request_id, event) for every arrive / admit / preempt / swap_out /
+    swap_in / fork / finish / abort (the engine hands them to its observers)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, preemption: str = "recompute",
-                 swap_space: SwapSpace | None = None, schedule_step: ScheduleStep | None = None):
+                 swap_space: SwapSpace | None = None, schedule_step: ScheduleStep | None = None,
+                 on_event: Callable[[int, str, str], None] | None = None):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         if preemption == "swap" and swap_space is None:
@@ -71,7 +75,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_swaps = 0
-        self.log: list[tuple[int, str, str]] | None = None  # (step, request_id, event) when tracing
+        self.on_event = on_event
         self.step_index = 0
         self.policy = "fcfs"  # or "lpm": longest cached prefix first (needs a prefix cache)
 
@@ -84,8 +88,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def _trace(self, seq: Sequence, event: str) -> None:
-        if self.log is not None:
-            self.log.append((self.step_index, seq.request_id, event))
+        if self.on_event is not None:
+            self.on_event(self.step_index, seq.request_id, event)
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -257,6 +261,9 @@ class Scheduler:
             self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
+        for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token
+            self.waiting.remove(seq)                            # before it found a seat: holds no block
+            self._trace(seq, "finish")
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -108,23 +108,23 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
     sch, bm = llm.scheduler, llm.block_manager
     known: dict[str, object] = {}  # every sequence seen, in arrival order (forked samples included)
     batches = []
-    original = sch.schedule
+    log: list[tuple[str, str]] = []  # (request_id, event) as the scheduler reports them
 
-    def schedule_and_remember():
-        batch = original()
-        for s in sch.all_sequences():
-            known.setdefault(s.request_id, s)
-        batches.append((batch, {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)))
-        return batch
+    class Recorder:  # an observer: the engine calls it, nothing of the engine is replaced
+        def on_schedule(self, llm, batch) -> None:
+            for s in sch.all_sequences():
+                known.setdefault(s.request_id, s)
+            batches.append((batch, {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)))
 
-    old_log = sch.log
-    sch.log = []
-    sch.schedule = schedule_and_remember  # an instance attribute: this engine only, removed below
+        def on_event(self, llm, step: int, request_id: str, event: str) -> None:
+            log.append((request_id, event))
+
+    remove = llm.add_observer(Recorder())
     steps, pending = [], sorted(range(len(prompts)), key=lambda i: arrivals[i])
     try:
         step = 0
         while (pending or llm.has_unfinished()) and step < max_steps:
-            log_start = len(sch.log)
+            log_start = len(log)
             while pending and arrivals[pending[0]] <= step:
                 i = pending.pop(0)
                 seq = llm.add_request(prompts[i], params[i], request_id=str(i))
@@ -141,13 +141,12 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
             else:  # nothing had arrived yet: an empty step
                 snap, refs = {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)
             batches.clear()
-            events = [(rid, ev) for _, rid, ev in sch.log[log_start:]]
+            events = log[log_start:]
             sampled = [rid for rid, s in known.items() if len(s.output_token_ids) > before.get(rid, 0)]
             steps.append(StepSnapshot(step, snap, refs, events, seconds, sampled))
             step += 1
     finally:
-        del sch.schedule
-        sch.log = old_log
+        remove()
     return Trace(bm.num_blocks, llm.block_size, sch.max_num_batched_tokens, steps, list(known),
                  {rid: list(s.output_token_ids) for rid, s in known.items()})
 

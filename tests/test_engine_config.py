@@ -1,0 +1,95 @@
+"""One configuration object checks every option of LLM(...) before anything is loaded, and the facade
+builds each rung from it; the named seams are options like the others."""
+import pytest
+
+from minikv import LLM, SamplingParams
+from minikv.engine.config import SEAMS, EngineConfig
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer >= 1"),
+    (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
+    (dict(max_model_len=-1), "max_model_len must be an integer >= 1"),
+    (dict(max_model_len=64.0), "max_model_len must be an integer >= 1"),
+    (dict(kv_backend="paged", swap_blocks=2.0), "swap_blocks must be an integer >= 0"),
+    (dict(kv_backend="paged", kv_cache_memory="1GB"), "kv_cache_memory must be an integer .* number of bytes"),
+    (dict(kv_backend="paged", num_blocks=10**9), r"num_blocks=1,000,000,000 blocks .* GiB .* lower num_blocks"),
+    (dict(kv_backend="paged", num_blocks=8, kv_cache_memory=2**20), "give num_blocks .* or kv_cache_memory .* not both"),
+    (dict(dtype="float8"), "dtype must be one of float32, float16, bfloat16"),
+    (dict(dtype=3), "dtype must be one of"),
+    (dict(device="tpu"), "device must be 'cpu', 'cuda'"),
+    (dict(seed=-1), r"seed must be an integer in \[0, 2\*\*63\)"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(block_size=8), "block_size is an option of the paged pool .* kv_backend is 'contiguous'"),
+    (dict(num_blocks=8), "num_blocks is an option of the paged pool"),
+    (dict(kv_backend="paged", enable_chunked_prefill="yes"), "enable_chunked_prefill must be True or False"),
+    (dict(kv_backend="paged", cuda_graphs="on"), "cuda_graphs must be True, False or None"),
+    (dict(kv_backend="paged", attention="torch", cuda_graphs=True), "cuda_graphs replays decode steps"),
+    (dict(kv_backend="paged", prefix_caching="lru"), "prefix_caching must be None or one of hash, radix"),
+    (dict(kv_backend="paged", eviction="random"), "eviction must be one of lru, fifo"),
+    (dict(kv_backend="paged", schedule_policy="lpm"), "schedule_policy='lpm' .* turn prefix_caching on"),
+    (dict(kv_backend="paged", attention="triton", dtype="bfloat16"), "interpreter on a CPU, whose bfloat16"),
+    (dict(kv_backend="paged", preemption="swap", swap_blocks=0), "preemption='swap' needs a swap space"),
+    (dict(kv_backend="paged", block_allocator=42), "block_allocator must be a class"),
+    (dict(blok_size=16), "unknown option 'blok_size'; did you mean 'block_size'"),
+    (dict(model=42), "model must be a name"),
+])
+def test_every_option_is_checked_with_a_message_naming_it(kwargs, message):
+    model = kwargs.pop("model", "tiny-random")
+    with pytest.raises(ValueError, match=message):
+        LLM(model, **kwargs)
+
+
+@pytest.mark.parametrize("seam", sorted(SEAMS))
+def test_a_seam_given_to_a_rung_that_does_not_use_it_is_refused(seam):
+    wrong_rung = "contiguous" if seam != "decode_step" else "naive"
+    with pytest.raises(ValueError, match=f"{seam} plugs into rung"):
+        LLM("tiny-random", kv_backend=wrong_rung, **{seam: lambda *a: None})
+
+
+@pytest.mark.parametrize("seam", sorted(SEAMS))
+def test_a_seam_must_be_a_function(seam):
+    with pytest.raises(ValueError, match=f"{seam} must be a function"):
+        EngineConfig(model="tiny-random", kv_backend="paged", **{seam: "not a function"})
+
+
+def test_defaults_are_filled_in_once_the_model_is_known():
+    cfg = EngineConfig(kv_backend="paged", block_size=4, num_blocks=10)
+    cfg.fit(max_positions=2048, bytes_per_block=1024)
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.swap_blocks) == (40, 32, 512, 10)
+    assert cfg.kv_layout == "nhd" and cfg.attention == "torch" and cfg.cuda_graphs is False
+    contiguous = EngineConfig(kv_backend="contiguous")
+    contiguous.fit(max_positions=8192)
+    assert (contiguous.max_model_len, contiguous.max_num_seqs) == (2048, 4)
+
+
+def test_derive_shares_the_weights_and_keeps_the_options():
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=32, max_num_seqs=3)
+    other = llm.derive(prefix_caching="hash")
+    assert other.model is llm.model
+    assert other.scheduler.max_num_seqs == 3 and other.block_manager.num_blocks == 32
+    assert other.prefix_cache is not None and llm.prefix_cache is None
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert other.generate([[3, 4, 5, 6]], params)[0].token_ids == llm.generate([[3, 4, 5, 6]], params)[0].token_ids
+
+
+def test_observers_see_every_step_and_can_be_removed():
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=32)
+    seen = []
+
+    class Watch:
+        def on_schedule(self, engine, batch):
+            seen.append(("schedule", len(batch)))
+
+        def on_step(self, engine, batch, events):
+            seen.append(("step", len(events)))
+
+    remove = llm.add_observer(Watch())
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen[:2] == [("schedule", 2), ("step", 2)] and len(seen) == 6
+    remove()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert len(seen) == 6
+    with pytest.raises(ValueError, match="an observer needs an on_schedule"):
+        llm.add_observer(object())
