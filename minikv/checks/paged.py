@@ -226,8 +226,9 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
 
     llm: None builds two tiny-random engines, `LLM(..., block_allocator=allocator_cls)` and one on the
     engine's FreeListAllocator. Or pass an engine already built with `block_allocator=allocator_cls`
-    (e.g. SmolLM2 with a small num_blocks): it runs the prompts on the learner's allocator, then on a
-    FreeListAllocator put in its place, so the model is loaded once."""
+    (e.g. SmolLM2 with a small num_blocks): it runs the prompts on the learner's allocator, then on
+    `llm.derive(block_allocator=None)` (the same weights, the engine's FreeListAllocator), so the model
+    is loaded once."""
     from minikv import LLM, SamplingParams
 
     if llm is None:
@@ -264,20 +265,16 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
         del ref
         learner = LLM("tiny-random", block_allocator=allocator_cls, **kwargs)
         got, stats = run_learner()
-    else:  # one engine: the learner's allocator first, then the reference in its place
+    else:  # the learner's engine: the reference runs on the same weights with the engine's own allocator
         learner = llm
         before = learner.stats()["num_preemptions"]
         got, stats = run_learner()
         stats["num_preemptions"] -= before
         if bm.num_used_blocks:
             fail(case, "blocks leaked", f"{bm.num_used_blocks} blocks still in use after every request finished")
-        bm.allocator, mine = FreeListAllocator(bm.num_blocks), bm.allocator
-        try:
-            before = llm.stats()["num_preemptions"]
-            want = [o.token_ids for o in llm.generate(prompts, params)]
-            ref_preemptions = llm.stats()["num_preemptions"] - before
-        finally:
-            bm.allocator = mine
+        reference = llm.derive(block_allocator=None)
+        want = [o.token_ids for o in reference.generate(prompts, params)]
+        ref_preemptions = reference.stats()["num_preemptions"]
     for i, (w, g) in enumerate(zip(want, got)):
         if w != g:
             j = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
