@@ -281,7 +281,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim].
 
-    `inner_loop` is the seam of exercise 08 (`LLM(..., decode_inner_loop=fn)` passes it down): it is a
+    `inner_loop` is the seam of exercise 08a (`LLM(..., decode_inner_loop=fn)` passes it down): it is a
     compile-time argument of the split kernel, so each function compiles its own kernel once."""
     B, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape

@@ -22,7 +22,7 @@ from minikv.checks.paged import (
 )
 
 
-# ---- exercise 04: slot mapping -------------------------------------------------------------------
+# ---- exercise 04a: slot mapping ------------------------------------------------------------------
 def slot_mapping(block_table, positions, block_size):
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
@@ -75,7 +75,7 @@ def test_task_04_engine_check_leaves_the_runner_as_it_was():
     assert "slot_mapping" not in vars(llm.runner)
 
 
-# ---- exercise 05: a block allocator --------------------------------------------------------------
+# ---- exercise 04b: a block allocator -------------------------------------------------------------
 class StackAllocator:
     """Reference answer with another policy than the engine's FIFO: last freed, first reused."""
 
@@ -239,7 +239,7 @@ def test_task_05_stub_raises_not_implemented_not_assertion():
         check_block_allocator(Stub)
 
 
-# ---- exercise 06: one scheduler step -------------------------------------------------------------
+# ---- exercise 05a: one scheduler step ------------------------------------------------------------
 def schedule_step(running, waiting, budget, max_num_seqs, free_blocks, block_size):
     def blocks_for(num_tokens):
         return -(-num_tokens // block_size)

@@ -192,7 +192,7 @@ def _inner_loop_without_rescale(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_
 
 
 def test_decode_inner_loop_is_an_argument_of_the_kernel_and_the_default_stays():
-    """The seam of exercise 08: `inner_loop` reaches the split kernel as a compile-time argument. A
+    """The seam of exercise 08a: `inner_loop` reaches the split kernel as a compile-time argument. A
     buggy loop changes the output, the default is untouched by it, and a plain function is refused."""
     seq_lens = [7, 50, 100]
     k_cache, v_cache, tables = scattered_pool(seq_lens, 16, 2, torch.float32, seed=13)

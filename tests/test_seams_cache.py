@@ -1,5 +1,5 @@
-"""The two seams on the cache and scheduler side: a learner's copy-on-write rule (rung 6, exercise 07c)
-and a learner's scheduling decision (rung 5, exercise 05b).
+"""The two seams on the cache and scheduler side: a learner's copy-on-write rule (rung 6, exercise 07a)
+and a learner's scheduling decision (rung 5, exercise 05a).
 
 For each: the engine's own rule passed through the seam gives the engine's own tokens, and a wrong
 function is stopped with a message that names what is wrong, before it can corrupt the pool."""
@@ -27,7 +27,7 @@ def one_thread():
 
 # ---- copy_on_write ------------------------------------------------------------------------------
 def learner_copy_on_write(block_table, ref_count, num_computed_tokens, num_tokens, block_size, allocate):
-    """Exercise 07c's answer, written as a learner would."""
+    """Exercise 07a's answer, written as a learner would."""
     copies = []
     for i in range(num_computed_tokens // block_size, min(len(block_table), -(-num_tokens // block_size))):
         if ref_count[block_table[i]] > 1:
@@ -104,7 +104,7 @@ def test_copy_on_write_must_be_a_function():
 # ---- schedule_step ------------------------------------------------------------------------------
 def fcfs_schedule_step(running: list[SeqInfo], waiting: list[SeqInfo], budget: int, max_num_seqs: int,
                        free_blocks: int, block_size: int) -> list[tuple[str, int]]:
-    """Exercise 05b's answer: the built-in policy when nothing needs preempting."""
+    """Exercise 05a's answer: the built-in policy when nothing needs preempting."""
     def new_blocks(seq: SeqInfo, n: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + n) // block_size) - seq.num_blocks)
 

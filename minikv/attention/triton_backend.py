@@ -22,7 +22,7 @@ max_seq_len at capture). Any count is correct for any lengths (the last split re
 past the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with max_seq_len set
 to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
 
-`decode_inner_loop` is the seam of exercise 08: a @triton.jit function with the signature of the
+`decode_inner_loop` is the seam of exercise 08a: a @triton.jit function with the signature of the
 decode kernel's online-softmax step, passed down as `paged_decode_attention(..., inner_loop=...)`.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ copies the K/V of `(src, dst)` on the device) and drops its reference to the sha
     parent [0 1 2]  child [0 1 2]      block 2 = positions 8-9 of 10, ref_count 2
     parent writes position 10  ->  parent [0 1 5] (5 = copy of 2), child [0 1 2], both ref 1
 
-The rule is `copy_on_write_rule`, on plain lists; exercise 07c's version plugs in in its place with
+The rule is `copy_on_write_rule`, on plain lists; exercise 07a's version plugs in in its place with
 `BlockManager(..., copy_on_write=fn)` (or `LLM(..., kv_backend="paged", copy_on_write=fn)`), and
 the block manager still counts the copies and checks what comes back.
 

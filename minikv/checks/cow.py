@@ -1,4 +1,4 @@
-"""Checker for the copy-on-write exercise (07c): give a writer its own copy of a shared block.
+"""Checker for the copy-on-write exercise (07a): give a writer its own copy of a shared block.
 
     copy_on_write(block_table, ref_count, start, end, block_size, allocate) -> [(src, dst), ...]
 

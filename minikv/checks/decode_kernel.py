@@ -1,4 +1,4 @@
-"""Checker for exercise 08: the inner loop of the paged decode kernel, in Triton's interpreter.
+"""Checker for exercise 08a: the inner loop of the paged decode kernel, in Triton's interpreter.
 
     @triton.jit
     def online_softmax_block(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):

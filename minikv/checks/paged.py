@@ -4,15 +4,15 @@ Each checker runs the learner's code on hand-picked cases first (each one teache
 failure message names that rule), then on random ones, against the engine's own code; then it
 plugs the learner's code into a running LLM and compares the generated tokens with the engine's.
 
-    exercise 04   slot_mapping(block_table, positions, block_size) -> slots
+    exercise 04a  slot_mapping(block_table, positions, block_size) -> slots
         block_table  [7, 2, 9]   logical block i of the sequence lives in physical block block_table[i]
         positions    [4, 5, 6]   positions whose K/V this step writes
         slots        [8, 9, 10]  slot = block_table[p // block_size] * block_size + p % block_size
 
-    exercise 05   class MyAllocator:  MyAllocator(num_blocks); .allocate() -> id; .free(id); .num_free_blocks
+    exercise 04b  class MyAllocator:  MyAllocator(num_blocks); .allocate() -> id; .free(id); .num_free_blocks
                   (the BlockAllocator protocol of minikv/cache/allocator.py)
 
-    exercise 06   schedule_step(running, waiting, budget, max_num_seqs, free_blocks, block_size)
+    exercise 05a  schedule_step(running, waiting, budget, max_num_seqs, free_blocks, block_size)
                       -> [(request_id, num_tokens), ...] in batch order
         running, waiting  lists of SeqInfo (oldest first / first come first)
 """
@@ -29,7 +29,7 @@ from minikv.checks.report import fail, passed
 from minikv.engine.schedule_step import SeqInfo
 
 
-# ---- exercise 04: slot mapping -----------------------------------------------------------------
+# ---- exercise 04a: slot mapping ----------------------------------------------------------------
 reference_slot_mapping = engine_slot_mapping  # the engine's own formula (minikv/cache/block_table.py)
 
 
@@ -131,7 +131,7 @@ def check_slot_mapping_in_engine(slot_mapping: Callable, llm=None, prompts=None,
     passed(len(prompts), f"the paged engine ran on your slot_mapping and generated the same {max_tokens} tokens")
 
 
-# ---- exercise 05: a block allocator --------------------------------------------------------------
+# ---- exercise 04b: a block allocator -------------------------------------------------------------
 def _call(case: str, what: str, fn, *args):
     try:
         return fn(*args)
@@ -290,7 +290,7 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
     return stats
 
 
-# ---- exercise 06: one scheduler decision ---------------------------------------------------------
+# ---- exercise 05a: one scheduler decision --------------------------------------------------------
 @dataclass(frozen=True)
 class ScheduleCase:
     running: tuple[SeqInfo, ...]

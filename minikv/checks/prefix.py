@@ -1,4 +1,4 @@
-"""Checkers for the prefix-caching exercises (07: the block hash chain, 07b: radix longest-prefix match).
+"""Checkers for the prefix-caching exercises (06a: the block hash chain, 06b: radix longest-prefix match).
 
     hash_block(parent, token_ids, extra_keys) -> key      one full block's key (bytes, stable)
     block_hashes(token_ids, block_size, cache_salt)       the keys of every full block, chained
@@ -22,7 +22,7 @@ def _short(key) -> str:
     return key.hex()[:12] + "…" if isinstance(key, bytes) else repr(key)[:40]
 
 
-# ---- exercise 07: hash_block ---------------------------------------------------------------------
+# ---- exercise 06a: hash_block --------------------------------------------------------------------
 def check_hash_block(hash_block) -> None:
     """The rules a block key must follow, one case each."""
     toks = (5, 17, 230, 4)
@@ -70,7 +70,7 @@ def check_hash_block(hash_block) -> None:
                            "and the extra keys")
 
 
-# ---- exercise 07: block_hashes -------------------------------------------------------------------
+# ---- exercise 06a: block_hashes ------------------------------------------------------------------
 def expected_block_hashes(hash_block, token_ids, block_size, cache_salt=None) -> list:
     keys = []
     for i in range(len(token_ids) // block_size):
@@ -173,7 +173,7 @@ def check_hash_chain_in_engine(llm, block_hashes, system: str, questions: list[s
                       "their own prompts only; block_hashes gives the engine's keys")
 
 
-# ---- exercise 07b: radix longest-prefix match ----------------------------------------------------
+# ---- exercise 06b: radix longest-prefix match ---------------------------------------------------
 class _Seq:
     """The little a RadixCache needs to insert a token list."""
 

@@ -1,4 +1,4 @@
-"""The scheduling seam (rung 5, exercise 05b): a function decides which sequences run this step.
+"""The scheduling seam (rung 5, exercise 05a): a function decides which sequences run this step.
 
     schedule_step(running, waiting, budget, max_num_seqs, free_blocks, block_size)
         -> [(request_id, num_tokens), ...]        in batch order; a pair with 0 tokens is skipped

@@ -27,7 +27,7 @@ and after every step its newly full blocks join the cache. policy="lpm" admits t
 sequence with the longest cached prefix first (SGLang's cache-aware scheduling): more hits, but a
 request that shares nothing can wait as long as others that share keep arriving (starvation).
 
-A learner's decision (exercise 05b) plugs in with `Scheduler(..., schedule_step=fn)`, or
+A learner's decision (exercise 05a) plugs in with `Scheduler(..., schedule_step=fn)`, or
 `LLM(..., kv_backend="paged", schedule_step=fn)` (the seam: minikv/engine/schedule_step.py). The
 scheduler asks it every step in place of steps 1-3, admits the waiting sequences it chose and grows
 their block tables; it never preempts: the exercise covers the case where everything fits.
