@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m minikv.cli prepare
 
+# Jupyter refuses to start as root unless told to (containers, cloud notebooks): pass --allow-root there.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: model
-	$(VENV)/bin/jupyter lab --notebook-dir=. notebooks/00_tour.ipynb
+	$(VENV)/bin/jupyter lab --notebook-dir=. $(ALLOW_ROOT) notebooks/00_tour.ipynb
 
 # unit + equivalence + property tests, and every notebook, exercise and solution through nbval
 # (--dist loadfile keeps each notebook's cells in order on one worker)
