@@ -92,17 +92,16 @@ def test_a_sample_that_finishes_before_it_finds_a_seat_never_runs_again():
 
 def test_pinned_blocks_count_against_what_a_request_may_need():
     llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=8, prefix_caching="hash",
-              max_model_len=16)
-    system = list(range(3, 19))[:12]  # 3 full blocks
-    assert llm.pin_prefix(system) == 12
-    with pytest.raises(ValueError, match="would pin 5 of the pool's 8 blocks, leaving fewer than the 4 blocks"):
-        llm.pin_prefix(list(range(50, 58)))  # 2 more blocks: one request of max_model_len would not fit
-    # pins made behind the facade's back are still counted when a request arrives
-    llm.generate([list(range(60, 68))], SamplingParams(max_tokens=1))
-    llm.prefix_cache.pin(list(range(60, 68)))  # 5 of 8 blocks pinned now
-    with pytest.raises(ValueError, match="may need 4 blocks .* 5 of the pool's 8 blocks are pinned"):
-        llm.generate([list(range(100, 110))], SamplingParams(max_tokens=6))
-    # a request that starts with a pinned prefix shares those blocks, so it fits
-    out = llm.generate([system + [40]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
-    assert len(out.token_ids) == 3
+              max_model_len=32)
+    system = list(range(3, 19))  # 4 full blocks
+    assert llm.pin_prefix(system) == 16
+    # 28 prompt + 4 output tokens need 8 blocks; only 4 are not pinned: refused now, not mid-generation
+    with pytest.raises(ValueError, match="may need 8 blocks .* 4 of the pool's 8 blocks are pinned"):
+        llm.generate([list(range(100, 128))], SamplingParams(max_tokens=4))
+    assert not llm.has_unfinished()
+    # a request that starts with the pinned prefix shares those blocks, so it fits
+    out = llm.generate([system + [40, 41, 42]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    # and one that fits beside the pins runs
+    assert len(llm.generate([list(range(100, 110))], SamplingParams(max_tokens=4))[0].token_ids) >= 1
     llm.block_manager.check([])

@@ -504,19 +504,13 @@ class LLM:
     def pin_prefix(self, prompt: Prompt) -> int:
         """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.
         Computes the prompt first if it is not cached yet. Returns the number of tokens pinned (whole
-        blocks: a partial last block is never cached). Undo with `unpin_prefix`."""
+        blocks: a partial last block is never cached). Undo with `unpin_prefix`. Pinned blocks count
+        against every later request: one that could not fit beside them is refused when submitted."""
         cache = self._need_prefix_cache("pin_prefix")
         ids, _, salt = self.encode(prompt)
         full = len(ids) // self.block_size * self.block_size
         if cache.match(ids, salt).num_tokens < full and cache.enabled:
             self.generate({"prompt_token_ids": ids, "cache_salt": salt}, SamplingParams(max_tokens=1))
-        pinned = set(cache.pinned) | set(cache.match(ids, salt).blocks)
-        keep_free = blocks_needed(self.max_model_len, self.block_size)  # one request of max_model_len must fit
-        if len(pinned) > self.block_manager.num_blocks - keep_free:
-            raise ValueError(
-                f"pinning this prefix would pin {len(pinned)} of the pool's {self.block_manager.num_blocks} blocks, "
-                f"leaving fewer than the {keep_free} blocks one request of max_model_len={self.max_model_len} "
-                "needs; unpin_prefix another prefix, raise num_blocks, or lower max_model_len")
         return cache.pin(ids, salt)
 
     def _check_fits_beside_pins(self, ids: list[int], salt: str | None, params: SamplingParams) -> None:
