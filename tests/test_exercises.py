@@ -115,3 +115,25 @@ def test_exercise_check_cells_fail_on_the_stubs(name, monkeypatch):
                 + ("passed" if error is None else f"raised {type(error).__name__}: {error}"))
         elif "raises-exception" not in tags(cell):
             assert error is None, f"{name} cell {i} raised {type(error).__name__}: {error}"
+
+
+HINT_TITLES = ("Hint 1 — a nudge", "Hint 2 — the idea", "Hint 3 — the formula")
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_every_stub_is_followed_by_three_collapsed_hints_before_its_check(name):
+    """Hints in tiers (a nudge, the idea, the formula), collapsed, between each stub and the next check."""
+    cells = load("exercises", name).cells
+    stubs = [i for i, c in enumerate(cells) if "exercise" in tags(c)]
+    for i in stubs:
+        hints = cells[i + 1:i + 1 + len(HINT_TITLES)]
+        for title, cell in zip(HINT_TITLES, hints):
+            where = f"{name} cell {cells.index(cell)}"
+            assert cell.cell_type == "markdown" and cell.source.startswith(f"#### {title}"), (
+                f"{where}: expected the markdown cell '#### {title}' after the stub in cell {i}")
+            assert cell.metadata.get("jupyter", {}).get("source_hidden") is True, (
+                f"{where}: a hint must be collapsed (metadata jupyter.source_hidden = true)")
+            assert len(cell.source.split("\n", 1)[-1].strip()) > 40, f"{where}: the hint says nothing"
+        assert len(hints) == len(HINT_TITLES), f"{name}: the stub in cell {i} needs its three hints"
+        nxt = next((j for j in range(i + 1, len(cells)) if tags(cells[j]) & {"check", "exercise"}), None)
+        assert nxt is None or "check" in tags(cells[nxt]), f"{name}: the stub in cell {i} has no check after its hints"
