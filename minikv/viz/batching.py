@@ -13,6 +13,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from minikv.engine.static_batching import CELL_NAMES, DECODE, EMPTY, IDLE, PAD, PROMPT, StaticBatchStats
+from minikv.viz.view import view
 
 CELL_COLORS = {EMPTY: "#ffffff", PAD: "#c8c8c8", PROMPT: "#4c78a8", DECODE: "#59a14f", IDLE: "#e15759"}
 _CMAP = ListedColormap([CELL_COLORS[k] for k in sorted(CELL_COLORS)])
@@ -78,17 +79,18 @@ def batch_grid_browser(stats: StaticBatchStats):
     """A slider over the batches of one run; each position redraws that batch's grid."""
     import ipywidgets as widgets
 
-    out = widgets.Output()
-    slider = widgets.IntSlider(0, 0, len(stats.traces) - 1, description="batch")
+    from minikv.viz.pool import figure_png
+
+    slider = widgets.IntSlider(0, 0, len(stats.traces) - 1, description="batch", continuous_update=False)
+    image = widgets.Image(format="png")
 
     def show(change=None) -> None:
         t = stats.traces[slider.value]
-        with out:
-            out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(min(14, 2 + 0.15 * t.cells.shape[1]), 1 + 0.45 * stats.batch_size))
-            _draw_trace(ax, t, f"batch {slider.value}: requests {t.request_indices}, generated {t.generated}")
-            plt.show()
+        fig, ax = plt.subplots(figsize=(min(14, 2 + 0.15 * t.cells.shape[1]), 1 + 0.45 * stats.batch_size))
+        _draw_trace(ax, t, f"batch {slider.value}: requests {t.request_indices}, generated {t.generated}")
+        image.value = figure_png(fig)
 
     slider.observe(show, names="value")
     show()
-    return widgets.VBox([slider, out])
+    return view([slider, image], f"a slider over the {len(stats.traces)} batches of this run, one grid each",
+                details=lambda: f"showing batch {slider.value}", picture=lambda: image.value)

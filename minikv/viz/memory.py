@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minikv.viz.view import view
+
 GIB = 1024**3
 
 
@@ -115,7 +117,10 @@ def kv_calculator(gpu_gib: float = 80):
     for widget in (model, dtype, context, batch, mha):
         widget.observe(update, names="value")
     update()
-    return w.VBox([w.HBox([model, dtype]), context, batch, mha, out])
+    return view([w.HBox([model, dtype]), context, batch, mha, out],
+                "a KV-cache calculator (model, dtype, context length, batch size, MHA or GQA)",
+                details=lambda: "\n".join(calculator_lines(model.value, dtype.value, context.value, batch.value,
+                                                           mha.value, gpu_gib)))
 
 
 def plot_kv_vs_context(model: ModelShape | str = "Llama-3-70B", batch_sizes: tuple[int, ...] = (1, 8, 32, 128),

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from minikv.engine.sequence import SequenceStatus
+from minikv.viz.view import view
 
 
 @dataclass
@@ -305,4 +306,5 @@ def pool_widget(trace: Trace, step: int = 0):
 
     slider.observe(update, names="value")
     update()
-    return w.VBox([slider, image, text])
+    return view([slider, image, text], f"a slider over the {len(trace)} steps of this run",
+                details=lambda: "\n".join(step_lines(trace, slider.value)), picture=lambda: image.value)
