@@ -278,11 +278,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim] to write into (else a new tensor)
     pdl: bool | None = None,  # merge launched as a programmatic dependent (default DECODE_PDL, where supported)
     inner_loop=None,  # a @triton.jit function with online_softmax_block's signature (None: that function)
+    merge=None,  # a torch function (part_out [B, H, S, D], part_lse [B, H, S]) -> [B, H, D]: replaces the merge kernel
 ) -> torch.Tensor:
     """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim].
 
     `inner_loop` is the seam of exercise 08a (`LLM(..., decode_inner_loop=fn)` passes it down): it is a
-    compile-time argument of the split kernel, so each function compiles its own kernel once."""
+    compile-time argument of the split kernel, so each function compiles its own kernel once. `merge` is
+    the seam of exercise 08b: with num_splits > 1 it joins the splits' partial results (fp32, lse in log2
+    units, -inf for an empty split whose part_out is never written) instead of `_decode_merge_kernel`."""
     B, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape
     if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -321,7 +324,7 @@ def paged_decode_attention(
         trace_arg, trace_stride = trace, trace.stride(1)
     launch = {} if interp else {"num_warps": num_warps or DECODE_CONFIG["num_warps"],
                                 "num_stages": num_stages or DECODE_CONFIG["num_stages"]}
-    pdl = num_splits > 1 and supports_pdl(q.device) and (DECODE_PDL if pdl is None else pdl)
+    pdl = num_splits > 1 and merge is None and supports_pdl(q.device) and (DECODE_PDL if pdl is None else pdl)
     split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
     table_entries, chunk_n = table_chunk(block_size, block_n)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
@@ -338,7 +341,13 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
         INNER_LOOP=inner_loop, **launch,
     )
-    if num_splits > 1:
+    if num_splits > 1 and merge is not None:
+        merged = merge(part_out[..., :head_dim], part_lse)
+        if not isinstance(merged, torch.Tensor) or merged.shape != out.shape:
+            raise ValueError(f"merge returned {getattr(merged, 'shape', type(merged).__name__)}; expected a tensor "
+                             f"of shape {tuple(out.shape)} [batch, num_heads, head_dim]")
+        out.copy_(merged)
+    elif num_splits > 1:
         _decode_merge_kernel[(B, num_heads)](
             out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_PDL=pdl,
