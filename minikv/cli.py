@@ -3,11 +3,17 @@
     minikv prepare                                   fetch + convert the offline model (once)
     minikv generate --model smollm2-135m --prompt "Why is the sky blue?"
     minikv bench <name> [options]                    run minikv/bench/<name>.py (e.g. cache_speedup)
+
+For the classroom:
+    minikv check exercises/04a_slot_mapping.ipynb [--json]   grade an exercise you saved (exit 0: all checks pass)
+    minikv grade FOLDER --out grades.csv [--junit grades.xml] grade a class, one sub-folder per student
+    minikv release --student OUT                             the course without solutions/ or the instructor key
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="run a benchmark from minikv/bench (its own --help lists options)")
     b.add_argument("name", help="benchmark module, e.g. cache_speedup, throughput, prefix_ttft, decode_attention")
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    _classroom_parsers(sub)
     args = ap.parse_args(argv)
+
+    if args.cmd in ("check", "grade", "release"):
+        return {"check": _check, "grade": _grade, "release": _release}[args.cmd](args)
 
     if args.cmd == "bench":
         import importlib.util
@@ -66,6 +76,118 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print()
+    return 0
+
+
+# ---- for the classroom ---------------------------------------------------------------------------
+
+CHECK_HELP = """Grade exercise notebooks you saved: run each in a fresh process (its code cells in order, as a
+kernel runs them: your exercise cells as saved, the course's check cells), then print every check's
+diagnosis. Stored outputs count for nothing. A check cell is worth 1 point unless its metadata says
+{"minikv": {"points": N}}.
+
+exit status: 0 every check passed; 1 a check failed (or the notebook hung past --timeout, or ended
+its process); 2 a notebook could not be graded (missing, not a notebook, no check cell)."""
+
+GRADE_HELP = """Grade a class. FOLDER holds one sub-folder per student with their exercise notebooks (at
+any depth: a clone of their repository works). The exercises are the course's (exercises/*.ipynb of
+this checkout, or --exercises); a student missing one gets 0 for it. Every notebook runs in a process
+of its own, --jobs at a time. Writes a CSV (student, one column per exercise, points, max_points) and,
+with --junit, JUnit XML (a testsuite per student, a testcase per exercise with its diagnosis)."""
+
+RELEASE_HELP = """Write the student copy of the course: notebooks/ (with their outputs), exercises/ (the stubs,
+every output cleared), README, the package (pyproject.toml, Makefile, minikv/, kernels/), the
+recorded benchmarks the notebooks read, and a GitHub Classroom workflow (.github/workflows/classroom.yml,
+one `minikv check` per exercise). Never solutions/, instructor/, tests/ (but a module a notebook
+imports), nor any cell tagged `solution` or `instructor`."""
+
+
+def _classroom_parsers(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    c = sub.add_parser("check", help="grade exercise notebooks you saved (exit 0 when every check passes)",
+                       description=CHECK_HELP, formatter_class=fmt)
+    c.add_argument("notebooks", nargs="+", type=Path, metavar="NOTEBOOK", help="an exercise notebook (.ipynb)")
+    c.add_argument("--json", action="store_true",
+                   help='print one line per notebook: {"exercise", "passed", "points", "max_points", "message"}')
+    c.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a notebook may run before its process is killed (default 600)")
+    c.add_argument("--jobs", type=int, default=1, help="notebooks graded at once, one process each (default 1)")
+    c.add_argument("--reference", type=Path, default=None,
+                   help="the course's copy of the exercise (a notebook or its folder) whose check cells count; "
+                        "default: exercises/ of the checkout minikv runs from")
+    g = sub.add_parser("grade", help="grade a class: one sub-folder per student -> a CSV (and JUnit XML)",
+                       description=GRADE_HELP, formatter_class=fmt)
+    g.add_argument("folder", type=Path, metavar="FOLDER")
+    g.add_argument("--out", type=Path, required=True, help="the CSV to write, e.g. grades.csv")
+    g.add_argument("--junit", type=Path, default=None, help="also write JUnit XML here, e.g. grades.xml")
+    g.add_argument("--exercises", type=Path, default=None,
+                   help="the folder of the course's exercise notebooks (default: exercises/ of this checkout)")
+    g.add_argument("--jobs", type=int, default=2, help="notebooks graded at once, one process each (default 2)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook (default 600)")
+    r = sub.add_parser("release", help="write the student copy of the course (no solutions, no instructor key)",
+                       description=RELEASE_HELP, formatter_class=fmt)
+    r.add_argument("--student", type=Path, metavar="OUT", help="the folder to write the student copy into (new)")
+    r.add_argument("--force", action="store_true", help="replace OUT when it holds a previous student copy")
+    r.add_argument("--workflow", type=Path, metavar="FILE",
+                   help="(also) write the GitHub Classroom workflow for this course's exercises to FILE")
+
+
+def _check(args) -> int:
+    from minikv.classroom.check import grade_notebooks
+
+    def show(g) -> None:
+        print(g.to_json() if args.json else g.report(), flush=True)
+
+    grades = grade_notebooks(args.notebooks, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
+                             on_done=show if args.jobs == 1 else None)
+    if args.jobs != 1:
+        for g in grades:
+            show(g)
+    if any(g.error is not None for g in grades):
+        return 2
+    return 0 if all(g.passed for g in grades) else 1
+
+
+def _grade(args) -> int:
+    from minikv.classroom.check import number
+    from minikv.classroom.grade import grade_class, write_csv, write_junit
+
+    try:
+        exercises, rows = grade_class(args.folder, exercises=args.exercises, jobs=args.jobs, timeout=args.timeout,
+                                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_csv(args.out, exercises, rows)
+    if args.junit is not None:
+        write_junit(args.junit, exercises, rows)
+    for r in rows:
+        print(f"{r.student}: {number(r.points)} of {number(r.max_points)} points")
+    print(f"wrote {args.out}" + (f" and {args.junit}" if args.junit else ""))
+    return 0
+
+
+def _release(args) -> int:
+    from minikv.classroom.notebooks import course_root
+    from minikv.classroom.release import ReleaseError, release_student, render_workflow
+
+    if args.student is None and args.workflow is None:
+        print("error: say what to write: --student OUT (the student copy) and/or --workflow FILE", file=sys.stderr)
+        return 2
+    try:
+        if args.workflow is not None:
+            root = course_root()
+            if root is None:
+                raise ReleaseError("--workflow needs the course checkout (its exercises/)")
+            args.workflow.parent.mkdir(parents=True, exist_ok=True)
+            args.workflow.write_text(render_workflow(sorted((root / "exercises").glob("*.ipynb"))))
+            print(f"wrote {args.workflow}")
+        if args.student is not None:
+            written = release_student(args.student, force=args.force)
+            print(f"wrote the student copy to {args.student} ({len(written)} files)")
+    except ReleaseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

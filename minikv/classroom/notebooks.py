@@ -1,0 +1,157 @@
+"""What the classroom tools read in a notebook: its check cells, their points, and the course's own copy.
+
+An exercise notebook (exercises/NN_name.ipynb) tags its cells:
+
+    exercise   the learner's code (a stub until written)
+    check      a cell that runs a checker; worth 1 point, or what its metadata says:
+               "metadata": {"tags": ["check"], "minikv": {"points": 2}}
+    solution, instructor
+               never run by the grader and never shipped in a student copy
+
+Every other code cell (imports, building an LLM) runs as written, in order, as a kernel runs them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import minikv
+
+NEVER_RUN = {"solution", "instructor"}
+
+
+class NotGradable(Exception):
+    """The notebook cannot be graded at all: missing, not a notebook, or not an exercise."""
+
+
+@dataclass
+class Cell:
+    index: int          # its place among all the notebook's cells
+    source: str
+    tags: frozenset[str]
+    points: float = 0.0  # check cells only
+
+    @property
+    def role(self) -> str:
+        return "check" if "check" in self.tags else "exercise" if "exercise" in self.tags else "code"
+
+
+def tags_of(cell: dict) -> frozenset[str]:
+    return frozenset(cell.get("metadata", {}).get("tags", []) or [])
+
+
+def points_of(cell: dict) -> float:
+    """1 point per check cell unless its metadata says {"minikv": {"points": N}} (N >= 0)."""
+    value = (cell.get("metadata", {}).get("minikv") or {}).get("points", 1)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise NotGradable(f"a check cell's metadata minikv.points must be a number >= 0, not {value!r}")
+    return float(value)
+
+
+def source_of(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def read_notebook(path: Path) -> dict:
+    """The notebook's JSON, or NotGradable saying what is wrong with the file."""
+    if not path.exists():
+        raise NotGradable(f"{path}: no such file")
+    if path.is_dir():
+        raise NotGradable(f"{path} is a folder; give the notebook file (.ipynb)")
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NotGradable(f"{path} is not a notebook (not JSON: {e})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise NotGradable(f"{path} is not a notebook (no list of cells)")
+    return nb
+
+
+def code_cells(nb: dict) -> list[Cell]:
+    """The cells the grader runs, in order: code cells, less those tagged solution or instructor."""
+    cells = []
+    for i, c in enumerate(nb["cells"]):
+        tags = tags_of(c)
+        if c.get("cell_type") != "code" or tags & NEVER_RUN:
+            continue
+        cells.append(Cell(i, source_of(c), tags, points_of(c) if "check" in tags else 0.0))
+    return cells
+
+
+def course_root() -> Path | None:
+    """The course checkout minikv runs from (it holds exercises/ and pyproject.toml), if it does."""
+    root = Path(minikv.__file__).resolve().parents[1]
+    return root if (root / "exercises").is_dir() and (root / "pyproject.toml").is_file() else None
+
+
+def course_exercises() -> list[Path]:
+    """The course's exercise notebooks (found by name, so a new or renumbered exercise is seen)."""
+    root = course_root()
+    return sorted((root / "exercises").glob("*.ipynb")) if root else []
+
+
+def is_exercise(nb: dict) -> bool:
+    return any("check" in tags_of(c) for c in nb["cells"] if c.get("cell_type") == "code")
+
+
+def max_points(path: Path) -> float:
+    return sum(c.points for c in code_cells(read_notebook(path)) if c.role == "check")
+
+
+def find_reference(path: Path, reference: Path | None = None) -> Path | None:
+    """The course's own copy of this exercise, whose check cells the grader trusts over the learner's.
+
+    reference: a notebook, or a folder holding one of the same name; by default the course's
+    exercises/ folder when minikv runs from a checkout. None when there is none, or it is `path` itself."""
+    if reference is None:
+        root = course_root()
+        reference = root / "exercises" if root else None
+    if reference is None:
+        return None
+    found = reference / path.name if reference.is_dir() else reference
+    if not found.is_file():
+        return None
+    try:
+        if found.resolve() == path.resolve():
+            return None
+    except OSError:
+        return None
+    return found
+
+
+def plan(path: Path, reference: Path | None = None) -> tuple[list[Cell], list[str]]:
+    """The cells to run for grading `path`, and notes on what the grader changed.
+
+    The learner's code cells run as saved, except the check cells: those are the course's (from the
+    reference copy), matched in order, so an edited or deleted check cannot pass. Missing ones run
+    at the end; extra ones run as plain cells worth nothing."""
+    nb = read_notebook(path)
+    cells = code_cells(nb)
+    ref = find_reference(path, reference)
+    if ref is None:
+        if not any(c.role == "check" for c in cells):
+            raise NotGradable(f"{path} is not an exercise notebook: no code cell is tagged `check` "
+                              "(an exercise's check cells run its checker)")
+        return cells, []
+    want = [c for c in code_cells(read_notebook(ref)) if c.role == "check"]
+    if not want:
+        raise NotGradable(f"{ref} (the course's copy of {path.name}) has no check cell")
+    notes, k, out = [], 0, []
+    for c in cells:
+        if c.role != "check":
+            out.append(c)
+        elif k < len(want):
+            w = want[k]
+            if c.source.strip() != w.source.strip():
+                notes.append(f"cell {c.index}: your check cell differs from the course's; the course's ran")
+            out.append(Cell(c.index, w.source, c.tags, w.points))
+            k += 1
+        else:
+            notes.append(f"cell {c.index}: a check cell the course does not have; it ran as a plain cell")
+            out.append(Cell(c.index, c.source, c.tags - {"check"}))
+    for w in want[k:]:
+        notes.append(f"the course's check cell {w.index} is missing from your notebook; it ran at the end")
+        out.append(Cell(w.index, w.source, w.tags, w.points))
+    return out, notes

@@ -1,0 +1,237 @@
+"""`minikv release --student OUT`: the course as a student receives it, and its GitHub Classroom workflow.
+
+What the student copy holds (everything else of the checkout stays out):
+
+    README.md           with a line saying what this copy is; the "For teachers" section left out
+    pyproject.toml, Makefile, .gitignore, minikv/, kernels/     enough to `pip install -e .`;
+                        the Makefile's test targets grade the exercises (`minikv check`) instead
+    notebooks/          the course, with its stored outputs (pictures and measured runs to read first)
+    exercises/          the stubs, every output cleared: an exercise opens clean, with no stored run
+    benchmarks/         the recorded runs the notebooks read
+    tests/<module>.py   only a module a notebook imports (the beam-search oracle of notebook 07)
+    .github/workflows/classroom.yml     autograding: one `minikv check` per exercise, its points
+
+Never: solutions/, instructor/ (the instructor key), the rest of tests/, and no cell tagged
+`solution` or `instructor` in any notebook.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_of
+
+MARKER = ".minikv-student-release"
+TOP_FILES = ["README.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
+FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks"]
+NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
+STUDENT_NOTE = ("> **Student copy.** The solutions, the tests and the instructor key are not part of this copy. "
+                "Complete the exercises in `exercises/`: `minikv check exercises/01_causal_attention.ipynb` "
+                "grades one (each check's diagnosis and your points), `make test` grades them all.")
+
+
+class ReleaseError(Exception):
+    pass
+
+
+def _shipped(path: Path, root: Path) -> bool:
+    parts = path.relative_to(root).parts
+    return not (NEVER_SHIPPED & set(parts) or any(p.endswith(".egg-info") for p in parts)
+                or path.suffix in (".pyc", ".pyo"))
+
+
+def student_notebook(nb: dict, clear_outputs: bool) -> dict:
+    """The notebook without its solution/instructor cells; with clear_outputs, without any stored run."""
+    nb = dict(nb)
+    nb["cells"] = [c for c in nb["cells"] if not tags_of(c) & NEVER_RUN]
+    if clear_outputs:
+        for c in nb["cells"]:
+            if c.get("cell_type") == "code":
+                c["outputs"], c["execution_count"] = [], None
+        nb["metadata"] = {k: v for k, v in nb.get("metadata", {}).items() if k != "widgets"}  # state of cleared views
+    return nb
+
+
+def _write_notebook(path: Path, nb: dict) -> None:
+    path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def student_makefile(text: str) -> str:
+    """The course Makefile with its test targets grading the exercises (there is no tests/ to run)."""
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(test|test-fast):", lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        while out and out[-1].startswith("#"):  # the comment that described the old recipe
+            out.pop()
+        i += 1
+        while i < len(lines) and lines[i].startswith("\t"):
+            i += 1
+        if m.group(1) == "test":
+            out += ["# grade every exercise (one: minikv check exercises/NN_name.ipynb)", "test: model",
+                    "\t$(PY) -m minikv.cli check --jobs $(JOBS) exercises/*.ipynb"]
+        else:
+            out += ["test-fast: test"]
+    return "\n".join(out) + "\n"
+
+
+def student_readme(text: str) -> str:
+    """The README less its "For teachers" section, with the note saying what this copy is."""
+    text = re.sub(r"(?ms)^## For teachers\b.*?(?=^## |\Z)", "", text)
+    lines = text.splitlines()
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
+    return "\n".join(lines[:at] + ["", STUDENT_NOTE] + lines[at:]).rstrip() + "\n"
+
+
+def imported_test_modules(root: Path) -> list[Path]:
+    """tests/<name>.py modules that a notebook imports (sys.path.insert(0, "../tests"); import name)."""
+    names: set[str] = set()
+    for nb_path in [*root.glob("notebooks/*.ipynb"), *root.glob("exercises/*.ipynb")]:
+        for cell in json.loads(nb_path.read_text(encoding="utf-8"))["cells"]:
+            if cell.get("cell_type") != "code":
+                continue
+            src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            try:
+                tree = ast.parse(src)
+            except SyntaxError:  # a magic line: not Python
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names.add(node.module.split(".")[0])
+    return sorted(p for n in names if (p := root / "tests" / f"{n}.py").is_file())
+
+
+def render_workflow(exercises: list[Path]) -> str:
+    """GitHub Classroom autograding: install once, then one `minikv check` step per exercise, its points."""
+    steps, runners = [], []
+    for nb in exercises:
+        step_id = "ex_" + re.sub(r"[^a-z0-9]+", "_", nb.stem.lower()).strip("_")
+        runners.append(step_id)
+        steps.append(f"""      - name: {nb.stem}
+        id: {step_id}
+        uses: classroom-resources/autograding-command-grader@v1
+        with:
+          test-name: {nb.stem}
+          command: minikv check --timeout 540 exercises/{nb.name}
+          timeout: 10
+          max-score: {int(max_points(nb))}
+""")
+    env = "".join(f"          {r.upper()}_RESULTS: \"${{{{ steps.{r}.outputs.result }}}}\"\n" for r in runners)
+    return f"""# GitHub Classroom autograding for minikv: one test per exercise, worth its check cells' points.
+# Written by `minikv release` (the student copy has it as .github/workflows/classroom.yml): regenerate it
+# with `minikv release --workflow FILE` after adding or renaming an exercise. A test passes when every
+# check cell of the exercise passes (`minikv check` exits 0); its output is each check's diagnosis.
+name: Autograding Tests
+"on":
+  - push
+  - workflow_dispatch
+  - repository_dispatch
+permissions:
+  checks: write
+  actions: read
+  contents: read
+jobs:
+  run-autograding-tests:
+    runs-on: ubuntu-latest
+    if: github.actor != 'github-classroom[bot]'
+    steps:
+      - name: Checkout code
+        uses: actions/checkout@v4
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "3.11"
+      - name: Cache the converted model
+        uses: actions/cache@v4
+        with:
+          path: ~/.cache/minikv
+          key: minikv-model-${{{{ hashFiles('pyproject.toml') }}}}
+      - name: Install minikv (CPU torch) and prepare the offline model
+        run: |
+          python -m pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.7,<2.14"
+          python -m pip install -e .
+          minikv prepare
+{"".join(steps)}      - name: Autograding Reporter
+        uses: classroom-resources/autograding-grading-reporter@v1
+        env:
+{env}        with:
+          runners: {",".join(runners)}
+"""
+
+
+def _git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def release_student(out: Path, force: bool = False, root: Path | None = None) -> list[Path]:
+    """Write the student copy into `out` (new, or a previous release with force); the files written."""
+    root = root or course_root()
+    if root is None:
+        raise ReleaseError("minikv release needs the course checkout (with exercises/ and pyproject.toml); "
+                           "run it from a clone of the repository")
+    out = out.resolve()
+    for name in FOLDERS + ["solutions", "instructor", "tests"]:
+        if out == (root / name).resolve() or out.is_relative_to((root / name).resolve()):
+            raise ReleaseError(f"{out} is inside the course's {name}/; choose a folder outside it")
+    if out == root.resolve():
+        raise ReleaseError("the student copy cannot replace the course checkout; choose a new folder")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ReleaseError(f"{out} exists and is not empty; choose a new folder, or pass --force to "
+                               "replace a previous student copy")
+        if not (out / MARKER).is_file():
+            raise ReleaseError(f"{out} is not a previous student copy (no {MARKER}); --force replaces only those")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def put(dst: Path, text: str | None = None, src: Path | None = None) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if text is not None:
+            dst.write_text(text, encoding="utf-8")
+        else:
+            shutil.copy2(src, dst)
+        written.append(dst)
+
+    for name in TOP_FILES:
+        src = root / name
+        if not src.is_file():
+            continue
+        if name == "README.md":
+            put(out / name, student_readme(src.read_text(encoding="utf-8")))
+        elif name == "Makefile":
+            put(out / name, student_makefile(src.read_text(encoding="utf-8")))
+        else:
+            put(out / name, src=src)
+    for folder in FOLDERS:
+        for src in sorted((root / folder).rglob("*")):
+            if not src.is_file() or not _shipped(src, root):
+                continue
+            dst = out / src.relative_to(root)
+            if src.suffix == ".ipynb":
+                nb = student_notebook(json.loads(src.read_text(encoding="utf-8")), clear_outputs=folder == "exercises")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                _write_notebook(dst, nb)
+                written.append(dst)
+            else:
+                put(dst, src=src)
+    for src in imported_test_modules(root):
+        put(out / src.relative_to(root), src=src)
+    put(out / ".github" / "workflows" / "classroom.yml", render_workflow(sorted((root / "exercises").glob("*.ipynb"))))
+    put(out / MARKER, json.dumps({"from_commit": _git_commit(root)}) + "\n")
+    return written
+
