@@ -171,3 +171,74 @@ def test_blocks_shared_by_forked_samples_have_every_owner():
     import matplotlib.pyplot as plt
 
     plt.close(plot_pool(trace, step))  # the hatched "shared" legend entry is drawn
+
+
+def _decode_batch(seed: int = 0):
+    """Notebook 08's batch: three sequences of 5, 24 and 43 tokens in blocks of 8, scattered over 20."""
+    import torch
+
+    from minikv.kernels import store_kvcache
+
+    g = torch.Generator().manual_seed(seed)
+    block_size, num_blocks, kv_heads, group, head_dim = 8, 20, 2, 3, 16
+    seq_lens = [5, 24, 43]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    for b, n in enumerate(seq_lens):
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(n)])
+        store_kvcache(torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g),
+                      k_cache, v_cache, slots)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5
+
+
+def test_split_reads_follow_the_split_count_and_cover_every_block_once():
+    from minikv.viz.decode import split_lines, split_reads
+
+    q, k, v, tables, lens, scale = _decode_batch()
+    one = split_reads(q, k, v, tables, lens, scale, num_splits=1, tile=8)
+    assert ((one == 0) == (tables >= 0)[:, None, :]).all()  # one split reads every block, nothing else
+    four = split_reads(q, k, v, tables, lens, scale, num_splits=4, tile=8)
+    longest = four[2, 0][tables[2] >= 0].tolist()
+    assert longest == sorted(longest) and len(set(longest)) > 2  # ranges in order, several programs
+    assert "split 1 reads" in "\n".join(split_lines(split_reads(q, k, v, tables, lens, scale, 2, 8), tables))
+
+
+def test_split_reads_widget_reads_no_caller_variable_after_it_is_built():
+    """Notebook 08 after Run All: later cells rebind `width` and friends; the widget must not care."""
+    from minikv.viz.decode import split_reads_widget
+
+    q, k, v, tables, lens, scale = _decode_batch()
+    widget = split_reads_widget(q, k, v, tables, lens, scale)
+    controls, image, text = widget.children
+    splits, tile = controls.children
+    first_text, first_png = text.value, image.value
+    k.fill_(float("nan"))  # the caller's tensors change (or their names are rebound): the view keeps its copies
+    tables.zero_()
+    width = 0.16  # noqa: F841  (the global that broke the notebook's old widget)
+    splits.value = 4
+    assert text.value != first_text and image.value != first_png and "split 2 reads" in text.value
+    tile.value = 32
+    splits.value = 2
+    assert "split 1 reads blocks" in text.value and "nan" not in text.value.lower()
+    data = widget._repr_mimebundle_()
+    assert data["text/plain"].startswith("[interactive view:") and "num_splits=2, tile=32" in data["text/plain"]
+
+
+def test_course_widgets_are_built_by_minikv_viz_never_wired_to_a_notebook_function():
+    """A widget wired in a notebook (interact, observe) calls a function that reads the notebook's globals,
+    which later cells rebind; every course widget comes from minikv.viz, which takes its data as arguments."""
+    import json
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            src = "".join(cell["source"])
+            if cell["cell_type"] == "code" and any(s in src for s in ("interact(", "interactive(", ".observe(")):
+                offenders.append(f"{path.name} cell {i}")
+    assert not offenders, offenders

@@ -277,13 +277,18 @@ def plot_pool_steps(trace: Trace, steps: list[int], columns: int | None = None):
     return fig
 
 
-def figure_png(fig) -> bytes:
+def figure_png(fig, tight: bool = True) -> bytes:
+    """The figure as PNG bytes, and closed. tight=False keeps the figure's own size and dpi, so every
+    picture of a widget has the same pixel size and the widget never changes height."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    if tight:
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    else:
+        fig.savefig(buf, format="png", dpi=fig.dpi)
     plt.close(fig)
     return buf.getvalue()
 
