@@ -123,6 +123,10 @@ class RowPool:
             raise RuntimeError(f"cache row {row} freed twice")
         self.free_rows.append(row)
 
+    def reset(self) -> None:
+        """Every row free again (after a fault, the engine recomputes the requests that held one)."""
+        self.free_rows = list(range(self.num_rows))
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy a whole row (every layer, every position) to another: what a request changing rows costs."""
         self.k_cache[:, dst] = self.k_cache[:, src]

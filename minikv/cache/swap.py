@@ -48,3 +48,7 @@ class SwapSpace:
     def release(self, cpu_blocks: list[int]) -> None:
         for b in cpu_blocks:
             self.allocator.free(b)
+
+    def reset(self) -> None:
+        """Forget every swapped-out block (after a fault, the engine recomputes their sequences)."""
+        self.allocator = FreeListAllocator(self.allocator.num_blocks)

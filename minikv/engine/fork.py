@@ -62,15 +62,16 @@ def fork_samples(scheduler, seqs: list[Sequence], logits: torch.Tensor, shared: 
     for row, seq in enumerate(seqs):
         if not seq.num_pending_forks:
             continue
-        for i in range(1, seq.num_pending_forks + 1):
+        while seq.num_pending_forks:  # one at a time: a fault half-way never forks a sample twice
+            i = len(seq.forks) + 1
             child = clone(seq, i)
             child.generator = sample_generator(seq, i, shared)
             # the prompt's K/V are all in the parent's blocks once this step is done
             scheduler.fork(seq, child, num_computed_tokens=seq.num_tokens)
             seq.forks.append(child)
+            seq.num_pending_forks -= 1
             out.append(child)
             rows.append(row)
-        seq.num_pending_forks = 0
     if len(out) == len(seqs):
         return seqs, logits
     return out, logits[rows]

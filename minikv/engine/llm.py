@@ -148,6 +148,7 @@ class LLM:
         self._observers: list = []
         self._lock = threading.RLock()  # one step at a time, whichever thread or loop drives the engine
         self._listeners: dict[int, tuple[deque, int]] = {}  # root seq_id -> (its stream's events, prompt index)
+        self._requests: dict[int, Sequence] = {}  # root seq_id -> every request not done yet (for _recover)
         self._reset_pending = False
         {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}[cfg.kv_backend](cfg)
         graphs = None
@@ -189,19 +190,34 @@ class LLM:
         pool = KVPool(c.num_layers, cfg.num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                       self.device, cfg.kv_layout)
         self.backend = backend_cls(pool, c.sliding_window, **extra)
-        allocator = cfg.block_allocator
-        if isinstance(allocator, type):
-            allocator = allocator(cfg.num_blocks)
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, allocator,
-                                          **_given(copy_on_write=cfg.copy_on_write))
+        self.block_manager, self.prefix_cache = self._new_block_manager(cfg)
         swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption, swap,
                                    **_given(schedule_step=cfg.schedule_step), on_event=self._on_event)
         if cfg.prefix_caching is not None:
-            self.prefix_cache = make_prefix_cache(cfg.prefix_caching, cfg.block_size, cfg.eviction)
-            self.block_manager.attach_prefix_cache(self.prefix_cache)
             self.scheduler.policy = cfg.schedule_policy
+
+    def _new_block_manager(self, cfg: EngineConfig) -> tuple[BlockManager, PrefixCache | None]:
+        """Block tables and refcounts over the allocator, with the prefix cache attached; all empty. Called
+        at start-up and again after a fault (a learner's allocator class or cache is built anew)."""
+        allocator = cfg.block_allocator
+        if allocator is not None and not isinstance(allocator, type):
+            if self.block_manager is None:
+                allocator_obj = allocator  # the instance given, used as it is the first time
+            else:
+                allocator_obj = type(allocator)(cfg.num_blocks)
+        else:
+            allocator_obj = allocator(cfg.num_blocks) if allocator is not None else None
+        bm = BlockManager(cfg.num_blocks, cfg.block_size, allocator_obj, **_given(copy_on_write=cfg.copy_on_write))
+        cache = None
+        if cfg.prefix_caching is not None:
+            design = cfg.prefix_caching
+            if isinstance(design, PrefixCache) and self.block_manager is not None:
+                design = type(design)(design.block_size, design.eviction)
+            cache = make_prefix_cache(design, cfg.block_size, cfg.eviction)
+            bm.attach_prefix_cache(cache)
+        return bm, cache
 
     @property
     def is_paged(self) -> bool:
@@ -292,6 +308,7 @@ class LLM:
         Drive the engine with `step()` until `has_unfinished()` is False."""
         seq = self.make_sequence(prompt, params or SamplingParams(), request_id)
         with self._lock:
+            self._requests[seq.seq_id] = seq
             for s in samples_of(seq):
                 self.scheduler.add(s)
         return seq
@@ -315,6 +332,10 @@ class LLM:
         seqs, events = self._submit(prompts, params)
         for _ in self._follow(seqs, events):
             pass
+        failed = [s for seq in seqs for s in samples_of(seq) if s.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed ({failed[0].error}); the other requests "
+                               f"of this call finished, and the engine serves on")
         return [self.output(s) for s in seqs]
 
     def _follow(self, seqs: list[Sequence], events: deque[StreamEvent]) -> Iterator[StreamEvent]:
@@ -333,6 +354,7 @@ class LLM:
                 for seq in seqs:
                     self.abort(seq)
                     self._listeners.pop(seq.seq_id, None)
+                    self._requests.pop(seq.seq_id, None)
                 self._last = seqs
 
     def _submit(self, prompts, params) -> tuple[list[Sequence], deque[StreamEvent]]:
@@ -345,6 +367,7 @@ class LLM:
                 self.block_manager.reset_sharing_stats()
             for i, seq in enumerate(seqs):
                 self._listeners[seq.seq_id] = (events, i)
+                self._requests[seq.seq_id] = seq
                 for s in samples_of(seq):
                     self.scheduler.add(s)
         return seqs, events
@@ -358,9 +381,17 @@ class LLM:
                                      sample_index=seq.index))
 
     def step(self) -> list[tuple[Sequence, int, str]]:
-        """One engine step. Returns (sequence, new token, new text) for each sequence that sampled."""
+        """One engine step. Returns (sequence, new token, new text) for each sequence that sampled.
+
+        All or nothing for the pool: if anything inside the step raises (a KeyboardInterrupt in a
+        notebook, a learner's function, a fault), the engine starts over from a state that is right by
+        construction (see `_recover`) before the exception goes on to the caller."""
         with self._lock:
-            return self._step()
+            try:
+                return self._step()
+            except BaseException:
+                self._recover()
+                raise
 
     def _step(self) -> list[tuple[Sequence, int, str]]:
         batch = self.scheduler.schedule()
@@ -379,17 +410,78 @@ class LLM:
         if self.is_paged:
             seqs, logits = fork_samples(self.scheduler, seqs, logits, self._generator)  # n > 1: prompt done
             seqs, logits, searches = take_beam_rows(seqs, logits)  # beams are not sampled: they are ranked
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
-        events = [(seq, tok, self._append(seq, tok)) for seq, tok in zip(seqs, tokens)]
-        for seq, tok, delta in events:
+        tokens = self._sample(logits, seqs)
+        events = []
+        for seq, tok in zip(seqs, tokens):
+            if tok is None:  # its sampling failed: it alone ends, with the reason
+                self._publish(seq, None, "")
+                continue
+            delta = self._append(seq, tok)
             self._publish(seq, tok, delta)
+            events.append((seq, tok, delta))
         self.scheduler.update(batch)
+        for seq in batch.seqs:
+            if _done(seq.root) and (seq.root.beam_search is None or seq.root.beam_search.done):
+                self._requests.pop(seq.root.seq_id, None)
         for search in searches:
             search.advance(self.scheduler)
         if self._reset_pending and not self._holds_blocks():
             self.reset_prefix_cache()  # the deferred reset: no request holds blocks any more
         self._notify("on_step", batch, events)
         return events
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """Sample the batch at once; if that raises, row by row, so that a failure ends only the
+        requests it belongs to (finish_reason "error", the reason in `seq.error`), not the others."""
+        if not seqs:
+            return []
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # noqa: BLE001  find whose row it is
+            pass
+        tokens: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.append(sample(logits[i:i + 1], [seq.params], [seq.generator])[0])
+            except Exception as e:  # noqa: BLE001  this request's failure, reported on it
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                seq.error = f"sampling failed: {type(e).__name__}: {e}"
+                tokens.append(None)
+        return tokens
+
+    def _recover(self) -> None:
+        """Start over after a fault inside a step, from a state that is right by construction.
+
+        A step changes many things before it commits (blocks allocated, copies planned, sequences
+        preempted, swapped in or forked); rolling each back would need every path to be undoable. Instead,
+        the engine forgets its memory bookkeeping and keeps the tokens, which are the truth:
+
+            block tables, ref_counts, prefix cache, swap space   ->  rebuilt empty (as a fresh engine's)
+            every unfinished request (queued, running, swapped,  ->  waiting, to be computed again from
+            or half-way through a swap or a fork)                    its tokens, as after a preemption
+            beam searches in flight                              ->  aborted (their ranking state may be
+                                                                     half-advanced)
+        Tokens already sampled stay: each came from correct logits. Nothing else is lost but time (and the
+        prefix cache's content, which a fresh engine would not have either)."""
+        self._reset_pending = False
+        for root in list(self._requests.values()):
+            search = root.beam_search
+            if search is not None:
+                for beam in search.beams + samples_of(root):
+                    beam.status, beam.finish_reason = SequenceStatus.FINISHED, "abort"
+                search.beams = []
+        seen: dict[int, Sequence] = {s.seq_id: s for s in self.scheduler.all_sequences()}
+        for root in self._requests.values():
+            seen.update((s.seq_id, s) for s in samples_of(root))
+        for s in seen.values():
+            if s.beam_search is not None and not s.is_finished:  # a beam forked half-way through an advance
+                s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+        live = sorted((s for s in seen.values() if not s.is_finished), key=lambda s: s.seq_id)
+        if self.is_paged:
+            self.block_manager, self.prefix_cache = self._new_block_manager(self.engine_config)
+            self.scheduler.restart(self.block_manager, live)
+        else:
+            self.scheduler.restart(live)
 
     def _append(self, seq: Sequence, token: int) -> str:
         """Append a token, apply the stop rules, detokenize (minikv/engine/detokenizer.py). Returns the new
@@ -434,19 +526,24 @@ class LLM:
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         searches = [BeamSearch(s, beam_width, max_tokens, self.eos_token_ids, ignore_eos, self.max_model_len)
                     for s in seqs]
-        self.block_manager.reset_sharing_stats()
-        for s in seqs:
-            self.scheduler.add(s)
+        with self._lock:
+            self.block_manager.reset_sharing_stats()
+            for s in seqs:
+                self._requests[s.seq_id] = s
+                self.scheduler.add(s)
         self._last = seqs
         try:
             while not all(search.done for search in searches):
                 self.step()
         finally:  # an error mid-way must not leave beams holding cache
-            for search in searches:
-                for beam in search.beams:
-                    if not beam.is_finished:
-                        beam.status, beam.finish_reason = SequenceStatus.FINISHED, "abort"
-                        self.scheduler.abort(beam)
+            with self._lock:
+                for search in searches:
+                    for beam in search.beams:
+                        if not beam.is_finished:
+                            beam.status, beam.finish_reason = SequenceStatus.FINISHED, "abort"
+                            self.scheduler.abort(beam)
+                for s in seqs:
+                    self._requests.pop(s.seq_id, None)
         outs = []
         for seq, search in zip(seqs, searches):
             beams = [CompletionOutput(i, h.token_ids, self._decode(h.token_ids), h.finish_reason, h.cumulative_logprob)
@@ -476,6 +573,7 @@ class LLM:
                     self._publish(s, None, held)
                 elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
                     self.scheduler.abort(s)
+            self._requests.pop(seq.seq_id, None)
 
     # ---- prefix cache (rung 6) ----------------------------------------------------------------
     def _need_prefix_cache(self, what: str) -> PrefixCache:

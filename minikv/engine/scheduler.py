@@ -283,5 +283,18 @@ class Scheduler:
         self.bm.free(seq)
         self._trace(seq, "abort")
 
+    def restart(self, block_manager: BlockManager, seqs: list[Sequence]) -> None:
+        """Start over after a fault on a fresh block manager: these sequences wait to be computed again
+        from their tokens (recompute, as after a preemption), in the order given; nothing is swapped."""
+        self.bm = block_manager
+        if self.swap is not None:
+            self.swap.reset()
+        for seq in seqs:
+            seq.block_table, seq.swap_table = [], []
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.running, self.swapped = [], deque()
+        self.waiting = deque(seqs)
+
     def all_sequences(self) -> list[Sequence]:
         return list(self.waiting) + self.running + list(self.swapped)

@@ -46,7 +46,8 @@ class Sequence:
         self.block_table: list[int] = []  # paged: physical block ids, in order
         self.cache_row: int | None = None  # contiguous: the row it owns
         self.swap_table: list[int] = []  # swapped: CPU swap blocks holding its KV, in order
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # stop, length, abort, or error (then `error` says why)
+        self.error: str | None = None
         self.text = ""
         self.generator: torch.Generator | None = None
         # forks (parallel sampling, beam search; see minikv/engine/fork.py)

@@ -60,3 +60,18 @@ class SimpleScheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.finish(seq)
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.waiting) + self.running
+
+    def restart(self, seqs: list[Sequence]) -> None:
+        """Start over after a fault: every row free, these sequences waiting to be computed again from
+        their tokens (prompt and output so far), in the order given."""
+        if self.cached:
+            self.rows.reset()
+        for seq in seqs:
+            seq.cache_row = None
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.running = []
+        self.waiting = deque(seqs)
