@@ -147,7 +147,8 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
         plan_file.write_text(json.dumps({"cwd": str(path.resolve().parent), "cells": [
             {"index": c.index, "source": c.source, "role": c.role} for c in cells]}))
         with open(log_file, "wb") as log:
-            proc = subprocess.Popen([sys.executable, str(RUNNER), str(plan_file), str(result_file)],
+            python = [sys.executable] + (["-S"] if sys.flags.no_site else [])  # the child imports as we do
+            proc = subprocess.Popen([*python, str(RUNNER), str(plan_file), str(result_file)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=_child_env(threads), start_new_session=True)
             try:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from minikv.classroom.check import number
 from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_of
 
 MARKER = ".minikv-student-release"
@@ -116,7 +117,7 @@ def render_workflow(exercises: list[Path]) -> str:
     """GitHub Classroom autograding: install once, then one `minikv check` step per exercise, its points."""
     steps, runners = [], []
     for nb in exercises:
-        step_id = "ex_" + re.sub(r"[^a-z0-9]+", "_", nb.stem.lower()).strip("_")
+        step_id = "ex" + re.sub(r"[^a-z0-9]", "", nb.stem.lower())  # letters and digits: the reporter's own rule
         runners.append(step_id)
         steps.append(f"""      - name: {nb.stem}
         id: {step_id}
@@ -125,7 +126,7 @@ def render_workflow(exercises: list[Path]) -> str:
           test-name: {nb.stem}
           command: minikv check --timeout 540 exercises/{nb.name}
           timeout: 10
-          max-score: {int(max_points(nb))}
+          max-score: {number(max_points(nb))}
 """)
     env = "".join(f"          {r.upper()}_RESULTS: \"${{{{ steps.{r}.outputs.result }}}}\"\n" for r in runners)
     return f"""# GitHub Classroom autograding for minikv: one test per exercise, worth its check cells' points.

@@ -24,6 +24,7 @@ import linecache
 import os
 import sys
 import time
+import traceback
 
 OUTPUT_KEPT = 2000  # characters of a cell's printed output kept for the report (the end of it)
 
@@ -38,11 +39,17 @@ def _write(path: str, state: dict) -> None:
 def _explain(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"the cell called exit() or sys.exit({'' if exc.code is None else repr(exc.code)})"
-    try:
-        from minikv.checks.report import explain
-    except Exception:  # noqa: BLE001  minikv itself broken: say what the cell raised
-        return f"{type(exc).__name__}: {exc}"
-    return explain(exc)
+    report = sys.modules.get("minikv.checks.report")
+    if report is not None:  # the notebook ran a checker: it knows its failures and the stubs
+        return report.explain(exc)
+    # no checker imported (so no check failure to recognise): the error and the learner's line it came from
+    text = f"{type(exc).__name__}: {exc}"
+    mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<cell ")]
+    if mine:
+        f = mine[-1]
+        at = f"{f.filename[1:-1]}, line {f.lineno}"
+        text += f"\nraised in {at if f.name == '<module>' else f'{f.name} ({at})'}: {(f.line or '').strip()}"
+    return text
 
 
 def _shell():
