@@ -1,0 +1,488 @@
+"""Checker for exercise 06c: the radix tree's insert, split and eviction of a leaf.
+
+    split(node, k, block_size) -> upper           cut node's edge after its first k blocks
+    insert(root, token_ids, blocks, block_size)   make the path from root spell token_ids (whole blocks)
+    evict_leaf(leaf, num_blocks, block_size, is_unused)   trim unused blocks off a leaf's tail -> [blocks]
+
+    before split(node, 1):                after:
+    parent ── node [A B C] {children}      parent ── upper [A]  ── node [B C] {children}
+
+Three stages, each stopping at the first problem with a message that says where:
+  1. split and evict_leaf on hand-picked nodes: keys, blocks, parent links and children filing
+  2. insert: hand-picked sequences of requests (each teaches one rule), then random ones, each tree
+     compared with the one the engine's own RadixCache builds from the same requests
+  3. (check_radix_insert_in_engine) SmolLM2 with `learner_radix_cache` (your three functions doing
+     every change of the tree) against the engine's RadixCache: same tokens, same cache hits, a small
+     pool so that leaves are evicted, and the cache's invariants after every request
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from minikv.cache.radix import Node, RadixCache, match_prefix
+from minikv.checks.prefix import _Seq
+from minikv.checks.report import fail, passed
+
+
+# ---- reading trees ---------------------------------------------------------------------------------
+
+def shape(node: Node) -> tuple:
+    """A tree as nested tuples: (key, blocks, children sorted by their filing key)."""
+    return (tuple(node.key), tuple(node.blocks),
+            tuple(shape(c) for _, c in sorted(node.children.items(), key=lambda kv: kv[0])))
+
+
+def tree_lines(root: Node) -> list[str]:
+    lines: list[str] = []
+
+    def walk(node: Node, depth: int) -> None:
+        for _, c in sorted(node.children.items(), key=lambda kv: kv[0]):
+            lines.append("    " + "  " * depth + f"[{' '.join(map(str, c.key))}] blocks {list(c.blocks)}")
+            walk(c, depth + 1)
+
+    walk(root, 0)
+    return lines or ["    (empty)"]
+
+
+def _links(root: Node, block_size: int) -> str | None:
+    """The first broken link of a tree: a child filed under the wrong key, a wrong parent, a key that
+    does not match its blocks, an empty node; None when the tree is well formed."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for first, child in node.children.items():
+            where = f"the node [{' '.join(map(str, child.key))}] (blocks {list(child.blocks)})"
+            if tuple(first) != tuple(child.key[:block_size]):
+                return (f"{where} is filed under {first} in its parent's children; a child is filed under the "
+                        f"first block of its key, {tuple(child.key[:block_size])}")
+            if child.parent is not node:
+                return f"{where}: its .parent is not the node whose children hold it"
+            if not child.blocks:
+                return f"{where} has no blocks: a node with nothing left is removed from its parent's children"
+            if len(child.key) != len(child.blocks) * block_size:
+                return (f"{where}: a key of {len(child.key)} tokens for {len(child.blocks)} blocks; "
+                        f"len(key) must be len(blocks) * block_size = {len(child.blocks) * block_size}")
+            stack.append(child)
+    return None
+
+
+# ---- references (the tree surgery of minikv/cache/radix.py, on bare nodes) -------------------------
+
+def reference_split(node: Node, k: int, block_size: int) -> Node:
+    cut = k * block_size
+    upper = Node(tuple(node.key[:cut]), list(node.blocks[:k]), node.parent)
+    node.parent.children[tuple(node.key[:block_size])] = upper
+    node.key, node.blocks, node.parent = tuple(node.key[cut:]), list(node.blocks[k:]), upper
+    upper.children[tuple(node.key[:block_size])] = node
+    return upper
+
+
+def reference_evict_leaf(leaf: Node, num_blocks: int, block_size: int, is_unused: Callable[[int], bool]) -> list[int]:
+    out = []
+    while len(out) < num_blocks and leaf.blocks and is_unused(leaf.blocks[-1]):
+        out.append(leaf.blocks.pop())
+        leaf.key = tuple(leaf.key[:len(leaf.blocks) * block_size])
+    if not leaf.blocks:
+        del leaf.parent.children[next(k for k, c in leaf.parent.children.items() if c is leaf)]
+    return out
+
+
+def _chain(block_size: int, *runs: tuple[list[int], list[int]]) -> tuple[Node, list[Node]]:
+    """root -> n1 -> n2 ..., run i = (tokens, blocks)."""
+    root, nodes, parent = Node(), [], None
+    parent = root
+    for toks, blocks in runs:
+        n = Node(tuple(toks), list(blocks), parent)
+        parent.children[tuple(toks[:block_size])] = n
+        nodes.append(n)
+        parent = n
+    return root, nodes
+
+
+# ---- stage 1: split and evict_leaf -----------------------------------------------------------------
+
+def check_split(split) -> None:
+    cases = [
+        ("split after 1 of 3 blocks", 1), ("split after 2 of 3 blocks", 2),
+    ]
+    for lesson, k in cases:
+        for with_children in (False, True):
+            bs = 2
+            root, (top, node) = _chain(bs, ([9, 9], [5]), ([1, 1, 2, 2, 3, 3], [7, 8, 4]))
+            kids = {}
+            if with_children:
+                for first in ((4, 4), (6, 6)):
+                    kids[first] = Node(first, [10 + first[0]], node)
+                node.children.update(kids)
+            case = (f"split(node, k={k}, block_size={bs}) on node [1 1 2 2 3 3] blocks [7, 8, 4] under [9 9]"
+                    + (", node has two children" if with_children else "") + f" ({lesson})")
+            try:
+                upper = split(node, k, bs)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001  shown to the learner
+                fail(case, "split raised", f"{type(e).__name__}: {e}")
+            ref_root, (_, ref_node) = _chain(bs, ([9, 9], [5]), ([1, 1, 2, 2, 3, 3], [7, 8, 4]))
+            if with_children:
+                ref_node.children.update({f: Node(f, [10 + f[0]], ref_node) for f in kids})
+            ref_upper = reference_split(ref_node, k, bs)
+            if upper is None or not isinstance(upper, Node):
+                fail(case, f"split returned {upper!r}", "expected the new upper Node", "did it forget to `return`?")
+            if upper is node:
+                fail(case, "split returned the node it was given", "expected the NEW upper node",
+                     "the node you were given stays the lower part: the engine holds references to it (its blocks, "
+                     "the eviction queue), and its children stay with it")
+            if shape(root) != shape(ref_root):
+                fail(case, "the tree after the split differs", "expected:\n" + "\n".join(tree_lines(ref_root))
+                     + "\ngot:\n" + "\n".join(tree_lines(root)),
+                     "upper takes the first k blocks and the first k * block_size tokens; node keeps the rest and "
+                     "its children")
+            broken = _links(root, bs)
+            if broken:
+                fail(case, "a link is wrong after the split", broken,
+                     "parent.children[first block] -> upper, upper.parent = parent, upper.children[node's new first "
+                     "block] -> node, node.parent = upper")
+            if node.parent is not upper or shape(upper) != shape(ref_upper):
+                fail(case, "the node you were given is not the lower part under the upper node you returned",
+                     f"upper: {upper}, node: {node}")
+    passed(2 * len(cases), "split cuts an edge at a block boundary, keeps the node below and its children, and "
+                           "files both parts by their first block")
+
+
+def check_evict_leaf(evict_leaf) -> None:
+    bs = 2
+    cases = [  # (lesson, used blocks, num_blocks, expected blocks)
+        ("every block unused, ask for 1: only the tail block goes", set(), 1, [4]),
+        ("every block unused, ask for more than the leaf holds: the whole leaf goes, and leaves the tree",
+         set(), 5, [4, 8, 7]),
+        ("the leaf's first block is in use: the tail goes, the used block stays", {7}, 5, [4, 8]),
+        ("ask for exactly 2: the last two, tail first", set(), 2, [4, 8]),
+    ]
+    for lesson, used, n, want in cases:
+        root, (top, leaf) = _chain(bs, ([9, 9], [5]), ([1, 1, 2, 2, 3, 3], [7, 8, 4]))
+        ref_root, (_, ref_leaf) = _chain(bs, ([9, 9], [5]), ([1, 1, 2, 2, 3, 3], [7, 8, 4]))
+        is_unused = lambda b, used=used: b not in used  # noqa: E731
+        case = (f"case: {lesson}\n  evict_leaf(leaf [1 1 2 2 3 3] blocks [7, 8, 4], num_blocks={n}, block_size={bs}, "
+                f"is_unused) with blocks {sorted(used) or 'none'} in use")
+        try:
+            got = evict_leaf(leaf, n, bs, is_unused)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001  shown to the learner
+            fail(case, "evict_leaf raised", f"{type(e).__name__}: {e}")
+        reference_evict_leaf(ref_leaf, n, bs, is_unused)
+        if got is None:
+            fail(case, "it returned None", f"expected the evicted blocks {want}", "did it forget to `return`?")
+        if list(got) != want:
+            got = list(got)
+            hint = ("tail first: the last block of the leaf goes first" if sorted(got) == sorted(want) else
+                    "blocks go from the tail (leaf.blocks[-1] first), never from the head: what stays must still be "
+                    "spelled from the root, so only the end of a leaf can go" if len(got) == len(want) else
+                    "only an unused block may go, from the tail, and no more than num_blocks"
+                    if len(got) > len(want) else
+                    "keep going while fewer than num_blocks went and the last block is unused")
+            fail(case, f"it returned {list(got)}", f"expected {want}", hint)
+        if shape(root) != shape(ref_root):
+            fail(case, "the tree after the eviction differs", "expected:\n" + "\n".join(tree_lines(ref_root))
+                 + "\ngot:\n" + "\n".join(tree_lines(root)),
+                 "drop block_size tokens of the key with each block; a leaf left without blocks is deleted from "
+                 "its parent's children")
+        broken = _links(root, bs)
+        if broken:
+            fail(case, "a link is wrong after the eviction", broken)
+    passed(len(cases), "evict_leaf trims unused blocks from the tail, shrinks the key with them, and removes an "
+                       "emptied leaf")
+
+
+# ---- stage 2: insert --------------------------------------------------------------------------------
+
+def _reference_tree(requests: list[list[int]], block_size: int) -> tuple[RadixCache, list[list[int]]]:
+    """The engine's RadixCache after each request, and the blocks each request was inserted with."""
+    cache = RadixCache(block_size)
+    cache.bind([1] * 100_000)
+    next_block, used = 0, []
+    for toks in requests:
+        have = match_prefix(cache.roots[None], toks, block_size)[0] if None in cache.roots else []
+        blocks = have + list(range(next_block, next_block + len(toks) // block_size - len(have)))
+        next_block += len(blocks) - len(have)
+        cache.insert(_Seq(toks, blocks))
+        used.append(blocks)
+    return cache, used
+
+
+S = [7, 7, 7, 7, 7, 7]
+INSERT_CASES = [  # (lesson, requests, block_size)
+    ("one request into an empty tree: one child of the root", [S + [1, 1]], 2),
+    ("the same request twice: nothing changes", [S + [1, 1], S + [1, 1]], 2),
+    ("a chat's next turn: the childless leaf is extended, not given a child", [S + [1, 1], S + [1, 1, 2, 2, 3, 3]], 2),
+    ("diverges inside an edge: split the edge there, hang the rest as a sibling",
+     [S + [1, 1], S[:2] + [5, 5, 6, 6]], 2),
+    ("diverges at the end of an edge that has children: a new child, no split",
+     [S + [1, 1], S + [2, 2], S + [3, 3]], 2),
+    ("ends inside an edge: nothing to add, so no split", [S + [1, 1], S[:4]], 2),
+    ("a second branch under the root", [S + [1, 1], [5, 5, 5, 5]], 2),
+    ("a split, then a request that extends the lower part's leaf",
+     [S + [1, 1], S[:2] + [5, 5], S + [1, 1, 4, 4]], 2),
+    ("block_size 1: every token is a block", [[1, 2, 3], [1, 2, 4], [1, 5]], 1),
+    ("block_size 4: the split falls on a block boundary", [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]], 4),
+]
+
+
+def _random_requests(rng: random.Random) -> tuple[list[list[int]], int]:
+    bs = rng.choice([1, 2, 4])
+    stems = [[rng.randrange(3) for _ in range(rng.randint(0, 4) * bs)] for _ in range(3)]
+    reqs = []
+    for _ in range(rng.randint(1, 6)):
+        base = rng.choice(stems + [r for r in reqs])
+        keep = rng.randint(0, len(base) // bs) * bs
+        reqs.append(base[:keep] + [rng.randrange(3) for _ in range(rng.randint(0, 4) * bs)])
+    return [r for r in reqs if r] or [[0] * bs], bs
+
+
+def _insert_hint(mine: Node, ref: Node, bs: int) -> str | None:
+    broken = _links(mine, bs)
+    if broken:
+        return broken
+    nodes_mine, nodes_ref = _count(mine), _count(ref)
+    if nodes_mine > nodes_ref:
+        return ("your tree has more nodes than the engine's: a childless leaf (not the root) is EXTENDED when the "
+                "tokens go on past it, and an edge is split only where a new branch leaves it")
+    if nodes_mine < nodes_ref:
+        return ("your tree has fewer nodes than the engine's: where the tokens leave an edge part-way, split it "
+                "(the old rest and the new tokens become two children of the upper part)")
+    return None
+
+
+def _count(node: Node) -> int:
+    return len(node.children) + sum(_count(c) for c in node.children.values())
+
+
+def check_radix_insert(insert, split, num_random: int = 300, seed: int = 0) -> None:
+    """insert against the engine's RadixCache.insert on taught and random request sequences.
+    `split` is the learner's (insert may call it); it is checked first."""
+    rng = random.Random(seed)
+    cases = list(INSERT_CASES) + [("random", *_random_requests(rng)) for _ in range(num_random)]
+    for n, (lesson, requests, bs) in enumerate(cases):
+        ref, blocks_of = _reference_tree(requests, bs)
+        root = Node()
+        for j, (toks, blocks) in enumerate(zip(requests, blocks_of)):
+            toks = toks[:len(toks) // bs * bs]
+            done = "\n".join(f"    insert(root, {r[:len(r) // bs * bs]}, {b}, {bs})"
+                             for r, b in zip(requests[:j], blocks_of[:j])) or "    (nothing)"
+            case = (f"case {n}: {lesson}\n  after\n{done}\n  the call insert(root, {toks}, {blocks}, "
+                    f"block_size={bs})")
+            try:
+                insert(root, list(toks), list(blocks), bs)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001  shown to the learner
+                fail(case, "insert raised", f"{type(e).__name__}: {e}")
+            want = _reference_tree(requests[:j + 1], bs)[0].roots.get(None) or Node()
+            if shape(root) != shape(want):
+                fail(case, "the tree differs from the engine's", "expected:\n" + "\n".join(tree_lines(want))
+                     + "\ngot:\n" + "\n".join(tree_lines(root)), _insert_hint(root, want, bs))
+            broken = _links(root, bs)
+            if broken:
+                fail(case, "a link of the tree is wrong", broken)
+            if match_prefix(root, toks, bs) != (list(blocks), len(toks)):
+                fail(case, "the tree does not spell the request", f"match_prefix finds {match_prefix(root, toks, bs)}")
+    passed(len(cases), "insert builds the engine's tree: walks, splits inside an edge, extends a childless leaf, "
+                       "hangs a new child otherwise")
+
+
+# ---- stage 3: the engine, your functions doing every change of the tree ---------------------------
+
+def learner_radix_cache(block_size: int, insert, evict_leaf, eviction: str = "lru") -> RadixCache:
+    """A RadixCache whose tree changes are `insert` (with the learner's split inside) and `evict_leaf`:
+    pass it as `LLM(..., prefix_caching=learner_radix_cache(16, insert, evict_leaf))`. Its class carries
+    the two functions, so the engine can build a fresh one of the same kind (it does after a fault)."""
+    cls = type("LearnerRadixCache", (LearnerRadixCache,),
+               {"insert_fn": staticmethod(insert), "evict_leaf_fn": staticmethod(evict_leaf)})
+    return cls(block_size, eviction)
+
+
+class LearnerRadixCache(RadixCache):
+    """minikv's RadixCache with a learner's insert and evict_leaf doing the tree surgery (made by
+    `learner_radix_cache`, which sets the two functions on a subclass).
+
+    The engine's bookkeeping stays around them: which node owns which block, LRU times, the queue of
+    evictable leaves, the count of unused blocks. Blocks computed twice (two requests in flight) keep
+    the tree's copy, as RadixCache does. Each call is checked; a broken tree stops the engine with
+    the reason (a ValueError)."""
+
+    insert_fn: Callable = None  # type: ignore[assignment]
+    evict_leaf_fn: Callable = None  # type: ignore[assignment]
+
+    def insert(self, seq) -> dict[int, int]:
+        if not self.enabled:
+            return {}
+        bs, n_full = self.block_size, seq.num_computed_tokens // self.block_size
+        if n_full <= self._progress.get(seq.seq_id, 0):
+            return {}
+        tokens, table, now = list(seq.token_ids[:n_full * bs]), seq.block_table, self.tick()
+        root = self.roots.get(seq.cache_salt)
+        if root is None:
+            root = self.roots[seq.cache_salt] = Node(salt=seq.cache_salt, now=now)
+        have = match_prefix(root, tokens, bs)[0]
+        adopt = {i: b for i, b in enumerate(have) if b != table[i]}
+        blocks = have + list(table[len(have):n_full])
+        for node in self._walk(root, tokens):  # the engine touches every node it walks, split or not
+            self._touch(node, now)
+        before = set(self.node_of)
+        self.insert_fn(root, list(tokens), list(blocks), bs)
+        broken = _links(root, bs)
+        got = match_prefix(root, tokens, bs)
+        if broken or got != (blocks, len(tokens)):
+            raise ValueError(f"after your insert of {len(tokens)} tokens in blocks {blocks}: "
+                             + (broken or f"the tree spells only {got[1]} of them ({got[0]})"))
+        self._resync(root, tokens, now)
+        for b in set(blocks) - before:
+            if self.is_unused(b):
+                self._unused += 1
+        self._progress[seq.seq_id] = n_full
+        return adopt
+
+    def _walk(self, root: Node, tokens: list[int]) -> list[Node]:
+        node, pos, out, bs = root, 0, [], self.block_size
+        while len(tokens) - pos >= bs:
+            child = node.children.get(tuple(tokens[pos:pos + bs]))
+            if child is None:
+                break
+            out.append(child)
+            k = 0
+            while k < len(child.blocks) and pos + (k + 1) * bs <= len(tokens) and \
+                    tuple(child.key[k * bs:(k + 1) * bs]) == tuple(tokens[pos + k * bs:pos + (k + 1) * bs]):
+                k += 1
+            pos += k * bs
+            if k < len(child.blocks):
+                break
+            node = child
+        return out
+
+    def _resync(self, root: Node, tokens: list[int], now: int) -> None:
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack += node.children.values()
+            if node is root:
+                continue
+            node.salt = root.salt
+            if node.born == 0:  # a node the learner made: the engine's clock starts at 1
+                node.born = node.last_used = now
+            for b in node.blocks:
+                self.node_of[b] = node
+        for node in self._walk(root, tokens):
+            self._touch(node, now)
+            self._maybe_evictable(node)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < num_blocks and len(self.leaves):
+            leaf = self.leaves.pop()
+            if not leaf.is_leaf or not leaf.blocks or self.node_of.get(leaf.blocks[-1]) is not leaf:
+                continue
+            parent, before, want = leaf.parent, list(leaf.blocks), num_blocks - len(out)
+            expect = []
+            for b in reversed(before):
+                if len(expect) == want or not self.is_unused(b):
+                    break
+                expect.append(b)
+            got = list(self.evict_leaf_fn(leaf, want, self.block_size, self.is_unused) or [])
+            if got != expect:
+                raise ValueError(f"evict_leaf(leaf with blocks {before}, num_blocks={want}) returned {got}; the "
+                                 f"unused tail, at most num_blocks, tail first, is {expect}")
+            if list(leaf.blocks) != before[:len(before) - len(got)] or \
+                    len(leaf.key) != len(leaf.blocks) * self.block_size:
+                keep = before[:len(before) - len(got)]
+                raise ValueError(f"after evict_leaf the leaf holds blocks {leaf.blocks} and {len(leaf.key)} tokens; "
+                                 f"expected blocks {keep} and {len(keep) * self.block_size} tokens (each block that "
+                                 "goes takes block_size tokens off the key)")
+            linked = any(c is leaf for c in parent.children.values())
+            if linked == (not leaf.blocks):
+                raise ValueError("evict_leaf " + ("left an empty leaf in its parent's children" if linked else
+                                                  "unlinked a leaf that still holds blocks"))
+            for b in got:
+                del self.node_of[b]
+                self._unused -= 1
+            out += got
+            if leaf.blocks:
+                self._maybe_evictable(leaf)
+            elif parent.parent is None:
+                if not parent.children:
+                    del self.roots[parent.salt]
+            else:
+                self._maybe_evictable(parent)
+        self.num_evicted += len(out)
+        return out
+
+
+def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions: list[str],
+                                 long_prompt: str, max_tokens: int = 6) -> dict:
+    """`llm` runs learner_radix_cache(block_size, insert, evict_leaf) on a small pool. A chat of len(questions) turns
+    after `system`, the same questions asked fresh (the tree splits where they leave the chat), then
+    `long_prompt`, which needs more blocks than are empty (leaves are evicted). Each answer and each
+    request's cache hit must equal those of the engine's RadixCache (`llm.derive(prefix_caching="radix")`,
+    the same weights), and the cache's invariants must hold after every request."""
+    from minikv import SamplingParams
+
+    if not isinstance(llm.prefix_cache, LearnerRadixCache):
+        raise ValueError("build the LLM with prefix_caching=learner_radix_cache(block_size, insert, evict_leaf)")
+    sp = SamplingParams(max_tokens=max_tokens)
+    encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def requests(engine):
+        history: list[int] = []
+        for n, q in enumerate(questions):  # a chat: each turn's prompt is the whole conversation so far
+            ids = encode(engine.chat_prompt(q, system=system)) if not history else history + encode(
+                ("" if history[-1] in engine.eos_token_ids else "<|im_end|>")
+                + f"\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+            out = yield f"chat turn {n + 1}: {q!r}", ids
+            history = ids + out.token_ids
+        for q in questions[1:]:  # the same questions, fresh: they leave the chat's path after the system prompt
+            yield f"a fresh request: {q!r}", encode(engine.chat_prompt(q, system=system))
+        yield "a long request (more blocks than are empty: cached leaves are evicted)", encode(
+            engine.chat_prompt(long_prompt, system=system))
+
+    def run(engine, learner: bool) -> list[tuple[str, list[int], int]]:
+        results, gen = [], requests(engine)
+        what, ids = next(gen)
+        while True:
+            try:
+                out = engine.generate(ids, sp)[0]
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001  shown to the learner
+                if not learner:
+                    raise
+                fail(what, f"the engine on your functions raised {type(e).__name__}", str(e))
+            if learner:
+                try:
+                    engine.block_manager.check(engine.scheduler.all_sequences())
+                except AssertionError as e:
+                    fail(what, "the cache's invariants broke after this request", str(e))
+            results.append((what, out.token_ids, out.num_cached_tokens))
+            try:
+                what, ids = gen.send(out)
+            except StopIteration:
+                return results
+
+    llm.reset_prefix_cache()
+    mine = run(llm, learner=True)
+    ref_engine = llm.derive(prefix_caching="radix")
+    ref = run(ref_engine, learner=False)
+    for (what, toks, hit), (_, want_toks, want_hit) in zip(mine, ref):
+        if toks != want_toks:
+            fail(what, "its tokens differ from the engine's RadixCache", f"expected {want_toks}\ngot      {toks}",
+                 "a lookup found blocks that hold another prefix: check split's keys and blocks")
+        if hit != want_hit:
+            fail(what, f"{hit} tokens came from the cache; with the engine's RadixCache {want_hit}",
+                 "the same requests on the same pool must hit the same blocks",
+                 "a missing extension or split loses the tokens after it; a leaf trimmed too far loses more")
+    stats = llm.prefix_cache.stats()
+    if stats["evicted_blocks"] == 0:
+        fail("the whole run", "no block was evicted", "the long request should have evicted cached leaves",
+             "build the LLM with a smaller num_blocks")
+    passed(len(mine), f"with your insert, split and evict_leaf the engine gives the RadixCache's tokens and hits "
+                      f"({sum(h for _, _, h in mine)} cached tokens, {stats['evicted_blocks']} blocks evicted)")
+    return stats
