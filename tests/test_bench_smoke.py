@@ -27,6 +27,7 @@ def research_script(name: str):
 
 decode_variants = research_script("decode_variants")
 decode_profile = research_script("decode_profile")
+decode_tune = research_script("decode_tune")
 
 
 def test_decode_attention_benchmark_smoke(tmp_path, capsys):
@@ -54,6 +55,45 @@ def test_decode_variants_smoke(tmp_path):
         assert grid["best"] and all(g["rel_err"] <= decode_variants.TOL for g in grid["grid"]), (shape, grid)
 
 
+def test_decode_tune_smoke_checks_every_setting_and_leaves_the_kernel_as_it_was(tmp_path):
+    import minikv.kernels.decode_attention as dec
+
+    before = (dec.PROGRAMS_PER_SM, dict(dec.DECODE_CONFIG))
+    record = decode_tune.main(["--smoke", "--out", str(tmp_path)])
+    tuning = json.loads((tmp_path / "decode_tune_gpu.json").read_text())["tuning"]
+    assert record["env"]["device"] and tuning["start"] == {"programs_per_sm": before[0], **before[1]}
+    assert len(tuning["configs"]) == 2 and all(c.get("total_us", 0) > 0 for c in tuning["configs"]), tuning
+    assert list(tuning["programs_per_sm"]) == ["2", "4"] and list(tuning["programs_per_sm_again"]) == ["4"]
+    chosen = tuning["chosen"]
+    launch = {k: chosen[k] for k in ("block_n", "num_warps", "num_stages")}
+    assert chosen["programs_per_sm"] in (2, 4) and launch in [{k: c[k] for k in launch} for c in tuning["configs"]]
+    assert (dec.PROGRAMS_PER_SM, dec.DECODE_CONFIG) == before  # to adopt a choice, edit the defaults
+
+
+def test_decode_tune_keeps_the_default_unless_something_beats_it_by_more_than_the_noise():
+    assert decode_tune.NOISE == 0.02
+    assert decode_tune.keep_default({"default": 100.0, "other": 98.5}, "default") == "default"
+    assert decode_tune.keep_default({"default": 100.0, "other": 97.0}, "default") == "other"
+    assert decode_tune.keep_default({"a": 3.0, "b": 2.0}, "not timed") == "b"
+
+
+def test_decode_tune_never_chooses_a_setting_that_computes_wrong_numbers(monkeypatch):
+    """A launch setting whose output is off (here: doubled) is logged as an error and not chosen."""
+    right = decode_tune.triton_decode
+
+    def wrong_at_two_stages(c, **kw):
+        fn = right(c, **kw)
+        return (lambda: 2 * fn()) if kw.get("num_stages") == 2 else fn
+
+    monkeypatch.setattr(decode_tune, "triton_decode", wrong_at_two_stages)
+    case = decode_attention.decode_case(2, 40, 16, torch.float32, torch.device("cpu"), (6, 2, 16))
+    clock = decode_attention.Clock(torch.device("cpu"), 1, 0)
+    fast = {"block_n": 32, "num_warps": 1, "num_stages": 2}
+    log = decode_tune.tune_decode([case], clock, float("inf"), programs_per_sm=(4,), again=(), launch=[fast])
+    assert "rel err" in log["configs"][0]["error"], log
+    assert log["chosen"] == log["start"]
+
+
 def test_clock_refuses_an_unknown_flush():
     with pytest.raises(ValueError, match="flush must be"):
         decode_attention.Clock(torch.device("cpu"), 1, 0, flush="sometimes")
@@ -70,12 +110,13 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
             decode_profile.main(["--out", "never-made"])
 
 
-def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path):
-    """`python benchmarks/decode_variants.py --help` from anywhere: the script finds minikv in its
-    checkout. Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
+@pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s")])
+def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
+    """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
+    Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
     site = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
     env = {**os.environ, "PYTHONPATH": site, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "decode_variants.py"), "--help"],
+    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "--previous" in run.stdout
+    assert flag in run.stdout

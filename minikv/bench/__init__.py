@@ -5,8 +5,8 @@
     throughput        the nano-vllm offline workload: minikv's engines vs transformers'
     decode_attention  GPU: the Triton paged decode kernel vs SDPA and the torch reference
 
-Kernel research scripts (variants of the decode kernel, an Nsight Compute profile) live beside their
-records under benchmarks/, not in the package.
+Kernel research scripts (variants of the decode kernel, its launch-settings tuner, an Nsight Compute
+profile) live beside their records under benchmarks/, not in the package.
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def environment(device="cpu", commit: str | None = None) -> dict:
     return {"device": name, "sms": sms, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, **versions, "cuda": torch.version.cuda, "python": platform.python_version(),
             "commit": commit}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None when the sequences are equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def _git_commit() -> str | None:

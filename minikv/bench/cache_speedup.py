@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from minikv.bench import REPO, environment
+from minikv.bench import REPO, environment, first_divergence
 
 # English about the subject, tiled to the prompt length: a natural prompt keeps greedy decoding away
 # from the near-ties that random token ids produce.
@@ -84,11 +84,6 @@ def transformers_runner(ids: list[int], new_tokens: int, warmup_tokens: int) -> 
             seconds = time.perf_counter() - t
         return {"seconds": seconds, "token_ids": tokens, "attn_implementation": model.config._attn_implementation}
     return run
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, or None when the sequences are equal."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 RESULTS_HEADER = """# Benchmark results
@@ -188,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "token_ids": reference,
     }
     print(json.dumps({k: v for k, v in record.items() if k != "token_ids"}, indent=1))
-    if args.no_record:
-        return 0 if tokens_identical(record) else 1
-    write_record(record, Path(args.out), results_line(record, Path(args.out).name), "cache_speedup")
+    if not args.no_record:
+        write_record(record, Path(args.out), results_line(record, Path(args.out).name), "cache_speedup")
     return 0 if tokens_identical(record) else 1
 
 

@@ -15,11 +15,10 @@ next to the card's measured copy bandwidth (bytes read + written / time of a 1 G
 Times are medians of CUDA-event timings after warmup, with L2 flushed before each run.
 The prefill kernel is timed against the torch reference too. Everything is written to one JSON.
 
-    python -m minikv.bench.decode_attention --out benchmarks/   [--sweep] [--smoke]
+    python -m minikv.bench.decode_attention --out benchmarks/   [--smoke]
 
-With --sweep the decode kernel's split heuristic and launch settings are first tuned on these
-shapes (summed CUDA-graph time), and the figures below are measured with the chosen ones; the
-JSON records what was tried and chosen ("tuning").
+The kernel runs with its default launch settings. They are tuned at these shapes by a research
+script beside the records, benchmarks/decode_tune.py.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
-from minikv.bench import environment
+from minikv.bench import environment, first_divergence
 
 SHAPES = [(32, 4096), (64, 1024), (8, 16384)]  # (batch, context)
 BLOCK_SIZES = [16, 128]
@@ -242,62 +241,6 @@ def measure(row: dict, methods: dict, ref, clock: Clock, kv_bytes: int | None = 
     return row
 
 
-NOISE = 0.02  # a setting replaces the default only if it is this much faster: closer is run-to-run noise
-
-
-def keep_default(times: dict, default):
-    """The key of the fastest time, unless the default's is within NOISE of it (then the default)."""
-    best = min(times, key=times.get)
-    return default if default in times and times[best] > (1 - NOISE) * times[default] else best
-
-
-def tune_decode(cases, clock, deadline) -> dict:
-    """Pick the split heuristic (programs per SM) and the launch settings that minimise the summed
-    kernel time over all decode cases, and make them the defaults for the rest of this run. The code's
-    defaults stay unless something beats them by more than NOISE (two runs of one setting differ by ~1%)."""
-    import minikv.kernels.decode_attention as dec
-
-    log = {"configs": [], "start": {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}}
-
-    def total(**kw):
-        t = 0.0
-        for c in cases:
-            t += kernel_time(clock, triton_decode(c, **kw))
-        return round(t, 2)
-
-    def sweep_programs_per_sm(key, values):
-        log[key] = {}
-        for p in values:
-            if time.time() > deadline:
-                break
-            dec.PROGRAMS_PER_SM = p
-            log[key][p] = total()
-        return log[key]
-
-    best_pps = keep_default(sweep_programs_per_sm("programs_per_sm", (2, 3, 4, 6, 8, 16)),
-                            log["start"]["programs_per_sm"])
-    dec.PROGRAMS_PER_SM = best_pps
-    for stages in (2, 3, 4):
-        for block_n, warps in ((32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4), (256, 8)):
-            if time.time() > deadline or (stages == 4 and block_n > 64):  # deep stages of big tiles: no room
-                break
-            kw = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
-            try:
-                log["configs"].append({**kw, "total_us": total(**kw)})
-            except Exception as e:
-                log["configs"].append({**kw, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    settings = ("block_n", "num_warps", "num_stages")
-    timed = {tuple(x[k] for k in settings): x["total_us"] for x in log["configs"] if "total_us" in x}
-    if timed:
-        dec.DECODE_CONFIG.update(zip(settings, keep_default(timed, tuple(log["start"][k] for k in settings))))
-    # programs per SM again, with the chosen launch settings (the two interact)
-    again = sweep_programs_per_sm("programs_per_sm_again", (2, 3, 4, 6, 8))
-    dec.PROGRAMS_PER_SM = keep_default(again, best_pps) if best_pps in again else best_pps
-    log["chosen"] = {"programs_per_sm": dec.PROGRAMS_PER_SM, **dec.DECODE_CONFIG}
-    log["rule"] = f"the fastest, unless the default is within {NOISE:.0%} of it (then the default)"
-    return log
-
-
 def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
     from minikv.attention.common import attend
     from minikv.attention.metadata import AttentionMetadata
@@ -347,17 +290,12 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
             per = [math.ceil(n / block_size) for n in lens]
             k_cache = torch.randn(sum(per) + 3, block_size, Hkv, head_dim, generator=g).to(device, dtype)
             v_cache = torch.randn_like(k_cache)
-            order = torch.randperm(sum(per) + 3, generator=g)
-            tables = torch.full((B, max(per)), -1, dtype=torch.long)
-            used = 0
-            for b, n in enumerate(per):
-                tables[b, :n] = order[used:used + n]
-                used += n
-            tables = tables.to(device)
+            order = torch.randperm(sum(per) + 3, generator=g)[:sum(per)]  # each sequence's blocks, -1 past its end
+            tables = torch.nn.utils.rnn.pad_sequence(order.split(per), batch_first=True, padding_value=-1).to(device)
             scale = head_dim**-0.5
             L = max(lens)
-            keys = k_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
-            values = v_cache[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
+            keys, values = (x[tables.clamp(min=0)].reshape(B, -1, Hkv, head_dim)[:, :L].double()
+                            for x in (k_cache, v_cache))
             for window, layout in ((None, "nhd"), (300, "nhd"), (None, "hnd"), (300, "hnd")):
                 kc, vc = (stored_head_major(x) if layout == "hnd" else x for x in (k_cache, v_cache))
                 case = {"dtype": str(dtype).replace("torch.", ""), "block_size": block_size, "group": group,
@@ -401,8 +339,7 @@ def engine_check(device, smoke: bool = False) -> dict:
         pairs = list(zip(outs["torch"], outs["triton"]))
         result[dtype] = {"tokens_equal": sum(a == b for x, y in pairs for a, b in zip(x, y)),
                          "tokens": sum(len(x) for x, _ in pairs), "sequences_identical": sum(x == y for x, y in pairs),
-                         "sequences": len(prompts), "first_differing_token": [
-                             next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in pairs]}
+                         "sequences": len(prompts), "first_differing_token": [first_divergence(x, y) for x, y in pairs]}
     return result
 
 
@@ -436,8 +373,6 @@ def print_tables(record: dict) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for decode_attention_gpu.json")
-    ap.add_argument("--sweep", action="store_true",
-                    help="first tune the split heuristic and launch settings on these shapes, then measure with them")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--budget-s", type=float, default=400, help="skip optional parts past this many seconds")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script itself)")
@@ -483,23 +418,18 @@ def main(argv=None) -> dict:
             flex = torch.compile(flex_attention, dynamic=False)
         except Exception as e:
             record["flex_error"] = f"{type(e).__name__}: {e}"
-    cases = [decode_case(B, L, bs, dtype, device, heads) for B, L in shapes for bs in block_sizes]
-    if args.sweep:
-        record["tuning"] = tune_decode(cases, clock, t_start + 0.6 * args.budget_s)
-        print("tuning:", record["tuning"]["programs_per_sm"], record["tuning"]["chosen"], flush=True)
-        save()
-    for c in cases:
-        use_flex = flex if c["block_size"] == block_sizes[0] and time.time() < deadline - 60 else None
-        record["decode"].append(bench_decode(c, device, clock, use_flex))
+
+    def run_decode(c, flex):
+        record["decode"].append(bench_decode(c, device, clock, flex))
         save()
         print(f"decode B={c['B']} L={c['L']} bs={c['block_size']}: {record['decode'][-1]['time_us']}", flush=True)
-    del cases
-    for B, L, bs in long_cases:  # made after the others are freed: 512 MiB pools and their contiguous copies
-        c = decode_case(B, L, bs, dtype, device, heads)
-        record["decode"].append(bench_decode(c, device, clock, None))
-        save()
-        print(f"decode B={B} L={L} bs={bs}: {record['decode'][-1]['time_us']}", flush=True)
-        del c
+
+    cases = [decode_case(B, L, bs, dtype, device, heads) for B, L in shapes for bs in block_sizes]
+    for c in cases:
+        run_decode(c, flex if c["block_size"] == block_sizes[0] and time.time() < deadline - 60 else None)
+    cases = c = None  # the pools are freed before the long ones are made
+    for B, L, bs in long_cases:  # 512 MiB pools and their contiguous copies, one at a time
+        run_decode(decode_case(B, L, bs, dtype, device, heads), None)
         torch.cuda.empty_cache()
     for name, B, qlen, L in prefill_cases:
         record["prefill"].append(bench_prefill(name, B, qlen, L, prefill_bs, dtype, device, clock, heads))

@@ -32,22 +32,17 @@ from pathlib import Path
 import torch
 
 from minikv.bench import REPO, environment
-from minikv.bench.cache_speedup import PROMPT_TEXT, write_record
+from minikv.bench.cache_speedup import prompt_ids, write_record
 MODES = (None, "hash", "radix")
 QUESTIONS = ["What is this text about?", "Summarise it in one sentence.", "Which memory does it describe?",
              "Why does the cache grow?", "What does a step cost?", "Name one trade-off.",
              "Who pays for the memory?", "What changes once keys are computed?"]
 
 
-def name(mode: str | None) -> str:
-    return mode or "off"
-
-
 def build_prompts(tokenizer, vocab: int, prefix_len: int, suffix_len: int, n: int) -> list[list[int]]:
     """The shared document (English tiled, or ids for a model without a tokenizer) + one question each."""
     if tokenizer is not None:
-        doc = tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
-        prefix = (doc * (prefix_len // len(doc) + 1))[:prefix_len]
+        prefix = prompt_ids(tokenizer, prefix_len)
         suffixes = [(tokenizer.encode(" " + QUESTIONS[i % len(QUESTIONS)], add_special_tokens=False) * suffix_len)
                     [:suffix_len] for i in range(n)]
     else:
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         path = model_path(args.model, Path(tmp))
-        engines = {name(m): LLM(path, device=args.device, dtype=dtype, kv_backend="paged", max_num_seqs=1,
+        engines = {m or "off": LLM(path, device=args.device, dtype=dtype, kv_backend="paged", max_num_seqs=1,
                                 block_size=args.block_size, num_blocks=num_blocks, max_model_len=max_len,
                                 attention=args.attention, prefix_caching=m) for m in MODES}
     first = engines["off"]

@@ -23,6 +23,7 @@ Every engine gets a time cap; a run that hits it reports the tokens it made so f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -31,27 +32,14 @@ from pathlib import Path
 
 import torch
 
-from minikv.bench import environment
+from minikv.bench import environment, first_divergence
 
-QWEN25_05B_SHAPE = {
-    "model_type": "qwen2",
-    "architectures": ["Qwen2ForCausalLM"],
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "rope_theta": 1000000.0,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "use_sliding_window": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-}
+QWEN25_05B_SHAPE = {  # Qwen2.5-0.5B's config.json, weights aside
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "use_sliding_window": False, "bos_token_id": 151643,
+    "eos_token_id": 151643}
 # --small: the same architecture, narrow and shallow, so a CPU runs the whole script in about a minute
 SMALL_SHAPE = dict(QWEN25_05B_SHAPE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=10240)
@@ -105,8 +93,6 @@ def sync(device: str) -> None:
 
 def release(device: str) -> None:
     """Give freed GPU memory back, so the next engine sizes its KV pool from what is really free."""
-    import gc
-
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -141,10 +127,7 @@ def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "
     if hf_model is None:
         del hf
         release(device)
-    matched = []
-    for a, b in zip(ours, theirs):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        matched.append(n)
+    matched = [min(len(a), len(b)) if (n := first_divergence(a, b)) is None else n for a, b in zip(ours, theirs)]
     return {"dtype": str(dtype).replace("torch.", ""), "attention": attention, "cuda_graphs": graphs,
             "num_requests": num_requests,
             "max_tokens": max_tokens, "requests_identical": sum(a == b for a, b in zip(ours, theirs)),
