@@ -103,8 +103,9 @@ def _indent(text: str, width: int) -> str:
 
 def _child_env(threads: int | None) -> dict[str, str]:
     env = dict(os.environ)
-    here = str(Path(minikv.__file__).resolve().parents[1])  # the same minikv as this process, installed or not
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    here = Path(minikv.__file__).resolve().parents[1]
+    if (here / "pyproject.toml").is_file():  # minikv runs from a checkout: the notebook imports the same one
+        env["PYTHONPATH"] = os.pathsep.join([str(here)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("MPLBACKEND", "Agg")
     if threads is not None:
         env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -179,9 +180,11 @@ def _collect(grade: Grade, cells: list[Cell], checks: list[Cell], state: dict, c
             this = f"ran past the notebook's {timeout:g} s limit (a loop that never ends?); its process was stopped"
             stopped = f"did not run: {at} was still running when the notebook reached its {timeout:g} s limit"
         else:
+            how = (f"was killed by signal {-code}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+                   if code is not None and code < 0 else f"ended (exit code {code})")
             last = f"; its last output: {log_tail}" if log_tail else ""
-            this = f"the notebook's process ended (exit code {code}) in this cell{last}"
-            stopped = f"did not run: the notebook's process ended (exit code {code}) in {at}{last}"
+            this = f"the notebook's process {how} in this cell{last}"
+            stopped = f"did not run: the notebook's process {how} in {at}{last}"
     k = 0
     for position, cell in enumerate(cells):
         rec = ran[position] if position < len(ran) else None
