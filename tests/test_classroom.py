@@ -278,8 +278,9 @@ def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_
 def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_path):
     """A small course with every kind of thing that must not ship."""
     root = tmp_path / "course"
-    for name, text in {"README.md": "# c\n\nintro\n\n## For teachers\n\nthe key is in instructor/\n\n## Next\n\nok\n",
-                       "pyproject.toml": "", "Makefile": "# runs the tests\ntest: model\n\tpytest tests\n\nlab:\n\tjupyter\n",
+    for name, text in {"README.md": "# c\n\nExercises (with their twins in `solutions/`) here.\n\n## For teachers\n\nthe key is in instructor/\n\n## Next\n\nok\n",
+                       "pyproject.toml": "",
+                       "Makefile": "# runs the tests\ntest: model\n\tpytest tests\n\nlab:\n\tjupyter\n",
                        "minikv/__init__.py": "", "kernels/__init__.py": "", "instructor/key.md": "answers",
                        "tests/helper.py": "X = 1\n", "tests/test_secret.py": "", "solutions/e.ipynb": "{}",
                        "exercises/notes/instructor/x.md": "answers", "minikv/__pycache__/x.pyc": ""}.items():
@@ -299,6 +300,7 @@ def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_p
     assert [c.source for c in nbformat.read(out / "notebooks/n.ipynb", as_version=4).cells] == ["import helper"]
     readme = (out / "README.md").read_text()
     assert "For teachers" not in readme and "## Next" in readme and "Student copy" in readme
+    assert "Exercises here." in readme and "solutions/" not in readme
     assert "pytest" not in (out / "Makefile").read_text() and "lab:" in (out / "Makefile").read_text()
 
 

@@ -190,8 +190,8 @@ def _collect(grade: Grade, cells: list[Cell], checks: list[Cell], state: dict, c
         rec = ran[position] if position < len(ran) else None
         if cell.role != "check":
             if rec and rec["error"] and "raises-exception" not in cell.tags:
-                grade.notes.append(f"cell {cell.index} ({'your exercise cell' if cell.role == 'exercise' else 'a cell'})"
-                                   f" raised: {rec['error']}")
+                what = "your exercise cell" if cell.role == "exercise" else "a cell"
+                grade.notes.append(f"cell {cell.index} ({what}) raised: {rec['error']}")
             elif rec is None and position == len(ran) and this:
                 grade.notes.append(f"cell {cell.index}: {this}")
             continue

@@ -86,8 +86,10 @@ def student_makefile(text: str) -> str:
 
 
 def student_readme(text: str) -> str:
-    """The README less its "For teachers" section, with the note saying what this copy is."""
+    """The README less its "For teachers" section and its mentions of solutions/, with a note saying what
+    this copy is."""
     text = re.sub(r"(?ms)^## For teachers\b.*?(?=^## |\Z)", "", text)
+    text = re.sub(r" ?\([^()]*`solutions/`[^()]*\)", "", text)  # "(with their completed twins in `solutions/`)"
     lines = text.splitlines()
     at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
     return "\n".join(lines[:at] + ["", STUDENT_NOTE] + lines[at:]).rstrip() + "\n"
