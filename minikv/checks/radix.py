@@ -417,60 +417,67 @@ class LearnerRadixCache(RadixCache):
         return out
 
 
-def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions: list[str],
-                                 long_prompt: str, max_tokens: int = 6) -> dict:
-    """`llm` runs learner_radix_cache(block_size, insert, evict_leaf) on a small pool. A chat of len(questions) turns
-    after `system`, the same questions asked fresh (the tree splits where they leave the chat), then
-    `long_prompt`, which needs more blocks than are empty (leaves are evicted). Each answer and each
-    request's cache hit must equal those of the engine's RadixCache (`llm.derive(prefix_caching="radix")`,
-    the same weights), and the cache's invariants must hold after every request."""
+def chat_then_evict(engine, system: str, questions: list[str], long_prompt: str, max_tokens: int,
+                    learner: bool) -> list[tuple[str, list[int], int]]:
+    """The requests of the in-engine prefix checks, one after another: a chat of len(questions) turns
+    after `system` (each turn's prompt is the whole conversation so far), the later questions asked
+    fresh (they leave the chat's path after the system prompt), then `long_prompt`, which needs more
+    blocks than are empty, and the first question once more (it hits what eviction kept). Returns
+    (what, tokens, num_cached_tokens) per request; on the learner's
+    engine an error or a broken invariant fails with the request's name."""
     from minikv import SamplingParams
 
+    sp = SamplingParams(max_tokens=max_tokens)
+    encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    results: list[tuple[str, list[int], int]] = []
+
+    def run(what: str, ids: list[int]):
+        try:
+            out = engine.generate(ids, sp)[0]
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001  shown to the learner
+            if not learner:
+                raise
+            fail(what, f"the engine on your functions raised {type(e).__name__}", str(e))
+        if learner:
+            try:
+                engine.block_manager.check(engine.scheduler.all_sequences())
+            except AssertionError as e:
+                fail(what, "the cache's invariants broke after this request", str(e))
+        results.append((what, out.token_ids, out.num_cached_tokens))
+        return out
+
+    history: list[int] = []
+    for n, q in enumerate(questions):
+        ids = encode(engine.chat_prompt(q, system=system)) if not history else history + encode(
+            ("" if history[-1] in engine.eos_token_ids else "<|im_end|>")
+            + f"\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+        history = ids + run(f"chat turn {n + 1}: {q!r}", ids).token_ids
+    for q in questions[1:]:
+        run(f"a fresh request: {q!r}", encode(engine.chat_prompt(q, system=system)))
+    run("a long request (more blocks than are empty: cached blocks are evicted)",
+        encode(engine.chat_prompt(long_prompt, system=system)))
+    run(f"after the evictions, the first question again, fresh: {questions[0]!r}",
+        encode(engine.chat_prompt(questions[0], system=system)))
+    return results
+
+
+def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions: list[str],
+                                 long_prompt: str, max_tokens: int = 6) -> dict:
+    """`llm` runs learner_radix_cache(block_size, insert, evict_leaf) on a small pool. A chat of
+    len(questions) turns after `system`, the same questions asked fresh (the tree splits where they
+    leave the chat), then `long_prompt`, which needs more blocks than are empty (leaves are evicted).
+    Each answer and each request's cache hit must equal those of the engine's RadixCache
+    (`llm.derive(prefix_caching="radix")`, the same weights), and the cache's invariants must hold
+    after every request."""
     if not isinstance(llm.prefix_cache, LearnerRadixCache):
         raise ValueError("build the LLM with prefix_caching=learner_radix_cache(block_size, insert, evict_leaf)")
-    sp = SamplingParams(max_tokens=max_tokens)
-    encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-
-    def requests(engine):
-        history: list[int] = []
-        for n, q in enumerate(questions):  # a chat: each turn's prompt is the whole conversation so far
-            ids = encode(engine.chat_prompt(q, system=system)) if not history else history + encode(
-                ("" if history[-1] in engine.eos_token_ids else "<|im_end|>")
-                + f"\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
-            out = yield f"chat turn {n + 1}: {q!r}", ids
-            history = ids + out.token_ids
-        for q in questions[1:]:  # the same questions, fresh: they leave the chat's path after the system prompt
-            yield f"a fresh request: {q!r}", encode(engine.chat_prompt(q, system=system))
-        yield "a long request (more blocks than are empty: cached leaves are evicted)", encode(
-            engine.chat_prompt(long_prompt, system=system))
-
-    def run(engine, learner: bool) -> list[tuple[str, list[int], int]]:
-        results, gen = [], requests(engine)
-        what, ids = next(gen)
-        while True:
-            try:
-                out = engine.generate(ids, sp)[0]
-            except NotImplementedError:
-                raise
-            except Exception as e:  # noqa: BLE001  shown to the learner
-                if not learner:
-                    raise
-                fail(what, f"the engine on your functions raised {type(e).__name__}", str(e))
-            if learner:
-                try:
-                    engine.block_manager.check(engine.scheduler.all_sequences())
-                except AssertionError as e:
-                    fail(what, "the cache's invariants broke after this request", str(e))
-            results.append((what, out.token_ids, out.num_cached_tokens))
-            try:
-                what, ids = gen.send(out)
-            except StopIteration:
-                return results
-
     llm.reset_prefix_cache()
-    mine = run(llm, learner=True)
+    mine = chat_then_evict(llm, system, questions, long_prompt, max_tokens, learner=True)
+    stats, kept = llm.prefix_cache.stats(), sorted(llm.prefix_cache.cached_blocks())
     ref_engine = llm.derive(prefix_caching="radix")
-    ref = run(ref_engine, learner=False)
+    ref = chat_then_evict(ref_engine, system, questions, long_prompt, max_tokens, learner=False)
     for (what, toks, hit), (_, want_toks, want_hit) in zip(mine, ref):
         if toks != want_toks:
             fail(what, "its tokens differ from the engine's RadixCache", f"expected {want_toks}\ngot      {toks}",
@@ -479,10 +486,13 @@ def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions
             fail(what, f"{hit} tokens came from the cache; with the engine's RadixCache {want_hit}",
                  "the same requests on the same pool must hit the same blocks",
                  "a missing extension or split loses the tokens after it; a leaf trimmed too far loses more")
-    stats = llm.prefix_cache.stats()
     if stats["evicted_blocks"] == 0:
         fail("the whole run", "no block was evicted", "the long request should have evicted cached leaves",
              "build the LLM with a smaller num_blocks")
+    if kept != sorted(ref_engine.prefix_cache.cached_blocks()):
+        fail("the whole run", f"the cache ends holding blocks {kept}",
+             f"the engine's RadixCache ends holding {sorted(ref_engine.prefix_cache.cached_blocks())}",
+             "evict_leaf must give back exactly the unused tail it is asked for")
     passed(len(mine), f"with your insert, split and evict_leaf the engine gives the RadixCache's tokens and hits "
                       f"({sum(h for _, _, h in mine)} cached tokens, {stats['evicted_blocks']} blocks evicted)")
     return stats
