@@ -242,3 +242,61 @@ def test_course_widgets_are_built_by_minikv_viz_never_wired_to_a_notebook_functi
             if cell["cell_type"] == "code" and any(s in src for s in ("interact(", "interactive(", ".observe(")):
                 offenders.append(f"{path.name} cell {i}")
     assert not offenders, offenders
+
+
+def test_trace_records_each_copy_on_write_the_engine_made():
+    llm = paged()
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=0, ignore_eos=True)
+    trace = record_trace(llm, [PROMPTS[0]], params)  # 9 tokens in blocks of 4: a shared partial block
+    copies = [(step, src, dst) for step, snap in enumerate(trace.steps) for src, dst in snap.copies]
+    assert len(copies) == llm.stats()["cow_copies"] == 2
+    for step, src, dst in copies:
+        tables = [s.block_table for s in trace.steps[step].seqs.values()]
+        holder = next(t for t in tables if dst in t)
+        assert src not in holder and any(src in t for t in tables)  # the writer left the shared block to others
+        assert f"block {src} -> {dst}" in "\n".join(step_lines(trace, step))
+
+
+def test_prefix_widget_keeps_one_size_and_pages_a_deep_tree():
+    """Notebook 06: the picture never shrinks its text to fit a deep chain, and never changes height."""
+    import io
+
+    from PIL import Image
+
+    from minikv.viz.prefix import COLUMNS, prefix_widget, run_and_snap
+
+    snaps = {}
+    for design in ("hash", "radix"):
+        llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=40, prefix_caching=design)
+        one = SamplingParams(max_tokens=1)
+        _, a = run_and_snap(llm, "short", list(range(3, 15)), one)
+        _, b = run_and_snap(llm, "deep", list(range(3, 15)) + list(range(40, 88)), one)  # 15 blocks deep
+        snaps[design] = a + b
+    widget = prefix_widget(snaps["hash"], snaps["radix"])
+    slider, pages, image, text = widget.children
+    assert len(pages.options) == 2 and COLUMNS == 8  # 15 levels, 8 at a time
+    sizes, pictures = set(), set()
+    for event in range(len(snaps["hash"])):
+        slider.value = event
+        for page in (0, 1):
+            pages.value = page
+            sizes.add(Image.open(io.BytesIO(image.value)).size)
+            pictures.add(bytes(image.value))
+    assert len(sizes) == 1 and len(pictures) > 4, sizes
+    assert text.layout.height and text.layout.overflow == "auto"  # the words scroll in a box of fixed height
+    assert widget._repr_mimebundle_()["text/plain"].startswith("[interactive view: a slider over 4 events")
+
+
+def test_ttft_plot_draws_medians_with_their_spread_and_the_work_beneath():
+    import matplotlib.pyplot as plt
+
+    from minikv.viz.prefix import plot_ttft
+
+    ax = plot_ttft({"off": [[1.0, 3.0, 2.0], [1.0, 1.2, 9.0]], "hash": [[2.0, 1.0, 1.5], [0.2, 0.3, 0.25]]},
+                   {"off": [241, 241], "hash": [241, 17]})
+    fig = ax.figure
+    assert len(fig.axes) == 2  # time above, tokens computed below
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+    assert heights == [0.25, 1.2, 1.5, 2.0]  # medians, not means (the 9.0 outlier does not move its bar)
+    assert sorted(round(p.get_height()) for p in fig.axes[1].patches) == [17, 241, 241, 241]
+    plt.close(fig)

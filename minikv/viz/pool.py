@@ -51,6 +51,7 @@ class StepSnapshot:
     events: list[tuple[str, str]]  # (request_id, event) logged by the scheduler during this step
     seconds: float = 0.0  # wall time of this step (schedule + model + sampling + update)
     sampled: list[str] = field(default_factory=list)  # requests that got a new token this step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks of this step
 
     @property
     def batch(self) -> list[SeqSnapshot]:
@@ -135,16 +136,18 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
             if llm.has_unfinished():
                 llm.step()
             seconds = time.perf_counter() - t0
+            copies = []
             if batches:  # the batch that ran is the last one scheduled in this step
                 batch, snap, refs = batches[-1]
                 for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
                     snap[seq.request_id].start, snap[seq.request_id].scheduled = start, n
+                copies = [(int(a), int(b)) for a, b in getattr(batch, "blocks_to_copy", [])]
             else:  # nothing had arrived yet: an empty step
                 snap, refs = {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)
             batches.clear()
             events = log[log_start:]
             sampled = [rid for rid, s in known.items() if len(s.output_token_ids) > before.get(rid, 0)]
-            steps.append(StepSnapshot(step, snap, refs, events, seconds, sampled))
+            steps.append(StepSnapshot(step, snap, refs, events, seconds, sampled, copies))
             step += 1
     finally:
         remove()
@@ -197,6 +200,10 @@ def step_lines(trace: Trace, step: int) -> list[str]:
             lines.append(f"{head}  {s.num_computed_tokens} tokens cached, not in this step's batch")
     if snap.events:
         lines.append("events: " + ", ".join(f"{rid} {ev}" for rid, ev in snap.events))
+    if snap.copies:
+        owner = {b: rid for rid, q in snap.seqs.items() for b in q.block_table}
+        lines.append("copy-on-write: " + ", ".join(f"block {src} -> {dst} (req {owner.get(dst, '?')})"
+                                                   for src, dst in snap.copies))
     return lines
 
 
@@ -241,9 +248,11 @@ def plot_pool(trace: Trace, step: int, ax=None, columns: int | None = None, titl
                                        edgecolor="none"))
             if len(owners[b]) > 1:
                 ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, hatch="///", edgecolor="black", lw=0))
-            label = "+".join(owners[b]) if len(owners[b]) <= 2 else f"{len(owners[b])} seqs"
-            ax.text(x + 0.46, y + 0.46, label, ha="center", va="center", fontsize=6)
-        ax.text(x + 0.04, y + 0.8, str(b), fontsize=4.5, color="#666666")
+            # a shared block says how many tables hold it, on a white patch so the hatching never hides it
+            label = owners[b][0] if len(owners[b]) == 1 else f"x{len(owners[b])}"
+            ax.text(x + 0.46, y + 0.4, label, ha="center", va="center", fontsize=6.5, zorder=5,
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.9))
+        ax.text(x + 0.04, y + 0.8, str(b), fontsize=5.5, color="#555555")
         if b in written:
             ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, edgecolor="black", lw=1.6))
     ax.set_xlim(-0.1, columns)
@@ -258,7 +267,7 @@ def plot_pool(trace: Trace, step: int, ax=None, columns: int | None = None, titl
     handles = [Patch(color=colors[r], label=f"req {r}") for r in present]
     handles.append(Patch(facecolor="#eeeeee", edgecolor="#bbbbbb", label="free"))
     if any(len(o) > 1 for o in owners):
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="shared"))
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="shared (xN: N tables)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     return ax.figure
 
@@ -302,12 +311,12 @@ def pool_widget(trace: Trace, step: int = 0):
 
     slider = w.IntSlider(value=step, min=0, max=len(trace) - 1, description="step", continuous_update=False)
     image = w.Image(format="png")
-    text = w.HTML()
+    text = w.HTML(layout=w.Layout(height="200px", overflow="auto"))  # a fixed height: the view never jumps
 
     def update(_=None):
         image.value = figure_png(plot_pool(trace, slider.value))
         lines = step_lines(trace, slider.value)
-        text.value = "<pre style='font-size:11px'>" + html.escape("\n".join(lines)) + "</pre>"
+        text.value = "<pre style='font-size:12px; margin:0'>" + html.escape("\n".join(lines)) + "</pre>"
 
     slider.observe(update, names="value")
     update()

@@ -178,57 +178,89 @@ def _layout(boxes: list[Box]) -> dict[str, tuple[float, float]]:
 
 
 def _size(snap: CacheSnapshot) -> tuple[int, int]:
+    """(depth, leaves) of the drawn tree: the columns and rows it needs."""
     pos = _layout(snap.boxes)
     return (max([x for x, _ in pos.values()], default=0) + 1, max([y for _, y in pos.values()], default=0) + 1)
 
 
-def plot_snapshot(snap: CacheSnapshot, ax=None, max_columns: int = 14, columns: int | None = None):
-    """Draw the tree of one snapshot, with the pool strip underneath (`columns`: width to draw, so
-    two pictures side by side share one scale)."""
+# One fixed scale for every picture: a column (one tree level) is COLUMN_IN inches wide, a row ROW_IN
+# inches high, at DPI dots per inch, so text is the same size at every event and never shrinks to fit.
+COLUMN_IN, ROW_IN, DPI = 1.18, 0.62, 100
+COLUMNS = 8  # tree levels drawn at once; deeper ones are on the next page
+_LEFT, _RIGHT, _TOP, _BOTTOM = 0.35, 0.55, 0.95, 1.0  # margins of a panel, in units (x: columns, y: rows)
+
+
+def _panel_inches(columns: int, rows: int) -> tuple[float, float]:
+    return (columns + _LEFT + _RIGHT) * COLUMN_IN, (rows + _TOP + _BOTTOM) * ROW_IN
+
+
+def plot_snapshot(snap: CacheSnapshot, ax=None, columns: int | None = None, rows: int | None = None,
+                  first_column: int = 0):
+    """Draw the tree of one snapshot, levels [first_column, first_column + columns) of it, with the pool
+    strip underneath. `columns` and `rows` fix the panel's size (default: what this tree needs, at most
+    COLUMNS levels), so that every picture of a widget, and both designs side by side, share one scale."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch, Rectangle
 
     pos = _layout(snap.boxes)
-    cols, rows = _size(snap)
-    cols = min(max(columns or cols, 4), max_columns)
+    depth, leaves = _size(snap)
+    columns = columns or min(max(depth, 4), COLUMNS)
+    rows = rows or leaves
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(6, 1.9 * cols), 1.0 + 0.75 * rows))
-    w, h = 0.9, 0.62
+        _, ax = plt.subplots(figsize=_panel_inches(columns, rows), dpi=DPI)
+    last = first_column + columns  # levels [first_column, last) are drawn
+    w, h = 0.9, 0.72
     by_id = {b.id: b for b in snap.boxes}
-    hidden: dict[int, int] = {}  # row -> boxes beyond the last column drawn
+    right: dict[int, int] = {}  # row -> boxes deeper than the last level drawn
     for box in snap.boxes:
-        x, y = pos[box.id]
-        if x >= cols:
-            hidden[y] = hidden.get(y, 0) + 1
+        depth_, y = pos[box.id]
+        if depth_ >= last:
+            right[y] = right.get(y, 0) + 1
             continue
-        if box.parent in pos and pos[box.parent][0] < cols:
+        if depth_ < first_column:
+            continue
+        x = depth_ - first_column
+        top = -y - (1 - h) / 2  # rows are one unit apart, boxes h high, centred in their row
+        if box.parent in pos:
             px, py = pos[box.parent]
-            ax.plot([px + w, x], [-py - h / 2, -y - h / 2], color="#777777", lw=0.8, zorder=1)
-        ax.add_patch(FancyBboxPatch((x, -y - h), w, h, boxstyle="round,pad=0.02,rounding_size=0.05",
+            if px >= first_column:
+                ax.plot([px - first_column + w, x], [-py - 0.5, -y - 0.5], color="#777777", lw=0.8, zorder=1)
+            else:  # the parent is on the page to the left
+                ax.plot([-0.2, x], [-y - 0.5, -y - 0.5], color="#777777", lw=0.8, ls=":", zorder=1)
+                ax.text(-0.25, -y - 0.5, "◂", fontsize=9, ha="right", va="center", color="#555555")
+        ax.add_patch(FancyBboxPatch((x, top - h), w, h, boxstyle="round,pad=0.02,rounding_size=0.05",
                                     fc=STATE_COLORS[box.state], ec="#555555", lw=0.8, zorder=2))
-        head = (f"#{box.blocks[0]} {box.key}" if box.key else
-                f"blocks {','.join(map(str, box.blocks[:4]))}{'…' if len(box.blocks) > 4 else ''}")
-        ax.text(x + 0.04, -y - 0.17, head, fontsize=6.5, family="monospace", va="center", zorder=3)
-        ax.text(x + 0.04, -y - 0.42, box.text[:18], fontsize=6, va="center", zorder=3, color="#333333")
+        if box.key:
+            head = f"#{box.blocks[0]} {box.key}"
+        elif len(box.blocks) <= 2:
+            head = f"block{'s' if len(box.blocks) > 1 else ''} {','.join(map(str, box.blocks))}"
+        else:
+            head = f"{len(box.blocks)} blocks {box.blocks[0]},…"
+        ax.text(x + 0.05, top - 0.22, head, fontsize=8, family="monospace", va="center", zorder=3)
+        ax.text(x + 0.05, top - 0.52, _short(box.text, 16), fontsize=7.5, va="center", zorder=3, color="#333333")
         if box.evict_rank:
-            ax.text(x + w - 0.02, -y - 0.02, str(box.evict_rank), fontsize=6.5, color="white", ha="center",
-                    va="center", zorder=4, bbox=dict(boxstyle="circle,pad=0.15", fc="#d62728", ec="none"))
+            ax.text(x + w - 0.04, top - 0.02, str(box.evict_rank), fontsize=7.5, color="white", ha="center",
+                    va="center", zorder=4, bbox=dict(boxstyle="circle,pad=0.18", fc="#d62728", ec="none"))
         if box.salt is not None and (box.parent is None or by_id[box.parent].salt != box.salt):
-            ax.text(x, -y + 0.06, f"salt {box.salt!r}", fontsize=6, color="#7b3294", zorder=3)
-    for y, n in hidden.items():
-        ax.text(cols - 0.02, -y - h - 0.08, f"… {n} more to the right", fontsize=6, ha="right", va="top", color="#555555")
-    strip_y = -rows - 0.35
-    cell = cols / max(len(snap.pool), 1)
+            ax.text(x, top + 0.04, f"salt {box.salt!r}", fontsize=7.5, color="#7b3294", va="bottom", zorder=3)
+    for y, n in right.items():
+        ax.text(columns + 0.08, -y - 0.5, f"+{n} ▸", fontsize=8, ha="left", va="center", color="#555555")
+    if not any(first_column <= pos[b.id][0] < last for b in snap.boxes):
+        ax.text(columns / 2, -rows / 2, "nothing this deep at this event" if snap.boxes else "nothing cached",
+                fontsize=9, ha="center", va="center", color="#777777")
+    strip_top = -rows - 0.42
+    cell = columns / max(len(snap.pool), 1)
     for b, s in enumerate(snap.pool):
-        ax.add_patch(Rectangle((b * cell, strip_y - 0.28), cell * 0.92, 0.28, fc=STATE_COLORS[s], ec="#999999", lw=0.4))
-    ax.text(0, strip_y + 0.08, f"pool: {len(snap.pool)} blocks", fontsize=6.5, va="bottom")
-    ax.set_xlim(-0.1, cols + 0.1)
-    ax.set_ylim(strip_y - 0.45, 0.35)
+        ax.add_patch(Rectangle((b * cell, strip_top - 0.4), cell * 0.9, 0.4, fc=STATE_COLORS[s], ec="#999999", lw=0.4))
+    ax.text(0, strip_top + 0.06, f"the pool: {len(snap.pool)} blocks, in block order", fontsize=7.5, va="bottom")
+    ax.set_xlim(-_LEFT, columns + _RIGHT)
+    ax.set_ylim(-rows - _BOTTOM, _TOP)
     ax.axis("off")
     st = snap.stats
-    ax.set_title(f"{snap.design}: {snap.label}\nhit rate {st.get('hit_rate', 0):.0%} "
-                 f"({st.get('hits', 0)} of {st.get('queries', 0)} tokens), {st.get('evicted_blocks', 0)} evicted",
-                 fontsize=8, loc="left")
+    levels = f"; tree levels {first_column + 1}-{min(last, max(depth, first_column + 1))} of {depth}" if depth > columns else ""
+    ax.text(-_LEFT + 0.05, _TOP - 0.05, f"{snap.design}: {snap.label}\nhit rate {st.get('hit_rate', 0):.0%} "
+            f"({st.get('hits', 0)} of {st.get('queries', 0)} tokens), {st.get('evicted_blocks', 0)} evicted{levels}",
+            fontsize=8.5, va="top", ha="left")
     return ax
 
 
@@ -238,56 +270,111 @@ def legend_handles():
     return [Patch(fc=c, ec="#555555", label=s) for s, c in STATE_COLORS.items()]
 
 
-def plot_pair(left: CacheSnapshot, right: CacheSnapshot):
-    """The hash chain and the radix tree after the same request, one above the other."""
+def plot_pair(left: CacheSnapshot, right: CacheSnapshot, columns: int | None = None,
+              rows: tuple[int, int] | None = None, first_column: int = 0):
+    """The hash chain and the radix tree after the same request, one above the other, on one fixed scale
+    (COLUMN_IN x ROW_IN inches per box, DPI): the figure's size depends only on `columns` and `rows`."""
     import matplotlib.pyplot as plt
 
-    (c1, n), (c2, m) = _size(left), _size(right)
-    cols = min(max(c1, c2, 4), 14)
-    fig, axes = plt.subplots(2, 1, figsize=(1.0 * cols + 1, 2.4 + 0.75 * (n + m)), height_ratios=[n + 1.5, m + 1.5])
-    plot_snapshot(left, axes[0], columns=cols)
-    plot_snapshot(right, axes[1], columns=cols)
-    fig.legend(handles=legend_handles(), loc="lower center", ncol=6, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    (d1, n), (d2, m) = _size(left), _size(right)
+    columns = columns or min(max(d1, d2, 4), COLUMNS)
+    n, m = rows or (n, m)
+    (width, h1), (_, h2) = _panel_inches(columns, n), _panel_inches(columns, m)
+    legend = 0.4
+    height = h1 + h2 + legend
+    fig = plt.figure(figsize=(width, height), dpi=DPI)
+    top = fig.add_axes((0, (h2 + legend) / height, 1, h1 / height))
+    bottom = fig.add_axes((0, legend / height, 1, h2 / height))
+    plot_snapshot(left, top, columns, n, first_column)
+    plot_snapshot(right, bottom, columns, m, first_column)
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=6, fontsize=8, frameon=False)
     return fig
 
 
-def prefix_widget(left: list[CacheSnapshot], right: list[CacheSnapshot]):
-    """A slider over paired snapshots (the same workload on two engines): both pictures and both trees
-    in words. Returns an ipywidgets VBox (its `.children[0]` is the slider)."""
+def prefix_widget(left: list[CacheSnapshot], right: list[CacheSnapshot], columns: int = COLUMNS):
+    """A slider over paired snapshots (the same workload on two engines), and buttons for the tree levels
+    to show: both pictures and both trees in words. Every picture has the same size (the most rows any
+    event needs, `columns` levels, fixed dpi), and the words scroll in a box of fixed height, so the
+    widget never changes height and its text never shrinks. Returns an ipywidgets VBox."""
+    import math
+
     import ipywidgets as w
 
     from minikv.viz.pool import figure_png
+    from minikv.viz.view import view
 
-    slider = w.IntSlider(value=0, min=0, max=len(left) - 1, description="event", continuous_update=False)
-    image = w.Image(format="png")
-    text = w.HTML()
+    rows = (max(_size(s)[1] for s in left), max(_size(s)[1] for s in right))
+    depth = max(_size(s)[0] for s in left + right)
+    pages = math.ceil(depth / columns)
+    slider = w.IntSlider(value=0, min=0, max=len(left) - 1, description="event", continuous_update=False,
+                         layout=w.Layout(width="480px"))
+    page = w.ToggleButtons(options=[(f"levels {i * columns + 1}-{min(depth, (i + 1) * columns)}", i)
+                                    for i in range(pages)], value=0, description="tree")
+    page.style.button_width = "110px"
+    width_px = round(_panel_inches(columns, 1)[0] * DPI)
+    image = w.Image(format="png", layout=w.Layout(width=f"{width_px}px"))
+    text = w.HTML(layout=w.Layout(height="220px", overflow="auto", border="1px solid #ddd"))
 
     def update(_=None):
         a, b = left[slider.value], right[slider.value]
-        image.value = figure_png(plot_pair(a, b))
+        image.value = figure_png(plot_pair(a, b, columns, rows, page.value * columns), tight=False)
         words = "\n".join(tree_lines(a, show_text=False) + [""] + tree_lines(b))
-        text.value = "<pre style='font-size:11px'>" + html.escape(words) + "</pre>"
+        text.value = "<pre style='font-size:12px; margin:0'>" + html.escape(words) + "</pre>"
 
     slider.observe(update, names="value")
+    page.observe(update, names="value")
     update()
-    return w.VBox([slider, image, text])
+    controls = [slider, page] if pages > 1 else [slider]
+    return view(controls + [image, text], f"a slider over {len(left)} events of the same requests on both designs",
+                details=lambda: "\n".join([left[slider.value].label] + tree_lines(left[slider.value], show_text=False)
+                                           + tree_lines(right[slider.value], show_text=False)),
+                picture=lambda: image.value)
 
 
-def plot_ttft(ttft: dict[str, list[float]], ax=None, title: str = "time to first token"):
-    """Bars of TTFT per request, one group per engine setting."""
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def plot_ttft(ttft: dict[str, list], computed: dict[str, list[int]] | None = None, ax=None,
+              title: str = "time to first token"):
+    """Bars of time to first token per request, one group per engine setting.
+
+    ttft[name][i] is one time or a list of repeated times of request i: the bar is their median and the
+    line through it spans their minimum and maximum. With `computed` (tokens each request ran through
+    the model, per setting), a second panel below draws that count: the work, which no load on the
+    machine changes, under the time, which any load does."""
     import matplotlib.pyplot as plt
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 2.8))
     names = list(ttft)
     n = max(len(v) for v in ttft.values())
+    if ax is None:
+        if computed is None:
+            _, ax = plt.subplots(figsize=(7, 2.8))
+            work = None
+        else:
+            _, (ax, work) = plt.subplots(2, 1, figsize=(7, 4.6), sharex=True, height_ratios=[3, 2])
+    else:
+        work = None
     width = 0.8 / len(names)
     for j, name in enumerate(names):
-        xs = [i + j * width for i in range(len(ttft[name]))]
-        ax.bar(xs, ttft[name], width=width, label=name)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(n)], [f"request {i + 1}" for i in range(n)])
-    ax.set_ylabel("seconds")
+        runs = [t if isinstance(t, (list, tuple)) else [t] for t in ttft[name]]
+        xs = [i + j * width for i in range(len(runs))]
+        mids = [_median(r) for r in runs]
+        bars = ax.bar(xs, mids, width=width, label=name)
+        if any(len(r) > 1 for r in runs):
+            ax.vlines(xs, [min(r) for r in runs], [max(r) for r in runs], color="black", lw=1)
+        if work is not None:
+            work.bar(xs, computed[name], width=width, color=bars.patches[0].get_facecolor())
+            for x, c in zip(xs, computed[name]):
+                work.text(x, c, str(c), ha="center", va="bottom", fontsize=7)
+    repeats = max(len(t) if isinstance(t, (list, tuple)) else 1 for v in ttft.values() for t in v)
+    ax.set_ylabel("seconds" + (f"\n(median of {repeats})" if repeats > 1 else ""))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
+    bottom = work if work is not None else ax
+    bottom.set_xticks([i + 0.4 - width / 2 for i in range(n)], [f"request {i + 1}" for i in range(n)])
+    if work is not None:
+        work.set_ylabel("tokens computed")
+        work.set_ylim(0, max(max(v) for v in computed.values()) * 1.25)
     return ax

@@ -157,15 +157,18 @@ def timeline_widget(trace: Trace, x: str = "step"):
 
     from minikv.viz.pool import figure_png
 
+    from minikv.viz.view import view
+
     slider = w.IntSlider(value=0, min=0, max=len(trace) - 1, description="step", continuous_update=False)
     image = w.Image(format="png")
-    text = w.HTML()
+    text = w.HTML(layout=w.Layout(height="180px", overflow="auto"))  # a fixed height: the view never jumps
 
     def update(_=None):
         image.value = figure_png(plot_timeline(trace, x=x, mark_step=slider.value))
         lines = batch_lines(trace, slider.value)
-        text.value = "<pre style='font-size:11px'>" + html.escape("\n".join(lines)) + "</pre>"
+        text.value = "<pre style='font-size:12px; margin:0'>" + html.escape("\n".join(lines)) + "</pre>"
 
     slider.observe(update, names="value")
     update()
-    return w.VBox([slider, image, text])
+    return view([slider, image, text], f"a slider over the {len(trace)} steps of this timeline",
+                details=lambda: "\n".join(batch_lines(trace, slider.value)), picture=lambda: image.value)
