@@ -107,21 +107,21 @@ def test_the_table_has_at_least_60_bad_values():
     assert len(LLM_OPTIONS) + len(SAMPLING) + len(PROMPTS) + len(CALLS) + len(MODEL_FILES) >= 60
 
 
-@pytest.mark.parametrize("kwargs, name", LLM_OPTIONS, ids=[repr(k) for k, _ in LLM_OPTIONS])
+@pytest.mark.parametrize("kwargs, name", LLM_OPTIONS, ids=[f"{i}-{name}" for i, (_, name) in enumerate(LLM_OPTIONS)])
 def test_bad_engine_option(kwargs, name, tiny, baseline):
     with pytest.raises(ValueError, match=name):
         LLM("tiny-random", **kwargs)
     serves_normally(tiny, baseline)
 
 
-@pytest.mark.parametrize("kwargs, name", SAMPLING, ids=[repr(k) for k, _ in SAMPLING])
+@pytest.mark.parametrize("kwargs, name", SAMPLING, ids=[f"{i}-{name}" for i, (_, name) in enumerate(SAMPLING)])
 def test_bad_sampling_value(kwargs, name, tiny, baseline):
     with pytest.raises(ValueError, match=name):
         tiny.generate([[3, 4, 5]], SamplingParams(**kwargs))
     serves_normally(tiny, baseline)
 
 
-@pytest.mark.parametrize("prompt, name", PROMPTS, ids=[repr(p) for p, _ in PROMPTS])
+@pytest.mark.parametrize("prompt, name", PROMPTS, ids=[f"{i}-{name}" for i, (_, name) in enumerate(PROMPTS)])
 def test_bad_prompt(prompt, name, tiny, baseline):
     with pytest.raises(ValueError, match=name):
         tiny.generate(prompt, SamplingParams(max_tokens=2))

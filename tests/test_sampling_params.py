@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.engine.sampler import sample
+from minikv.engine.sampler import draw_key, sample
 from minikv.engine.sampling_params import MAX_SEED, MIN_TEMPERATURE
 
 BAD = [
@@ -71,7 +71,7 @@ def test_accepted_spellings_are_normalised():
 def test_the_smallest_temperature_accepted_samples_finite_probabilities():
     logits = torch.tensor([[80.0, -80.0, 79.999, 3.0]])
     p = SamplingParams(temperature=MIN_TEMPERATURE, seed=0)
-    assert sample(logits, [p], [torch.Generator().manual_seed(0)]) == [0]
+    assert sample(logits, [p], [draw_key(0, 0)]) == [0]
 
 
 @pytest.fixture(scope="module")

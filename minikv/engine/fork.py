@@ -16,7 +16,7 @@
 Blocks b0, b1 stay shared for the whole generation: n samples of a long prompt cost the prompt's
 blocks once, plus one block per sample for every block_size generated tokens.
 
-Reproducible: with `seed=s`, sample i draws from its own generator seeded `s + i`, so sample i equals
+Reproducible: with `seed=s`, sample i draws with seed `s + i` (minikv/engine/sampler.py), so sample i equals
 a single request run with `seed=s + i`.
 """
 from __future__ import annotations
@@ -26,10 +26,15 @@ import torch
 from minikv.engine.sequence import Sequence
 
 
-def sample_generator(seq: Sequence, index: int, shared: torch.Generator) -> torch.Generator:
-    """Sample `index` of a request draws from seed + index (or the engine's generator if no seed)."""
+def sample_seed(seq: Sequence, index: int, engine_rng: torch.Generator) -> int:
+    """Sample `index` of a request draws with seed + index (without a seed: a fresh one from the engine's)."""
     seed = seq.params.seed
-    return torch.Generator().manual_seed(seed + index) if seed is not None else shared
+    return seed + index if seed is not None else new_seed(engine_rng)
+
+
+def new_seed(engine_rng: torch.Generator) -> int:
+    """A seed for a request that gave none, drawn from the engine's generator (LLM(seed=...))."""
+    return int(torch.randint(0, 2**62, (1,), generator=engine_rng))
 
 
 def clone(parent: Sequence, index: int) -> Sequence:
@@ -45,7 +50,7 @@ def clone(parent: Sequence, index: int) -> Sequence:
     child.num_cached_tokens = parent.num_cached_tokens
     child.cumulative_logprob = parent.cumulative_logprob
     child.beam_search = parent.beam_search
-    child.generator = parent.generator
+    child.seed = parent.seed
     return child
 
 
@@ -65,7 +70,7 @@ def fork_samples(scheduler, seqs: list[Sequence], logits: torch.Tensor, shared: 
         while seq.num_pending_forks:  # one at a time: a fault half-way never forks a sample twice
             i = len(seq.forks) + 1
             child = clone(seq, i)
-            child.generator = sample_generator(seq, i, shared)
+            child.seed = sample_seed(seq, i, shared)
             # the prompt's K/V are all in the parent's blocks once this step is done
             scheduler.fork(seq, child, num_computed_tokens=seq.num_tokens)
             seq.forks.append(child)

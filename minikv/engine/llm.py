@@ -31,11 +31,11 @@ from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
-from minikv.engine.fork import clone, fork_samples, sample_generator, samples_of
+from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
-from minikv.engine.sampler import sample
+from minikv.engine.sampler import draw_key, sample
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -68,6 +68,11 @@ def pair_requests(prompts, params) -> tuple[list[Prompt], list[SamplingParams]]:
 def _done(seq: Sequence) -> bool:
     """Every sample of the request seq started has finished (forks still to come count as unfinished)."""
     return not seq.num_pending_forks and all(s.is_finished for s in samples_of(seq))
+
+
+def _key(seq: Sequence) -> int:
+    """The key of the draw seq makes now: its seed and the position of the token it samples."""
+    return draw_key(seq.seed, len(seq.output_token_ids))
 
 
 def _given(**kwargs) -> dict:
@@ -289,7 +294,7 @@ class LLM:
         if self.is_paged:
             self._check_fits_beside_pins(ids, salt, params)
         seq = Sequence(ids, params, request_id=request_id, cache_salt=salt, prompt=text)
-        seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        seq.seed = params.seed if params.seed is not None else new_seed(self._generator)
         if params.n > 1:
             if self.is_paged:  # paged: prefill once, then fork (minikv/engine/fork.py)
                 if params.n > self.scheduler.max_num_seqs:
@@ -299,7 +304,7 @@ class LLM:
             else:  # no blocks to share: n independent sequences, each prefilled on its own
                 for i in range(1, params.n):
                     sample = clone(seq, i)
-                    sample.generator = sample_generator(seq, i, self._generator)
+                    sample.seed = sample_seed(seq, i, self._generator)
                     seq.forks.append(sample)
         return seq
 
@@ -436,13 +441,13 @@ class LLM:
         if not seqs:
             return []
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return sample(logits, [s.params for s in seqs], [_key(s) for s in seqs])
         except Exception:  # noqa: BLE001  find whose row it is
             pass
         tokens: list[int | None] = []
         for i, seq in enumerate(seqs):
             try:
-                tokens.append(sample(logits[i:i + 1], [seq.params], [seq.generator])[0])
+                tokens.append(sample(logits[i:i + 1], [seq.params], [_key(seq)])[0])
             except Exception as e:  # noqa: BLE001  this request's failure, reported on it
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
                 seq.error = f"sampling failed: {type(e).__name__}: {e}"

@@ -1,38 +1,148 @@
-"""Pick the next token of each sequence from its logits: greedy, or temperature / top-k / top-p."""
+"""Pick the next token of every sequence of the batch at once: greedy, or temperature / top-k / top-p.
+
+The whole batch is sampled in a few tensor operations on the logits' device, with no Python loop over
+rows and one copy of the chosen ids back to the host. Randomness comes from the Gumbel-max trick
+with counter-based noise:
+
+    token = argmax over the allowed set of  logits / T + g,   g = -log(-log(u)),  u = U(key, vocab id)
+
+which picks token i with probability softmax(logits / T)_i (the allowed set renormalised). Here
+U is a hash of (the row's key, the vocab id) into (0, 1), and a row's key is a hash of
+(the request's seed, the position it samples): a request's draw depends on nothing else, so the
+same prompt and seed give the same tokens alone or in any batch, on any device, eager or replayed
+from a CUDA graph, and sample i of SamplingParams(n, seed=s) equals a request run with seed s + i.
+
+    allowed set of a row:  top_k  the k largest logits (0 = all)
+                           top_p  the smallest set of most likely tokens whose mass reaches top_p
+    greedy rows (temperature 0) are an exact argmax of the raw logits
+"""
 from __future__ import annotations
 
 import torch
 
 from minikv.engine.sampling_params import SamplingParams
 
+MASK64 = (1 << 64) - 1
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, vocab] float32 -> one token id per row. Greedy rows need no randomness."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_one(logits[i], p, generators[i])
-    return out
+
+def splitmix64(x: int) -> int:
+    """A 64-bit mixing function (SplitMix64's finaliser): nearby inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The key of the draw a request with this seed makes for its token number `position`."""
+    return splitmix64(splitmix64(seed) ^ position) >> 1  # 63 bits: fits a signed int64 tensor
+
+
+def _as_int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _M1, _M2 = (_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes (torch's >> keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """u[b, j] in (0, 1), a hash of (keys[b], ids[b, j] or ids[j]): float32 on keys' device. int64 lanes
+    wrap on overflow, which is exactly the 64-bit arithmetic the hash needs."""
+    x = keys[:, None] ^ (ids * _GOLDEN)
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+
+
+def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Index of max(scores + Gumbel noise of (key, vocab id)) per row: a draw from softmax(scores)."""
+    u = uniform_noise(keys, ids)
+    return (scores - torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+def allowed_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits / T with everything outside each row's top_k and top_p set at -inf.
+
+    Returns (scaled logits, order): when a row filters, the logits come back sorted in descending order
+    and `order[b, j]` is the vocab id at rank j; without filtering, order is None (vocab order)."""
+    scaled = logits / temperature[:, None]
+    if not bool(((top_k > 0) | (top_p < 1.0)).any()):
+        return scaled, None
+    scaled, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    k = torch.where(top_k > 0, top_k, scaled.shape[-1])
+    outside = rank >= k[:, None]
+    probs = torch.softmax(scaled.masked_fill(outside, float("-inf")), dim=-1)
+    # the smallest prefix whose mass reaches top_p: drop a token when the mass BEFORE it already does
+    outside |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    return scaled.masked_fill(outside, float("-inf")), order
+
+
+CANDIDATES = 1024  # a filtered row looks for its top-k / top-p set among its this many most likely tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
+    """logits: [B, vocab] -> one token id per row. keys: each row's draw key (`draw_key`); greedy rows
+    ignore theirs."""
+    greedy = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled_rows:
+        return greedy.tolist()
+    dev, vocab = logits.device, logits.shape[-1]
+    rows = torch.tensor(sampled_rows, device=dev)
+    scaled = logits.index_select(0, rows).float()
+    scaled /= torch.tensor([params[i].temperature for i in sampled_rows], device=dev)[:, None]
+    top_k = torch.tensor([params[i].top_k for i in sampled_rows], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=dev, dtype=torch.float32)
+    key = torch.tensor([keys[i] for i in sampled_rows], device=dev, dtype=torch.int64)
+    filtered = (top_k > 0) | (top_p < 1.0)
+    choice = torch.empty(len(sampled_rows), dtype=torch.long, device=dev)
+    if not bool(filtered.all()):  # rows that filter nothing: the whole vocabulary
+        a = (~filtered).nonzero()[:, 0]
+        choice[a] = gumbel_argmax(scaled[a], key[a], torch.arange(vocab, device=dev))
+    if bool(filtered.any()):
+        f = filtered.nonzero()[:, 0]
+        choice[f] = _sample_filtered(scaled[f], key[f], top_k[f], top_p[f])
+    greedy[rows] = choice
+    return greedy.tolist()
+
+
+def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                     ) -> torch.Tensor:
+    """Draws for rows with a top-k / top-p set, found among their CANDIDATES most likely tokens (a partial
+    top-k instead of sorting the vocabulary). A row whose top-p set may reach past the candidates (a
+    flat distribution) is redone exactly over the whole sorted vocabulary."""
+    vocab = scaled.shape[-1]
+    k_cap = min(vocab, max(CANDIDATES, int(top_k.max())))
+    vals, ids = scaled.topk(k_cap, dim=-1)  # sorted, most likely first
+    probs = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))  # true probabilities
+    rank = torch.arange(k_cap, device=scaled.device)[None, :]
+    outside = rank >= torch.where(top_k > 0, top_k, k_cap)[:, None]
+    kept = probs.masked_fill(outside, 0.0)
+    # top-p acts on the distribution left after top-k (renormalised); without top-k, on the whole one
+    kept = kept / torch.where(top_k > 0, kept.sum(-1), torch.ones_like(top_p))[:, None]
+    outside |= (kept.cumsum(-1) - kept) >= top_p[:, None]
+    choice = ids.gather(1, gumbel_argmax(vals.masked_fill(outside, float("-inf")), key, ids)[:, None])[:, 0]
+    exact = (top_k > 0) | (top_p >= 1.0) | (probs.sum(-1) >= top_p)
+    if not bool(exact.all()):
+        r = (~exact).nonzero()[:, 0]
+        allowed, order = allowed_logits(scaled[r], torch.ones_like(top_p[r]), top_k[r], top_p[r])
+        choice[r] = order.gather(1, gumbel_argmax(allowed, key[r], order)[:, None])[:, 0]
+    return choice
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """softmax(logits / T) with everything outside top_k and the top_p nucleus zeroed, renormalised."""
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        outside = sorted_p.cumsum(-1) - sorted_p >= p.top_p
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return probs / probs.sum()
-
-
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    probs = filtered_probs(logits.float(), p)
-    if gen is not None:  # the generators live on the CPU: draw there (the same draw whatever the device)
-        probs = probs.to(gen.device)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    """The distribution `sample` draws one row from: softmax(logits / T) over the allowed set, in vocab
+    order (zero outside it). For tests and notebooks."""
+    t = torch.tensor([p.temperature], dtype=torch.float32)
+    scaled, order = allowed_logits(logits.float()[None], t, torch.tensor([p.top_k]), torch.tensor([p.top_p]))
+    probs = torch.softmax(scaled, dim=-1)[0]
+    return probs if order is None else torch.zeros_like(probs).scatter_(0, order[0], probs)

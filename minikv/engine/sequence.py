@@ -15,8 +15,6 @@ import enum
 import itertools
 import time
 
-import torch
-
 from minikv.engine.sampling_params import SamplingParams
 
 
@@ -49,7 +47,7 @@ class Sequence:
         self.finish_reason: str | None = None  # stop, length, abort, or error (then `error` says why)
         self.error: str | None = None
         self.text = ""
-        self.generator: torch.Generator | None = None
+        self.seed = 0  # its draws are keyed by (seed, position) (minikv/engine/sampler.py)
         # forks (parallel sampling, beam search; see minikv/engine/fork.py)
         self.index = 0  # which of its request's samples / beams this sequence is
         self.root: Sequence = self  # the sequence its request started as (forks point to it)

@@ -44,7 +44,7 @@ from minikv.attention.metadata import ContiguousMetadata
 from minikv.cache.pool import RowPool
 from minikv.engine.llm import pair_requests
 from minikv.engine.outputs import RequestOutput
-from minikv.engine.sampler import sample
+from minikv.engine.sampler import draw_key, sample
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.sequence import Sequence, SequenceStatus
 
@@ -259,7 +259,8 @@ class StaticBatcher:
         logits = self.llm.model(long([t for row in ids for t in row]), long(positions), meta, self.backend,
                                 logits_indices=last)
         keep = [i for i, sl in enumerate(running) if not sl.seq.is_finished]
-        tokens = sample(logits[keep], [running[i].seq.params for i in keep], [running[i].seq.generator for i in keep])
+        tokens = sample(logits[keep], [running[i].seq.params for i in keep],
+                        [draw_key(running[i].seq.seed, len(running[i].seq.output_token_ids)) for i in keep])
         for i, tok in zip(keep, tokens):
             self.llm._append(running[i].seq, tok)  # the stop rules and detokenizer of rung 2
 
