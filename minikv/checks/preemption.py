@@ -272,7 +272,8 @@ class _Replay:
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001
-            self.problem = f"engine step {llm.scheduler.step_index - 1}: schedule_running raised {type(e).__name__}: {e}"
+            self.problem = (f"engine step {llm.scheduler.step_index - 1}: schedule_running raised "
+                            f"{type(e).__name__}: {e}")
             return
         if (mine_batch, mine_pre) != (engine_batch, engine_pre):
             case = PreemptCase(running, budget, free, bs, self.preemption, swap_free, "a state of the engine run")
