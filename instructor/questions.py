@@ -1,0 +1,114 @@
+"""Find every question the course asks, so the instructor key can be checked against them.
+
+What counts as a question: in a markdown cell of a notebook (notebooks/) or an exercise (exercises/),
+a line that mentions "question" and introduces a list (a heading such as "## Interview questions", a
+bold line such as "**Questions an interviewer might ask**", or a line ending in ":" such as
+"Questions to answer before moving on:") starts a question list. Each item of the list that follows
+in the same cell (numbered "1." or bulleted "-" / "*"; indented lines continue an item) is one
+question. The list ends at a heading or at a line that is none of these (blank lines are skipped).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("notebooks", "exercises")
+_ITEM = re.compile(r"^\s{0,3}(?:\d+[.)]|[-*])\s+(.*)$")
+
+
+@dataclass(frozen=True)
+class Question:
+    source: str  # "notebooks/04_paged_kv.ipynb"
+    number: int  # 1, 2, ... in the order the notebook asks them
+    text: str  # the item's text, lines joined by single spaces
+
+    @property
+    def key_file(self) -> Path:
+        folder, name = self.source.split("/")
+        return ROOT / "instructor" / folder / (Path(name).stem + ".md")
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _starts_list(line: str) -> bool:
+    s = line.strip()
+    if "question" not in s.lower() or _ITEM.match(line):
+        return False
+    return s.startswith("#") or (s.startswith("**") and s.endswith("**")) or s.endswith(":")
+
+
+def questions_in_markdown(text: str) -> list[str]:
+    found: list[str] = []
+    lines, i = text.splitlines(), 0
+    while i < len(lines):
+        if not _starts_list(lines[i]):
+            i += 1
+            continue
+        i += 1
+        current: list[str] | None = None
+        while i < len(lines):
+            line = lines[i]
+            item = _ITEM.match(line)
+            if item:
+                if current:
+                    found.append(normalise(" ".join(current)))
+                current = [item.group(1)]
+            elif not line.strip():
+                pass
+            elif current is not None and line.startswith((" ", "\t")) and not line.strip().startswith("#"):
+                current.append(line.strip())
+            else:
+                break
+            i += 1
+        if current:
+            found.append(normalise(" ".join(current)))
+    return found
+
+
+def questions_in(path: Path) -> list[Question]:
+    nb = json.loads(path.read_text())
+    texts: list[str] = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            texts += questions_in_markdown(source)
+    rel = f"{path.parent.name}/{path.name}"
+    return [Question(rel, n + 1, t) for n, t in enumerate(texts)]
+
+
+def all_questions(root: Path = ROOT) -> list[Question]:
+    out: list[Question] = []
+    for folder in FOLDERS:
+        for path in sorted((root / folder).glob("*.ipynb")):
+            out += questions_in(path)
+    return out
+
+
+def key_entries(path: Path) -> dict[str, str]:
+    """{normalised question: answer} from a key file: each entry is a '## Q<n>. <question>' heading
+    followed by its answer."""
+    entries: dict[str, str] = {}
+    if not path.exists():
+        return entries
+    question, answer = None, []
+    for line in path.read_text().splitlines() + ["## end"]:
+        heading = re.match(r"^## Q\d+\.\s+(.*)$", line)
+        if heading or line.startswith("## "):
+            if question is not None:
+                entries[question] = "\n".join(answer).strip()
+            question, answer = (normalise(heading.group(1)), []) if heading else (None, [])
+        elif question is not None:
+            answer.append(line)
+    return entries
+
+
+if __name__ == "__main__":
+    qs = all_questions()
+    for q in qs:
+        print(f"{q.source} Q{q.number}: {q.text}")
+    print(len(qs), "questions")
