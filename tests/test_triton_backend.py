@@ -1,12 +1,9 @@
 """Rung 7 in the engine: the Triton backend generates the same greedy tokens as the torch paged
 backend (rung 4) on tiny-random, through prefill, chunked prefill, mixed and decode-only steps.
 
-Kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1 before they are defined).
+Kernels run in Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 there, before
+anything imports triton) and compiled on a GPU.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before minikv.kernels defines the kernels
-
 import random  # noqa: E402
 
 import pytest  # noqa: E402

@@ -38,6 +38,8 @@ class ModelRunner:
         self.block_size = block_size
         self.decode_graphs = decode_graphs  # a DecodeGraphs: decode-only steps replayed from CUDA graphs
         self.slot_mapping_fn = slot_mapping
+        self._staging = [torch.empty(0, dtype=torch.long)] * 2  # pinned host buffers, used in turn (GPU)
+        self._turn = 0
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
         """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
@@ -93,7 +95,7 @@ class ModelRunner:
         wait), then seen as views. Each part starts on a 16-byte boundary, as kernels like it."""
         parts = [(name, t.to(torch.long)) for name, t in host.items()]
         sizes = [t.numel() + t.numel() % 2 for _, t in parts]
-        flat = torch.empty(sum(sizes), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        flat = self._staging_buffer(sum(sizes))
         at = 0
         for (_, t), size in zip(parts, sizes):
             flat[at:at + t.numel()] = t.flatten()
@@ -104,6 +106,19 @@ class ModelRunner:
             out[name] = flat[at:at + t.numel()].view(t.shape)
             at += size
         return out
+
+    def _staging_buffer(self, n: int) -> torch.Tensor:
+        """n int64 of host memory to stage a step's inputs. On a GPU: pinned (an asynchronous copy), and
+        allocated once, not every step (pinning memory costs far more than the copy). Two buffers are
+        used in turn: a step's copy has long finished when its buffer comes round again, since every
+        step waits for its sampled tokens."""
+        if self.device.type != "cuda":
+            return torch.empty(n, dtype=torch.long)
+        self._turn = 1 - self._turn
+        if self._staging[self._turn].numel() < n:
+            size = max(n, 2 * self._staging[self._turn].numel(), 4096)
+            self._staging[self._turn] = torch.empty(size, dtype=torch.long, pin_memory=True)
+        return self._staging[self._turn][:n]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
