@@ -1,21 +1,24 @@
 """The course as a learner meets it: every notebook opened in JupyterLab in a real browser.
 
-One JupyterLab server (root = the repository, HOME and every Jupyter folder in a temporary
-directory, autosave off, so nothing of the user's setup leaks in and nothing is written back) and one
-headless Chromium (the Debian package, driven by Playwright for Python; never a browser Playwright
-downloads). For each notebook under notebooks/, at most two at a time (two cores):
+One JupyterLab server (root = the repository; HOME and every Jupyter folder in a temporary
+directory, autosave off: nothing of the user's setup leaks in, nothing is written back) and one
+headless Chromium (the Debian package, driven by Playwright for Python with a fresh profile; never a
+browser Playwright downloads). For each notebook under notebooks/, two at a time (two cores):
 
-1. open it in its own JupyterLab workspace, wait for the kernel, click Run > Run All Cells;
-2. wait until no cell is pending and the kernel is idle (NOTEBOOK_TIMEOUT seconds at most), then
-   check that every code cell ran and none shows an error (unless tagged raises-exception);
+1. open it in a workspace of its own; no output may read as a widget's repr (VBox(children=...));
+   wait for the kernel, click Run > Run All Cells;
+2. wait until no cell is pending and the kernel is idle (MINIKV_BROWSER_TIMEOUT, default 240 s),
+   then check that every code cell ran and none shows an error (unless tagged raises-exception);
 3. screenshot the notebook, then for every ipywidgets view in the outputs move each control
-   (a slider one step, a dropdown to another option, a checkbox, a toggle, a play button), assert the
-   view changed (its text, less the controls, and the bytes of its pictures), screenshot it, and move
-   the control back (the view must follow).
+   (a slider one step, a dropdown to another option, a checkbox, toggle buttons, a play button),
+   assert the view changed (its text less the controls, and the bytes of its pictures), screenshot
+   it, and move the control back (the view must follow).
 
-Screenshots go to $MINIKV_SCREENSHOTS (default .pytest_cache/browser/), with times.txt: the time
-of each notebook and of the whole run. Without Chromium or Playwright every test here skips and
-says why; MINIKV_CHROMIUM names the browser (empty: skip).
+A self-test notebook (a dead widget, an error) runs beside them: the run must report exactly what is
+wrong with it. Screenshots go to $MINIKV_SCREENSHOTS (default .pytest_cache/browser/), with
+times.txt: each notebook's wall time and kernel CPU time, and the whole run's. `-k 05_` runs one
+notebook. Without Chromium or Playwright every test here skips and says why; MINIKV_CHROMIUM
+names the browser (empty: skip).
 """
 from __future__ import annotations
 
@@ -115,6 +118,8 @@ def start_lab(tmp: Path) -> Lab:
     for var, name in dirs.items():
         (tmp / name).mkdir(parents=True, exist_ok=True)
         env[var] = str(tmp / name)
+    # AT_ONCE kernels share the cores (make test sets one thread already)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // AT_ONCE)))
     env.pop("JUPYTER_PATH", None)
     env.pop("JUPYTER_PREFER_ENV_PATH", None)
     # no autosave (the repository's notebooks are never written), no news or update checks
