@@ -607,13 +607,12 @@ def test_skips_without_chromium(tmp_path):
 
 
 def test_skip_reason_without_playwright(monkeypatch):
-    monkeypatch.setitem(sys.modules, "playwright", None)  # import playwright now raises ImportError
-    monkeypatch.setitem(sys.modules, "playwright.async_api", None)
-    assert unavailable_reason().startswith("Playwright for Python is missing")
-    monkeypatch.setenv("MINIKV_CHROMIUM", "")
-    monkeypatch.delitem(sys.modules, "playwright")
-    monkeypatch.delitem(sys.modules, "playwright.async_api")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "playwright", None)  # import playwright now raises ImportError
+        m.setitem(sys.modules, "playwright.async_api", None)
+        assert unavailable_reason().startswith("Playwright for Python is missing")
     if importlib.util.find_spec("playwright") is not None:
+        monkeypatch.setenv("MINIKV_CHROMIUM", "")  # set and empty: no browser
         assert unavailable_reason().startswith("Chromium is not installed")
 
 
