@@ -106,7 +106,8 @@ def run_one(path: Path, timeout: int) -> dict:
             "slowest_cell": slowest[0], "slowest_cell_seconds": round(slowest[1], 1),
             "slowest_cell_source": first_line(nb.cells[slowest[0]]) if slowest[0] is not None else "",
             "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
-            "code_cells": len(cells), "error": error}
+            "code_cells": len(cells), "error": error,
+            "cells": [{"cell": i, "seconds": round(t, 2), "source": first_line(nb.cells[i])} for i, t in cells]}
 
 
 def markdown(record: dict) -> str:
