@@ -74,13 +74,16 @@ COW_CASES = [
 def random_cow_cases(num: int, seed: int = 0) -> list[CowCase]:
     rng = random.Random(seed)
     cases = []
-    for _ in range(num):
+    while len(cases) < num:
         bs = rng.choice([4, 8, 16])
         n_pool = rng.randint(6, 24)
         table = rng.sample(range(n_pool), rng.randint(1, min(5, n_pool - 2)))
         refs = _pool(n_pool, {b: rng.choice([1, 1, 2, 3]) for b in table})
         end = rng.randint((len(table) - 1) * bs + 1, len(table) * bs)
         start = rng.randint(max(0, end - 2 * bs), end - 1)
+        shared = sum(1 for i in range(start // bs, -(-end // bs)) if refs[table[i]] > 1)
+        if shared > len(_free_blocks(refs)):
+            continue  # more copies than free blocks: the engine would preempt before this step
         cases.append(CowCase(table, refs, start, end, bs, "random"))
     return cases
 

@@ -144,7 +144,7 @@ def check_free_queue(queue_cls, num_random: int = 300, seed: int = 0) -> None:
         r = rng.random()
         if held and r < 0.3:
             op, arg = "remove", rng.choice(held)
-        elif held and r < 0.5:
+        elif held and (r < 0.5 or len(held) == 40):  # all 40 ids queued: nothing new to append
             op, arg = "popleft", None
         else:
             op, arg = "append", rng.choice([b for b in range(40) if b not in ref])

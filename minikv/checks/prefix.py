@@ -102,8 +102,8 @@ def _diagnose(hash_block, token_ids, bs, salt, i, got_key, want) -> str:
             "extra_keys(i, cache_salt))")
 
 
-def check_block_hashes(block_hashes, hash_block, num_random: int = 200) -> None:
-    rng = random.Random(0)
+def check_block_hashes(block_hashes, hash_block, num_random: int = 200, seed: int = 0) -> None:
+    rng = random.Random(seed)
     cases = [
         (list(range(8)), 4, None, "two full blocks, no salt"),
         (list(range(10)), 4, None, "a partial last block (2 tokens): it gets no key, only full blocks are cached"),
@@ -206,7 +206,7 @@ def _root(cache: RadixCache) -> Node:
     return cache.roots.get(None) or Node()
 
 
-def check_radix_match(match_prefix, num_random: int = 300) -> None:
+def check_radix_match(match_prefix, num_random: int = 300, seed: int = 1) -> None:
     sys_p, a, b = [1, 2, 3, 4, 5, 6, 7, 8], [20, 21, 22, 23], [30, 31, 32, 33]
     bs = 4
     tree = build_tree([sys_p + a + [40, 41, 42, 43], sys_p + b], bs)  # root -> [sys] -> {[a 40..], [b]}
@@ -221,7 +221,7 @@ def check_radix_match(match_prefix, num_random: int = 300) -> None:
         (tree, [1, 2], "fewer tokens than a block"),
         (build_tree([], bs), sys_p, "an empty tree"),
     ]
-    rng = random.Random(1)
+    rng = random.Random(seed)
     for _ in range(num_random):
         bs_r = rng.choice([2, 4])
         stems = [[rng.randrange(4) for _ in range(rng.randint(0, 12))] for _ in range(3)]

@@ -1,0 +1,268 @@
+"""Timed drills: the coding exercises interviews give, each checked on hidden random cases.
+
+    minikv drill list [--json]            name, time limit, what to write
+    minikv drill start NAME               writes drill_NAME.py here, prints the statement, starts the clock
+    minikv drill check NAME [FILE]        runs the checker on FILE (default drill_NAME.py here); prints
+                                          the diagnosis and the time taken against the limit
+    minikv drill check NAME --reference   the shipped reference (must pass)
+    minikv drill check NAME --starter     the untouched starter (must fail)
+
+A drill's statement is its starter file's docstring (drill_files/<name>_starter.py). Checkers are
+the course's (minikv.checks); each check draws a fresh seed, so the random cases differ on every run
+and cannot be matched by hand; the seed is printed with a failure (`--seed` reruns it).
+
+The clock: `start` records the time in $MINIKV_HOME/drill_clock.json (default ~/.minikv).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import random
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from minikv.checks.report import CheckFailed
+
+FILES = Path(__file__).resolve().parent / "drill_files"
+
+
+def home() -> Path:
+    """Where the quiz scores and drill clocks live: $MINIKV_HOME, else ~/.minikv."""
+    return Path(os.environ.get("MINIKV_HOME") or Path.home() / ".minikv")
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    minutes: int
+    title: str
+    functions: tuple[str, ...]
+    check: Callable[[ModuleType, int], None]
+
+    @property
+    def stem(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def starter(self) -> Path:
+        return FILES / f"{self.stem}_starter.py"
+
+    @property
+    def reference(self) -> Path:
+        return FILES / f"{self.stem}_reference.py"
+
+    @property
+    def statement(self) -> str:
+        return (ast_docstring(self.starter) or "").strip()
+
+    @property
+    def filename(self) -> str:
+        return f"drill_{self.stem}.py"
+
+
+def ast_docstring(path: Path) -> str | None:
+    import ast
+
+    return ast.get_docstring(ast.parse(path.read_text()))
+
+
+# ---- the checks: the course's checkers, with a seed for their random cases ----------------------------
+
+def _gqa(m, seed):
+    from minikv.checks.attention import check_causal_attention
+
+    check_causal_attention(m.causal_attention, num_cases=25, seed=seed)
+
+
+def _decode(m, seed):
+    from minikv.checks.attention import check_decode_step
+
+    check_decode_step(m.decode_step, num_cases=25, seed=seed)
+
+
+def _slots(m, seed):
+    from minikv.checks.paged import check_block_allocator, check_slot_mapping
+
+    check_slot_mapping(m.slot_mapping, num_random=200, seed=seed)
+    check_block_allocator(m.BlockAllocator, num_random=1000, seed=seed)
+
+
+def _hashes(m, seed):
+    from minikv.checks.prefix import check_block_hashes, check_hash_block
+
+    check_hash_block(m.hash_block)
+    check_block_hashes(m.block_hashes, m.hash_block, num_random=200, seed=seed)
+
+
+def _cow(m, seed):
+    from minikv.checks.cow import check_copy_on_write
+
+    check_copy_on_write(m.copy_on_write, num_random=300, seed=seed)
+
+
+def _lru(m, seed):
+    from minikv.checks.lru import check_free_queue, check_release
+
+    check_free_queue(m.FreeBlockQueue, num_random=300, seed=seed)
+    check_release(m.release, m.FreeBlockQueue)
+
+
+def _preempt(m, seed):
+    from minikv.checks.preemption import check_pick_victim, check_schedule_running
+
+    check_pick_victim(m.pick_victim)
+    check_schedule_running(m.schedule_running, num_random=300, seed=seed)
+
+
+def _radix(m, seed):
+    from minikv.checks.prefix import check_radix_match
+    from minikv.checks.radix import check_evict_leaf, check_radix_insert, check_split
+
+    check_radix_match(m.match_prefix, num_random=200, seed=seed)
+    check_split(m.split)
+    check_evict_leaf(m.evict_leaf)
+    check_radix_insert(m.insert, m.split, num_random=200, seed=seed)
+
+
+def _softmax(m, seed):
+    from minikv.checks.online_softmax import check_online_step
+    from minikv.checks.split_k import check_merge_splits
+
+    check_online_step(m.online_step, num_random=40, seed=seed)
+    check_merge_splits(m.merge_splits, num_random=100, seed=seed)
+
+
+def _spec(m, seed):
+    from minikv.checks.speculative import check_num_accepted, check_residual, check_rollback
+
+    check_num_accepted(m.num_accepted, seed=seed)
+    check_residual(m.residual, seed=seed)
+    check_rollback(m.rollback, seed=seed)
+
+
+DRILLS: dict[str, Drill] = {d.name: d for d in [
+    Drill("gqa-attention", 10, "causal grouped-query attention over one sequence", ("causal_attention",), _gqa),
+    Drill("kv-decode-step", 15, "append to a KV cache row and attend over it for one decode step",
+          ("decode_step",), _decode),
+    Drill("slot-mapping-allocator", 15, "slot mapping of a block table, and an O(1) block allocator",
+          ("slot_mapping", "BlockAllocator"), _slots),
+    Drill("block-hash-chain", 15, "chained block keys of a prefix cache, with a tenant salt",
+          ("hash_block", "block_hashes"), _hashes),
+    Drill("copy-on-write", 20, "private copies of the shared blocks a step writes into", ("copy_on_write",), _cow),
+    Drill("lru-block-budget", 30, "an O(1) LRU queue of cached blocks, and releasing a request tail first",
+          ("FreeBlockQueue", "release"), _lru),
+    Drill("scheduler-preemption", 30, "one scheduler step over running sequences, preempting when blocks run out",
+          ("pick_victim", "schedule_running"), _preempt),
+    Drill("radix-tree", 45, "a radix prefix tree: match, split, insert with edge split, evict a leaf",
+          ("match_prefix", "split", "insert", "evict_leaf"), _radix),
+    Drill("online-softmax-split-k", 30, "the online softmax over tiles, and the exact merge of split-K partials",
+          ("online_step", "merge_splits"), _softmax),
+    Drill("speculative-rollback", 30, "speculative verification (rejection rule, residual) and KV rollback",
+          ("num_accepted", "residual", "rollback"), _spec),
+]}
+
+
+def get(name: str) -> Drill:
+    if name not in DRILLS:
+        import difflib
+
+        near = difflib.get_close_matches(name, list(DRILLS), n=1)
+        raise KeyError(f"no drill {name!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                       + f" (drills: {', '.join(DRILLS)})")
+    return DRILLS[name]
+
+
+def load_module(path: Path, name: str = "learner_drill") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the clock -----------------------------------------------------------------------------------
+
+def _clock_file() -> Path:
+    return home() / "drill_clock.json"
+
+
+def _clocks() -> dict:
+    try:
+        return json.loads(_clock_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def start_clock(name: str, now: float | None = None) -> None:
+    clocks = _clocks()
+    clocks[name] = time.time() if now is None else now
+    path = _clock_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clocks, indent=1))
+
+
+def started(name: str) -> float | None:
+    return _clocks().get(name)
+
+
+# ---- running a check -----------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    drill: str
+    passed: bool
+    diagnosis: str
+    seed: int
+    seconds_taken: float | None  # since `drill start`, None if never started
+    limit_minutes: int
+    check_seconds: float
+
+    def report(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        lines = [f"{self.drill}: {verdict}", self.diagnosis.rstrip()]
+        if not self.passed:
+            lines.append(f"(random cases drawn with seed {self.seed}; `--seed {self.seed}` reruns the same ones)")
+        if self.seconds_taken is not None:
+            taken = self.seconds_taken / 60
+            over = taken > self.limit_minutes
+            lines.append(f"time: {taken:.1f} min of {self.limit_minutes} min"
+                         + (f" ({taken - self.limit_minutes:.1f} min over the limit)" if over else " (within the limit)"))
+        else:
+            lines.append(f"time: not started (`minikv drill start {self.drill}` starts the clock); "
+                         f"limit {self.limit_minutes} min")
+        return "\n".join(lines)
+
+
+def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = True) -> Result:
+    """Import the file at `path` and run the drill's checks on it; never raises for the learner's faults."""
+    seed = random.SystemRandom().randrange(1, 2**31) if seed is None else seed
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    passed = False
+    try:
+        with contextlib.redirect_stdout(out):
+            module = load_module(path)
+            missing = [f for f in drill.functions if not hasattr(module, f)]
+            if missing:
+                raise CheckFailed(f"{path.name} defines no {', '.join(missing)}; the drill asks for "
+                                  f"{', '.join(drill.functions)}")
+            drill.check(module, seed)
+        passed = True
+        diagnosis = out.getvalue()
+    except CheckFailed as e:
+        diagnosis = out.getvalue() + str(e)
+    except NotImplementedError as e:
+        diagnosis = out.getvalue() + f"not written yet: {e}"
+    except Exception as e:  # noqa: BLE001  the learner's code raised: show where
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+        where = f" (line {frames[-1].lineno} of {path.name}: {(frames[-1].line or '').strip()})" if frames else ""
+        diagnosis = out.getvalue() + f"{type(e).__name__}: {e}{where}"
+    began = started(drill.name) if timed else None
+    return Result(drill.name, passed, diagnosis, seed, None if began is None else time.time() - began,
+                  drill.minutes, time.perf_counter() - t0)
