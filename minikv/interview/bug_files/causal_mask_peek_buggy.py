@@ -1,0 +1,28 @@
+"""Bug lab: the naive engine disagrees with Hugging Face on every prompt longer than one token.
+
+Our causal attention (plugged in with LLM(..., kv_backend="naive", causal_attention=...)) is below.
+A one-token prompt gives the right answer; anything longer gives another one. Training-style loss on
+a sentence is suspiciously low.
+
+Localize it: call causal_attention on q, k, v of 4 positions where v[j] = j (a ramp) and read which
+positions each output row averages; minikv.checks.check_causal_attention(causal_attention) names the
+first wrong position and head. Then fix the code below.
+
+    minikv bugs check causal-mask-peek
+"""
+import torch
+
+
+def causal_attention(q, k, v, scale: float) -> torch.Tensor:
+    """q [T, num_heads, head_dim], k, v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+    T, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=2)  # keys after the query
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(dim=-1), v)
+
+
+def engine_options() -> dict:
+    return {"causal_attention": causal_attention}

@@ -1,0 +1,31 @@
+"""Bug lab: a returning user gets a wrong answer after the cache was under pressure.
+
+Our team's prefix cache is a HashChainCache with its own eviction (below). Users report that a
+prompt they sent an hour ago now gets a different answer, but only on a busy server; restarting
+the server fixes it for a while.
+
+Localize it: run the same requests with prefix_caching=None (the ladder: caching must never change
+the tokens) and find the first request that differs; call llm.block_manager.check(llm.scheduler.running)
+after every request (the pool's and the cache's invariants); print llm.prefix_cache.stats() and look at
+`table` against `by_block`. Then fix the code below.
+
+    minikv bugs check stale-prefix-entry          checks this file
+"""
+from minikv.cache.hash_chain import HashChainCache
+
+
+class TeamHashCache(HashChainCache):
+    def evict(self, num_blocks: int) -> list[int]:
+        """Forget up to num_blocks unused cached blocks, least recently used first; return them (now empty)."""
+        out = []
+        while len(out) < num_blocks and len(self.free_queue):
+            block = self.free_queue.pop()
+            self.by_block.pop(block)  # the block leaves the cache: it goes back to the pool empty
+            out.append(block)
+        self.num_evicted += len(out)
+        return out
+
+
+def engine_options() -> dict:
+    """What this lab plugs into LLM(tiny-random, kv_backend="paged", block_size=4, ...)."""
+    return {"prefix_caching": TeamHashCache(block_size=4)}
