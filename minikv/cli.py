@@ -8,6 +8,11 @@ For the classroom:
     minikv check exercises/04a_slot_mapping.ipynb [--json]   grade an exercise you saved (exit 0: all checks pass)
     minikv grade FOLDER --out grades.csv [--junit grades.xml] grade a class, one sub-folder per student
     minikv release --student OUT                             the course without solutions/ or the instructor key
+
+For interview preparation:
+    minikv quiz [--topic T] [--difficulty D] [--export json]  questions with model answers, a score kept locally
+    minikv drill list | start NAME | check NAME [FILE]        timed coding drills on hidden random cases
+    minikv bugs list | start NAME | check NAME [--buggy|--fixed]  find a bug planted in the engine
 """
 from __future__ import annotations
 
@@ -35,10 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", help="benchmark module, e.g. cache_speedup, throughput, prefix_ttft, decode_attention")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     _classroom_parsers(sub)
+    _interview_parsers(sub)
     args = ap.parse_args(argv)
 
     if args.cmd in ("check", "grade", "release"):
         return {"check": _check, "grade": _grade, "release": _release}[args.cmd](args)
+    if args.cmd in ("quiz", "drill", "bugs"):
+        return _interview(args)
 
     if args.cmd == "bench":
         import importlib.util
@@ -77,6 +85,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print()
     return 0
+
+
+# ---- for interview preparation ----------------------------------------------------------------------
+
+def _interview_parsers(sub) -> None:
+    from minikv.interview.cli import add_parsers
+
+    add_parsers(sub)
+
+
+def _interview(args) -> int:
+    from minikv.interview.cli import dispatch
+
+    return dispatch(args)
 
 
 # ---- for the classroom ---------------------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""The `quiz`, `drill` and `bugs` verbs of the `minikv` command (minikv/cli.py hands them over here)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+QUIZ_HELP = """Interview questions with model answers: the course's own (with the notebook and section that teach
+each) and questions beyond the course (MLA, speculative decoding, disaggregation, ...). Press a key for
+the answer and the follow-ups, then grade yourself (y / p / n); scores are kept in
+$MINIKV_HOME/quiz_scores.json (default ~/.minikv), and questions you missed come back first."""
+
+DRILL_HELP = """Timed coding drills, the exercises interviews give (KV cache, block manager, radix tree, ...).
+`start NAME` writes drill_NAME.py into the current folder, prints the statement and starts the clock;
+`check NAME [FILE]` runs the course's checker on fresh random cases and prints the diagnosis and the
+time taken against the limit. Exit status of check: 0 passed, 1 failed."""
+
+BUGS_HELP = """Find-the-bug labs: the real engine with one realistic bug planted through a named seam (a prefix
+cache, copy-on-write, a decode step, the slot mapping, an allocator, causal attention). `start NAME`
+writes bug_NAME.py (the buggy code, the symptom, the tools to localize it) into the current folder;
+fix it there and `check NAME` runs the lab's scenario against the engine's own code. Exit status of
+check: 0 the scenario runs as on the engine's own code, 1 the bug shows."""
+
+
+def add_parsers(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    from minikv.interview.bank import DIFFICULTIES, TOPICS
+
+    q = sub.add_parser("quiz", help="interview questions with model answers; a score kept locally",
+                       description=QUIZ_HELP, formatter_class=fmt)
+    q.add_argument("--topic", choices=sorted(TOPICS), help="only this topic (--topics lists them)")
+    q.add_argument("--difficulty", choices=DIFFICULTIES, help="only this difficulty")
+    q.add_argument("--beyond", action="store_true", help="only questions beyond the course")
+    q.add_argument("-n", "--num", type=int, default=10, help="how many questions (default 10)")
+    q.add_argument("--seed", type=int, default=None, help="the same questions in the same order again")
+    q.add_argument("--export", choices=["json"], help="print the bank (after the filters) and exit")
+    q.add_argument("--topics", action="store_true", help="list the topics with their number of questions")
+    q.add_argument("--scores", action="store_true", help="print your scores per topic")
+
+    d = sub.add_parser("drill", help="timed coding drills checked on hidden random cases",
+                       description=DRILL_HELP, formatter_class=fmt)
+    dsub = d.add_subparsers(dest="drill_cmd", required=True)
+    dl = dsub.add_parser("list", help="the drills and their time limits")
+    dl.add_argument("--json", action="store_true", help="one JSON list: name, minutes, title, functions")
+    ds = dsub.add_parser("start", help="write drill_NAME.py here, print the statement, start the clock")
+    ds.add_argument("name")
+    ds.add_argument("--force", action="store_true", help="overwrite an existing drill file")
+    dc = dsub.add_parser("check", help="check your drill file; prints the diagnosis and the time taken")
+    dc.add_argument("name")
+    dc.add_argument("file", nargs="?", type=Path, help="default: drill_NAME.py in the current folder")
+    which = dc.add_mutually_exclusive_group()
+    which.add_argument("--reference", action="store_true", help="check the shipped reference (passes)")
+    which.add_argument("--starter", action="store_true", help="check the untouched starter (fails)")
+    dc.add_argument("--seed", type=int, default=None, help="rerun the random cases of an earlier check")
+    dc.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    b = sub.add_parser("bugs", help="find-the-bug labs on the real engine",
+                       description=BUGS_HELP, formatter_class=fmt)
+    bsub = b.add_subparsers(dest="bugs_cmd", required=True)
+    bl = bsub.add_parser("list", help="the labs, their symptom and seam")
+    bl.add_argument("--json", action="store_true", help="one JSON list: name, seam, symptom")
+    bs = bsub.add_parser("start", help="write bug_NAME.py here and print the symptom and the tools")
+    bs.add_argument("name")
+    bs.add_argument("--force", action="store_true", help="overwrite an existing lab file")
+    bc = bsub.add_parser("check", help="run the lab's scenario on your fixed file")
+    bc.add_argument("name")
+    bc.add_argument("file", nargs="?", type=Path, help="default: bug_NAME.py in the current folder")
+    which = bc.add_mutually_exclusive_group()
+    which.add_argument("--buggy", action="store_true", help="run the shipped buggy code (the bug shows)")
+    which.add_argument("--fixed", action="store_true", help="run the shipped fixed code (passes)")
+    bc.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def dispatch(args) -> int:
+    return {"quiz": _quiz, "drill": _drill, "bugs": _bugs}[args.cmd](args)
+
+
+def _err(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _quiz(args) -> int:
+    from minikv.interview import bank, quiz
+
+    questions = bank.load()
+    chosen = bank.select(questions, args.topic, args.difficulty, True if args.beyond else None)
+    if args.export:
+        print(bank.export_json(chosen))
+        return 0
+    if args.topics:
+        for topic, what in bank.TOPICS.items():
+            print(f"{topic:22s} {sum(q.topic == topic for q in questions):4d}  {what}")
+        return 0
+    if args.scores:
+        print(quiz.summary(quiz.load_scores(), questions))
+        return 0
+    if not chosen:
+        return _err("no question matches these filters")
+    if args.num < 1:
+        return _err(f"-n must be at least 1, got {args.num}")
+    picked = quiz.order(chosen, quiz.load_scores(), args.num, args.seed)
+    quiz.run(picked, sys.stdin, sys.stdout)
+    return 0
+
+
+def _write_file(src: Path, dst: Path, force: bool) -> bool:
+    if dst.exists() and not force:
+        print(f"{dst} exists: keeping your work (--force overwrites it)")
+        return False
+    shutil.copyfile(src, dst)
+    return True
+
+
+def _drill(args) -> int:
+    from minikv.interview import drills
+
+    if args.drill_cmd == "list":
+        rows = list(drills.DRILLS.values())
+        if args.json:
+            print(json.dumps([{"name": d.name, "minutes": d.minutes, "title": d.title,
+                               "functions": list(d.functions), "file": d.filename} for d in rows], indent=1))
+        else:
+            for d in rows:
+                print(f"{d.name:24s} {d.minutes:3d} min  {d.title}")
+        return 0
+    try:
+        drill = drills.get(args.name)
+    except KeyError as e:
+        return _err(e.args[0])
+    if args.drill_cmd == "start":
+        dst = Path.cwd() / drill.filename
+        wrote = _write_file(drill.starter, dst, args.force)
+        print(drill.statement)
+        print(f"\n{'wrote' if wrote else 'kept'} {dst}; time limit {drill.minutes} min, the clock starts now.")
+        print(f"check it with: minikv drill check {drill.name}")
+        drills.start_clock(drill.name)
+        return 0
+    if args.reference:
+        path, timed = drill.reference, False
+    elif args.starter:
+        path, timed = drill.starter, False
+    else:
+        path, timed = args.file or Path.cwd() / drill.filename, True
+        if not path.exists():
+            return _err(f"{path} does not exist; `minikv drill start {drill.name}` writes it, or name your file")
+    result = drills.run_check(drill, path, seed=args.seed, timed=timed)
+    if args.json:
+        print(json.dumps({"drill": result.drill, "passed": result.passed, "diagnosis": result.diagnosis,
+                          "seed": result.seed, "seconds_taken": result.seconds_taken,
+                          "limit_minutes": result.limit_minutes}))
+    else:
+        print(result.report())
+    return 0 if result.passed else 1
+
+
+def _bugs(args) -> int:
+    from minikv.interview import bugs
+
+    if args.bugs_cmd == "list":
+        rows = list(bugs.LABS.values())
+        if args.json:
+            print(json.dumps([{"name": lab.name, "seam": lab.seam, "symptom": lab.symptom, "file": lab.filename}
+                              for lab in rows], indent=1))
+        else:
+            for lab in rows:
+                print(f"{lab.name:24s} seam {lab.seam:17s} {lab.symptom}")
+        return 0
+    try:
+        lab = bugs.get(args.name)
+    except KeyError as e:
+        return _err(e.args[0])
+    if args.bugs_cmd == "start":
+        dst = Path.cwd() / lab.filename
+        wrote = _write_file(lab.buggy, dst, args.force)
+        print(lab.statement)
+        print(f"\n{'wrote' if wrote else 'kept'} {dst}: fix the code there, then `minikv bugs check {lab.name}`")
+        return 0
+    if args.buggy:
+        path = lab.buggy
+    elif args.fixed:
+        path = lab.fixed
+    else:
+        path = args.file or Path.cwd() / lab.filename
+        if not path.exists():
+            return _err(f"{path} does not exist; `minikv bugs start {lab.name}` writes it, or name your file")
+    result = bugs.run_check(lab, path)
+    if args.json:
+        print(json.dumps({"lab": result.lab, "passed": result.passed, "diagnosis": result.diagnosis}))
+    else:
+        print(result.report())
+    return 0 if result.passed else 1
