@@ -1,0 +1,237 @@
+"""Interview preparation: the question bank, the timed drills, the find-the-bug labs and their commands.
+
+Pinned here: every question has a model answer, a follow-up, a difficulty, a topic and a notebook
+(and section) of the course that exists, or says it is beyond the course; the bank holds what the
+instructor key answers, word for word; every drill's reference passes its checker and its starter
+fails it, on random cases that change from run to run; every bug lab's buggy code fails its
+scenario and its fixed code passes; `quiz`, `drill` and `bugs` have --help and the README describes
+them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from minikv.cli import main
+from minikv.interview import bank, bugs, drills, quiz
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = bank.load()
+
+_spec = importlib.util.spec_from_file_location("instructor_questions", ROOT / "instructor" / "questions.py")
+key = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("instructor_questions", key)
+_spec.loader.exec_module(key)
+
+
+# ---- the question bank -----------------------------------------------------------------------------
+
+def test_bank_has_120_questions_each_with_answer_follow_up_difficulty_topic_and_an_existing_notebook():
+    assert len(QUESTIONS) >= 120, f"the bank holds {len(QUESTIONS)} questions; the course promises at least 120"
+    faults = bank.problems(QUESTIONS, ROOT)
+    assert not faults, "the question bank:\n  " + "\n  ".join(faults)
+
+
+def test_bank_validator_names_a_missing_notebook_heading_answer_and_follow_up():
+    good = QUESTIONS[0]
+    broken = [
+        bank.Question("x1", good.question, good.answer, good.difficulty, good.topic, "notebooks/99_nothing.ipynb",
+                      good.heading, good.follow_ups),
+        bank.Question("x2", good.question, good.answer, good.difficulty, good.topic, good.notebook, "No such heading",
+                      good.follow_ups),
+        bank.Question("x3", good.question, "short", "easy", "weather", None, "somewhere", []),
+    ]
+    text = "\n".join(bank.problems(broken, ROOT))
+    for fault in ("99_nothing.ipynb does not exist", "has no heading 'No such heading'", "an answer of 5 characters",
+                  "difficulty 'easy'", "topic 'weather'", "no follow-up", "the heading must say"):
+        assert fault in text, f"the validator did not report {fault!r}:\n{text}"
+
+
+def test_bank_covers_the_topics_interviews_ask_beyond_the_course():
+    beyond = [q for q in QUESTIONS if q.beyond_course]
+    assert len(beyond) >= 15
+    text = " ".join(q.question + " " + q.answer for q in QUESTIONS)
+    for term in ("MLA", "tensor parallelism", "gpu_memory_utilization", "profiling run", "Little's law", "goodput",
+                 "p99", "roofline", "speculative", "rejected", "fp8", "sliding window", "sink", "H2O", "SnapKV",
+                 "disaggregation", "FlashAttention", "FlashInfer", "cascade", "chunked prefill", "num_tokens - 1"):
+        assert term.lower() in text.lower(), f"no question covers {term!r}"
+    for level in bank.DIFFICULTIES:
+        assert sum(q.difficulty == level for q in QUESTIONS) >= 10, f"fewer than 10 {level} questions"
+
+
+def test_bank_holds_the_instructor_keys_questions_and_answers_word_for_word():
+    asked = key.all_questions(ROOT)
+    by_source: dict[str, dict[str, str]] = {}
+    for q in asked:
+        by_source.setdefault(q.source, key.key_entries(q.key_file))
+    imported = {q.notebook for q in QUESTIONS if not q.beyond_course and q.id.split("-q")[0] == Path(q.notebook).stem}
+    stale, missing = [], []
+    for q in QUESTIONS:
+        if q.beyond_course or q.notebook not in by_source or not q.id.startswith(Path(q.notebook).stem + "-q"):
+            continue
+        if by_source[q.notebook].get(key.normalise(q.question)) != q.answer:
+            stale.append(q.id)
+    bank_texts = {(q.notebook, key.normalise(q.question)) for q in QUESTIONS}
+    for q in asked:
+        if q.source in imported and (q.source, key.normalise(q.text)) not in bank_texts:
+            missing.append(f"{q.source} Q{q.number}")
+    fix = "run `python instructor/bank_import.py` (it keeps difficulty, topic and follow-ups)"
+    assert not stale, f"the bank's copy differs from the instructor key for {stale}; {fix}"
+    assert not missing, f"the course asks questions the bank lacks: {missing}; {fix}"
+    assert len(imported) >= 20, f"only {len(imported)} notebooks and exercises imported into the bank"
+
+
+def test_quiz_export_json_prints_every_question(capsys):
+    assert main(["quiz", "--export", "json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert [e["id"] for e in exported] == [q.id for q in QUESTIONS]
+    assert {"question", "answer", "follow_ups", "difficulty", "topic", "notebook", "heading"} <= set(exported[0])
+    assert main(["quiz", "--export", "json", "--topic", "speculative-decoding", "--difficulty", "hard"]) == 0
+    some = json.loads(capsys.readouterr().out)
+    assert some and all(e["topic"] == "speculative-decoding" and e["difficulty"] == "hard" for e in some)
+
+
+def test_quiz_reveals_on_a_key_press_keeps_the_score_and_asks_missed_questions_first(tmp_path):
+    scores = tmp_path / "scores.json"
+    picked = bank.select(QUESTIONS, topic="kv-size")[:3]
+    out = io.StringIO()
+    tally = quiz.run(picked, io.StringIO("\ny\n\nn\n\nq\n"), out, scores=scores)
+    assert tally == {"asked": 2, "got": 1, "partly": 0, "missed": 1}
+    assert picked[0].answer.split()[0] in out.getvalue() and "Follow-ups:" in out.getvalue()
+    data = json.loads(scores.read_text())
+    assert data["questions"][picked[0].id]["got"] == 1 and data["questions"][picked[1].id]["missed"] == 1
+    assert len(data["sessions"]) == 1
+    again = quiz.order(picked, quiz.load_scores(scores), 3, seed=0)
+    assert again[0].id == picked[1].id, "a question missed last time comes first"
+
+
+def test_quiz_score_file_lives_under_minikv_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    assert quiz.scores_file() == tmp_path / "quiz_scores.json"
+
+
+# ---- timed drills ----------------------------------------------------------------------------------
+
+def test_there_are_at_least_eight_drills_with_time_limits():
+    assert len(drills.DRILLS) >= 8
+    assert all(5 <= d.minutes <= 60 and d.statement for d in drills.DRILLS.values())
+
+
+@pytest.mark.parametrize("name", list(drills.DRILLS))
+def test_drill_reference_passes_and_starter_fails(name):
+    drill = drills.DRILLS[name]
+    ref = drills.run_check(drill, drill.reference, seed=20261126, timed=False)
+    assert ref.passed, f"the reference of {name} fails its check:\n{ref.diagnosis}"
+    starter = drills.run_check(drill, drill.starter, seed=20261126, timed=False)
+    assert not starter.passed and "not written yet" in starter.diagnosis
+
+
+def test_drill_checks_draw_new_random_cases_each_run_and_a_seed_replays_them():
+    drill = drills.DRILLS["copy-on-write"]
+    seeds = {drills.run_check(drill, drill.starter, timed=False).seed for _ in range(3)}
+    assert len(seeds) == 3, "hidden cases: every check draws a fresh seed"
+
+
+def test_drill_start_writes_the_starter_and_check_reports_time_against_the_limit(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path / "home"))
+    assert main(["drill", "start", "slot-mapping-allocator"]) == 0
+    out = capsys.readouterr().out
+    assert "slot_mapping(block_table, positions, block_size)" in out and "15 min" in out
+    assert (tmp_path / "drill_slot_mapping_allocator.py").read_text() == drills.DRILLS[
+        "slot-mapping-allocator"].starter.read_text()
+    assert main(["drill", "check", "slot-mapping-allocator"]) == 1
+    assert "not written yet" in capsys.readouterr().out
+    (tmp_path / "drill_slot_mapping_allocator.py").write_text(
+        drills.DRILLS["slot-mapping-allocator"].reference.read_text())
+    drills.start_clock("slot-mapping-allocator", now=drills.started("slot-mapping-allocator") - 20 * 60)
+    assert main(["drill", "check", "slot-mapping-allocator", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"] and result["limit_minutes"] == 15 and result["seconds_taken"] >= 20 * 60
+    assert main(["drill", "check", "slot-mapping-allocator"]) == 0
+    assert "over the limit" in capsys.readouterr().out
+
+
+def test_drill_list_json_and_the_shipped_files(capsys):
+    assert main(["drill", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [d["name"] for d in listed] == list(drills.DRILLS)
+    assert main(["drill", "check", "radix-tree", "--starter"]) == 1
+    assert main(["drill", "check", "no-such-drill"]) == 2
+
+
+# ---- find-the-bug labs -----------------------------------------------------------------------------
+
+def test_there_are_at_least_eight_labs_each_through_a_named_seam():
+    from minikv.engine.config import SEAMS
+
+    seams = set(SEAMS) | {"block_allocator", "prefix_caching"}
+    assert len(bugs.LABS) >= 8
+    assert {lab.seam for lab in bugs.LABS.values()} <= seams
+    assert len({lab.seam for lab in bugs.LABS.values()}) >= 5
+
+
+@pytest.mark.parametrize("name", list(bugs.LABS))
+def test_bug_lab_buggy_code_fails_its_check_and_fixed_code_passes(name):
+    lab = bugs.LABS[name]
+    buggy = bugs.run_check(lab, lab.buggy)
+    assert not buggy.passed, f"{name}: the planted bug does not show:\n{buggy.diagnosis}"
+    assert "scenario:" in buggy.diagnosis
+    fixed = bugs.run_check(lab, lab.fixed)
+    assert fixed.passed, f"{name}: the fixed code fails:\n{fixed.diagnosis}"
+
+
+def test_a_lab_fix_that_unplugs_the_seam_does_not_count(tmp_path):
+    lab = bugs.LABS["cow-decrement-first"]
+    dodge = tmp_path / "bug_cow_decrement_first.py"
+    dodge.write_text(lab.buggy.read_text() + "\n\ndef engine_options():\n    return {}\n")
+    result = bugs.run_check(lab, dodge)
+    assert not result.passed and "'copy_on_write' seam" in result.diagnosis
+
+
+def test_bugs_start_writes_the_lab_and_check_runs_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bugs", "start", "slot-offset"]) == 0
+    assert "Localize it" in capsys.readouterr().out
+    assert main(["bugs", "check", "slot-offset"]) == 1
+    (tmp_path / "bug_slot_offset.py").write_text(bugs.LABS["slot-offset"].fixed.read_text())
+    assert main(["bugs", "check", "slot-offset"]) == 0
+    capsys.readouterr()
+    assert main(["bugs", "list", "--json"]) == 0
+    assert {e["name"] for e in json.loads(capsys.readouterr().out)} == set(bugs.LABS)
+
+
+# ---- commands and README ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["quiz"], ["drill"], ["drill", "check"], ["bugs"], ["bugs", "check"]])
+def test_interview_verbs_have_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv + ["--help"])
+    assert exit_.value.code == 0
+    assert "usage: minikv" in capsys.readouterr().out
+
+
+def test_readme_describes_quiz_drill_and_bugs():
+    readme = (ROOT / "README.md").read_text()
+    for command in ("minikv quiz", "minikv drill start", "minikv drill check", "minikv bugs start",
+                    "minikv bugs check", "12_design_worksheet.ipynb"):
+        assert command in readme, f"README.md does not mention {command!r}"
+
+
+def test_design_calculators_match_the_formulas():
+    from minikv.interview.design import GPUS, MODELS, Deployment, littles_law
+
+    d8 = Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=8, tp=8)
+    assert d8.kv_bytes_per_token_per_gpu == 2 * 80 * 1 * 128 * 2
+    assert d8.kv_bytes_per_token == 327_680  # 320 KiB: the model's own
+    d16 = Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=16, tp=16)
+    assert d16.kv_heads_per_gpu == 1 and d16.kv_bytes_per_token == 2 * 327_680  # replicated past 8 KV heads
+    assert 150 <= d8.max_sequences(8192) <= 180
+    assert littles_law(50, 9.5) == 475
+    with pytest.raises(ValueError, match="multiple of tp"):
+        Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=12, tp=8)
