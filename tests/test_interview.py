@@ -235,3 +235,37 @@ def test_design_calculators_match_the_formulas():
     assert littles_law(50, 9.5) == 475
     with pytest.raises(ValueError, match="multiple of tp"):
         Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=12, tp=8)
+
+
+def test_new_drill_checkers_name_the_classic_mistakes():
+    import torch
+
+    from minikv.checks.online_softmax import check_online_step
+    from minikv.checks.report import CheckFailed
+    from minikv.checks.speculative import check_num_accepted, check_rollback
+
+    def no_rescale(q, k, v, m, l, acc, scale):
+        s = q @ k.T * scale
+        m_new = torch.maximum(m, s.max(dim=1).values)
+        p = torch.exp(s - m_new[:, None])
+        return m_new, l + p.sum(dim=1), acc + p @ v
+
+    with pytest.raises(CheckFailed, match="raises the max"):
+        check_online_step(no_rescale, num_random=0)
+
+    def greedy_only(draft, p, q, u):  # compares argmaxes: wrong under sampling
+        n = 0
+        for i, t in enumerate(draft):
+            if int(p[i].argmax()) != t:
+                break
+            n += 1
+        return n
+
+    with pytest.raises(CheckFailed, match="accepted"):
+        check_num_accepted(greedy_only, num_random=50)
+
+    def keep_everything(block_table, num_tokens, k, accepted, block_size, free):
+        return num_tokens + accepted
+
+    with pytest.raises(CheckFailed, match="freed"):
+        check_rollback(keep_everything, num_random=0)
