@@ -238,6 +238,27 @@ def _allocator(m):
     _invariants(what, mine)
 
 
+def _weight_update(m):
+    import torch
+
+    mine, ref = _engines(m, "paged", num_blocks=32, **PAGED)  # one set of weights, shared by both engines
+    p = list(range(70, 88))
+    what = "an 18-token prompt, then a weight update in place and reset_prefix_cache(), then the prompt again"
+    _run(what, mine, [p], _sp(max_tokens=4))
+    with torch.no_grad():
+        for w in mine.model.parameters():
+            w.mul_(1.25)
+    try:
+        mine.reset_prefix_cache()
+    except Exception as e:  # noqa: BLE001
+        fail(f"scenario: {what}", f"reset_prefix_cache raised {type(e).__name__}", _short(str(e)))
+    got = _run(what, mine, [p], _sp(max_tokens=4))
+    want = ref.generate([p], _sp(max_tokens=4))
+    _compare(what, got, want, f"the request after the reset reused {got[0].num_cached_tokens} cached tokens: "
+                              "K/V computed by the old weights")
+    _invariants(what + ", after the reset", mine)
+
+
 def _mask(m):
     mine, ref = _engines(m, "naive")
     prompts = [[7], list(range(20, 26))]
@@ -268,6 +289,9 @@ LABS: dict[str, Lab] = {lab.name: lab for lab in [
         "a slot offset taken relative to the chunk instead of the absolute position", _slot_offset),
     Lab("allocator-double-hand", "block_allocator", "crashes under memory pressure: a block is still in use",
         "a freed block returned to two free lists, then handed to two requests", _allocator),
+    Lab("stale-after-weight-update", "prefix_caching", "after a weight update some prompts get the old answers",
+        "a prefix cache that survives reset_prefix_cache(): K/V of the old weights served after an update",
+        _weight_update),
     Lab("causal-mask-peek", "causal_attention", "every prompt longer than one token gets another answer",
         "a causal mask off by one: each token sees the next one", _mask),
 ]}
