@@ -14,6 +14,7 @@ questions missed before come first in later sessions.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import time
@@ -91,8 +92,11 @@ def read_key(stream: TextIO) -> str:
 
 
 def _wrap(text: str, indent: str = "  ") -> str:
-    return "\n".join(textwrap.fill(p, 96, initial_indent=indent, subsequent_indent=indent)
-                     for p in text.split("\n") if p.strip())
+    """Re-flow the answer's paragraphs (the key wraps its lines at its own width) to the terminal's."""
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+    pad = " " * len(indent)
+    return "\n".join(textwrap.fill(p, 96, initial_indent=indent if i == 0 else pad, subsequent_indent=pad)
+                     for i, p in enumerate(paragraphs))
 
 
 def run(questions: list[bank.Question], stdin: TextIO, stdout: TextIO, scores: Path | None = None,
