@@ -262,6 +262,26 @@ def test_release_exercise_cells_are_the_stubs_and_no_cell_is_a_solution(student_
             assert not set(solved) & set(shipped), f"{path.name}: a solution cell in the student copy"
 
 
+def test_release_holds_back_the_interview_answers_and_says_so(student_copy):
+    """The quiz's course answers (the instructor key's), drill references and fixed bug labs stay home; in the
+    copy the quiz still runs on the questions beyond the course, and asking for a reference names why not."""
+    pkg = student_copy / "minikv" / "interview"
+    assert (pkg / "data" / "beyond.json").is_file() and not (pkg / "data" / "course.json").exists()
+    assert list((pkg / "drill_files").glob("*_starter.py")) and not list((pkg / "drill_files").glob("*_reference.py"))
+    assert list((pkg / "bug_files").glob("*_buggy.py")) and not list((pkg / "bug_files").glob("*_fixed.py"))
+    env = {**os.environ, "PYTHONPATH": str(student_copy)}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "minikv.cli", *a], cwd=student_copy, env=env,
+                                    capture_output=True, text=True, timeout=120)
+    bank = run("quiz", "--export", "json")
+    assert bank.returncode == 0 and json.loads(bank.stdout), bank.stderr
+    beyond = json.loads((pkg / "data" / "beyond.json").read_text())
+    assert [q["id"] for q in json.loads(bank.stdout)] == [q["id"] for q in beyond]
+    for args, word in ((("drill", "check", "gqa-attention", "--reference"), "reference"),
+                       (("bugs", "check", "stale-prefix-entry", "--fixed"), "fixed code")):
+        r = run(*args)
+        assert r.returncode == 2 and f"the {word} is not part of a student copy" in r.stderr, r.stderr
+
+
 def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_copy, capsys):
     text = (student_copy / "Makefile").read_text()
     assert "minikv.cli check" in text and "-m pytest" not in text

@@ -17,6 +17,7 @@ Never: solutions/, instructor/ (the instructor key), the rest of tests/, and no 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import re
 import shutil
@@ -30,6 +31,11 @@ MARKER = ".minikv-student-release"
 TOP_FILES = ["README.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
 FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks"]
 NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
+# Answers that live inside the package for self-study (`minikv quiz`, `drill check --reference`, `bugs check
+# --fixed`) but would hand a class the key: the bank's course questions carry the instructor key's answers,
+# a drill's reference is an exercise solved, a lab's fixed file is its answer.
+HELD_BACK = ("minikv/interview/data/course.json", "minikv/interview/drill_files/*_reference.py",
+             "minikv/interview/bug_files/*_fixed.py")
 STUDENT_NOTE = ("> **Student copy.** The solutions, the tests and the instructor key are not part of this copy. "
                 "Complete the exercises in `exercises/`: `minikv check exercises/01_causal_attention.ipynb` "
                 "grades one (each check's diagnosis and your points), `make test` grades them all.")
@@ -40,9 +46,10 @@ class ReleaseError(Exception):
 
 
 def _shipped(path: Path, root: Path) -> bool:
-    parts = path.relative_to(root).parts
+    rel = path.relative_to(root)
+    parts = rel.parts
     return not (NEVER_SHIPPED & set(parts) or any(p.endswith(".egg-info") for p in parts)
-                or path.suffix in (".pyc", ".pyo"))
+                or path.suffix in (".pyc", ".pyo") or any(fnmatch.fnmatch(rel.as_posix(), g) for g in HELD_BACK))
 
 
 def student_notebook(nb: dict, clear_outputs: bool) -> dict:

@@ -146,6 +146,8 @@ def _drill(args) -> int:
         path, timed = args.file or Path.cwd() / drill.filename, True
         if not path.exists():
             return _err(f"{path} does not exist; `minikv drill start {drill.name}` writes it, or name your file")
+    if args.reference and not path.is_file():
+        return _err(f"{drill.name}: the reference is not part of a student copy; ask your instructor for it")
     result = drills.run_check(drill, path, seed=args.seed, timed=timed)
     if args.json:
         print(json.dumps({"drill": result.drill, "passed": result.passed, "diagnosis": result.diagnosis,
@@ -186,6 +188,8 @@ def _bugs(args) -> int:
         path = args.file or Path.cwd() / lab.filename
         if not path.exists():
             return _err(f"{path} does not exist; `minikv bugs start {lab.name}` writes it, or name your file")
+    if args.fixed and not path.is_file():
+        return _err(f"{lab.name}: the fixed code is not part of a student copy; ask your instructor for it")
     result = bugs.run_check(lab, path)
     if args.json:
         print(json.dumps({"lab": result.lab, "passed": result.passed, "diagnosis": result.diagnosis}))
