@@ -381,6 +381,7 @@ def test_every_solution_passes_minikv_check(course_grades, name):
 def test_every_untouched_exercise_fails_minikv_check_with_a_message(course_grades, name):
     g = course_grades["exercises", name]
     assert g.error is None, g.error
+    assert not g.notes, g.notes  # no other cell raised: the stub fails at its checks and nowhere else
     assert g.points == 0 < g.max_points, g.report()
     for c in g.checks:
         assert not c.passed and c.message.strip(), f"check {c.number}: {c.message!r}"
