@@ -72,10 +72,11 @@ def test_rung5_paged_continuous_batching_equals_rung2(rung2_tiny, variant):
 def test_smollm2_greedy_naive_equals_contiguous_equals_paged_equals_transformers(smollm2_dir):
     prompts = ["The three primary colors are", "def fibonacci(n):", "KV caching speeds up decoding because"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    outs = {kv: [o.token_ids for o in LLM("smollm2-135m", kv_backend=kv).generate(prompts, params)]
+    naive = LLM("smollm2-135m", kv_backend="naive")
+    outs = {kv: [o.token_ids for o in naive.derive(kv_backend=kv).generate(prompts, params)]  # same weights
             for kv in ("naive", "contiguous", "paged")}
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    llm_tok = LLM("smollm2-135m", kv_backend="naive").tokenizer
+    llm_tok = naive.tokenizer
     ref = []
     for p in prompts:
         ids = torch.tensor([llm_tok.encode(p, add_special_tokens=False)])
