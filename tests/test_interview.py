@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,15 @@ def test_drill_start_writes_the_starter_and_check_reports_time_against_the_limit
     assert result["passed"] and result["limit_minutes"] == 15 and result["seconds_taken"] >= 20 * 60
     assert main(["drill", "check", "slot-mapping-allocator"]) == 0
     assert "over the limit" in capsys.readouterr().out
+
+
+def test_a_drill_check_that_never_returns_fails_with_a_time_limit_instead_of_hanging(tmp_path):
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("def causal_attention(q, k, v, scale=None):\n    while True:\n        pass\n")
+    t0 = time.perf_counter()
+    result = drills.run_check(drills.get("gqa-attention"), stuck, seed=1, timed=False, timeout=1.0)
+    assert not result.passed and "did not finish in 1 s" in result.diagnosis, result.diagnosis
+    assert time.perf_counter() - t0 < 30
 
 
 def test_drill_list_json_and_the_shipped_files(capsys):

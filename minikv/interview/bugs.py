@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Callable
 
 from minikv.checks.report import CheckFailed, fail
-from minikv.interview.drills import load_module
+from minikv.interview.drills import CHECK_SECONDS, CheckTimeout, load_module, time_limit
 
 FILES = Path(__file__).resolve().parent / "bug_files"
 MODEL = "tiny-random"
@@ -320,12 +320,12 @@ class Result:
         return f"{head}\n{self.diagnosis.rstrip()}".rstrip()
 
 
-def run_check(lab: Lab, path: Path) -> Result:
+def run_check(lab: Lab, path: Path, timeout: float | None = CHECK_SECONDS) -> Result:
     """Run the lab's scenario with the code of the file at `path`; never raises for the file's faults."""
     out = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out), time_limit(timeout):
             module = load_module(path, "bug_lab")
             if not hasattr(module, "engine_options"):
                 raise CheckFailed(f"{path.name} defines no engine_options(); keep the function at the end of the "
@@ -336,7 +336,7 @@ def run_check(lab: Lab, path: Path) -> Result:
                                   f"{lab.seam!r} seam: fix the code, keep it in the engine")
             lab.scenario(module)
         return Result(lab.name, True, out.getvalue(), time.perf_counter() - t0)
-    except CheckFailed as e:
+    except (CheckFailed, CheckTimeout) as e:
         return Result(lab.name, False, out.getvalue() + str(e), time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  an error in the lab file itself
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]

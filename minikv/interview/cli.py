@@ -55,6 +55,7 @@ def add_parsers(sub) -> None:
     which.add_argument("--starter", action="store_true", help="check the untouched starter (fails)")
     dc.add_argument("--seed", type=int, default=None, help="rerun the random cases of an earlier check")
     dc.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    dc.add_argument("--timeout", type=float, default=120.0, help="seconds before a check that has not returned fails")
 
     b = sub.add_parser("bugs", help="find-the-bug labs on the real engine",
                        description=BUGS_HELP, formatter_class=fmt)
@@ -71,6 +72,7 @@ def add_parsers(sub) -> None:
     which.add_argument("--buggy", action="store_true", help="run the shipped buggy code (the bug shows)")
     which.add_argument("--fixed", action="store_true", help="run the shipped fixed code (passes)")
     bc.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bc.add_argument("--timeout", type=float, default=120.0, help="seconds before a check that has not returned fails")
 
 
 def dispatch(args) -> int:
@@ -148,7 +150,7 @@ def _drill(args) -> int:
             return _err(f"{path} does not exist; `minikv drill start {drill.name}` writes it, or name your file")
     if args.reference and not path.is_file():
         return _err(f"{drill.name}: the reference is not part of a student copy; ask your instructor for it")
-    result = drills.run_check(drill, path, seed=args.seed, timed=timed)
+    result = drills.run_check(drill, path, seed=args.seed, timed=timed, timeout=args.timeout)
     if args.json:
         print(json.dumps({"drill": result.drill, "passed": result.passed, "diagnosis": result.diagnosis,
                           "seed": result.seed, "seconds_taken": result.seconds_taken,
@@ -190,7 +192,7 @@ def _bugs(args) -> int:
             return _err(f"{path} does not exist; `minikv bugs start {lab.name}` writes it, or name your file")
     if args.fixed and not path.is_file():
         return _err(f"{lab.name}: the fixed code is not part of a student copy; ask your instructor for it")
-    result = bugs.run_check(lab, path)
+    result = bugs.run_check(lab, path, timeout=args.timeout)
     if args.json:
         print(json.dumps({"lab": result.lab, "passed": result.passed, "diagnosis": result.diagnosis}))
     else:

@@ -21,6 +21,8 @@ import io
 import json
 import os
 import random
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -213,6 +215,34 @@ def started(name: str) -> float | None:
 
 # ---- running a check -----------------------------------------------------------------------------
 
+CHECK_SECONDS = 120.0  # a check of a correct file takes a few seconds; an endless loop must not hang the terminal
+
+
+class CheckTimeout(Exception):
+    """The learner's code did not return within the check's time limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise CheckTimeout in the code run inside once `seconds` have passed (SIGALRM; main thread only,
+    elsewhere no limit). Code stuck inside one long native call is interrupted when the call returns."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"the check did not finish in {seconds:.0f} s: an endless loop, or a loop over far more "
+                           "than the inputs? (--timeout raises the limit)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @dataclass
 class Result:
     drill: str
@@ -239,14 +269,15 @@ class Result:
         return "\n".join(lines)
 
 
-def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = True) -> Result:
+def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = True,
+              timeout: float | None = CHECK_SECONDS) -> Result:
     """Import the file at `path` and run the drill's checks on it; never raises for the learner's faults."""
     seed = random.SystemRandom().randrange(1, 2**31) if seed is None else seed
     out = io.StringIO()
     t0 = time.perf_counter()
     passed = False
     try:
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out), time_limit(timeout):
             module = load_module(path)
             missing = [f for f in drill.functions if not hasattr(module, f)]
             if missing:
@@ -255,7 +286,7 @@ def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = T
             drill.check(module, seed)
         passed = True
         diagnosis = out.getvalue()
-    except CheckFailed as e:
+    except (CheckFailed, CheckTimeout) as e:
         diagnosis = out.getvalue() + str(e)
     except NotImplementedError as e:
         diagnosis = out.getvalue() + f"not written yet: {e}"
