@@ -209,3 +209,9 @@ def test_smollm2_greedy_tokens_on_a_quantized_pool_follow_the_full_precision_poo
 
     assert agreement("int8") >= 0.85
     assert agreement("fp8") >= 0.5  # e4m3 keeps 3 mantissa bits: it drifts sooner (benchmarks/RESULTS.md)
+
+
+def test_fp8_is_refused_with_the_reason_where_torch_has_no_float8_types(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs float8.*use kv_cache_dtype='int8'"):
+        LLM("tiny-random", kv_backend="paged", kv_cache_dtype="fp8")
