@@ -162,7 +162,7 @@ def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> d
         for key, toks in (("yours", got), ("engine", want)):
             d = first_divergence(toks, ref)
             agree[key].append(max_tokens if d is None else d)
-    passed(len(prompts), f"SmolLM2 on a {cfg.kv_cache_dtype} pool filled by your quantize_block "
+    passed(len(prompts), f"the engine on a pool of {cfg.kv_cache_dtype} filled by your quantize_block "
                          f"({len(calls)} stores) gives the engine's own tokens; tokens before the first "
                          f"difference from the full-precision pool: {agree['yours']} of {max_tokens}")
     return agree
