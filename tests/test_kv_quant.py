@@ -28,10 +28,11 @@ SCALE = HEAD_DIM**-0.5
 
 
 def with_outliers(shape, generator) -> torch.Tensor:
-    """Normal values, a row of zeros, and one channel 50x larger in a few rows (as keys have)."""
+    """Normal values, a row of zeros, one channel 50x larger in a few rows (as keys have), a tiny negative value."""
     x = torch.randn(shape, generator=generator)
     x.view(-1, shape[-1])[0] = 0
     x.view(-1, shape[-1])[1::7, 3] *= 50
+    x.view(-1, shape[-1])[1, 0] = -1e-7  # rounds to -0.0
     return x
 
 
