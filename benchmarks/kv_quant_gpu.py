@@ -157,6 +157,40 @@ def decode_timing(device, clock, smoke) -> list[dict]:
     return rows
 
 
+def sweep(device, clock, smoke) -> list[dict]:
+    """Decode launch settings per pool dtype: an 8-bit tile carries half the bytes of a bf16 one, so the
+    best tile (positions per program iteration) and warp count may differ."""
+    from minikv.kernels import decode_attention as dec
+
+    rows = []
+    shapes = [(32, 4096), (8, 32768), (32, 32768)] if not smoke else [(2, 64)]
+    configs = [(bn, w, st) for bn in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)] if not smoke else [(32, 1, 2)]
+    scale = D**-0.5
+    for B, L in shapes:
+        kb, vb, tables = pool(B, L, 16, device, seed=B + L)
+        seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
+        q = torch.randn(B, H, D, device=device, dtype=DT)
+        out = torch.empty_like(q)
+        variants = {"bf16": (kb, vb, None, None)}
+        for name, dt in QDTYPES.items():
+            (kq, ks), (vq, vs) = quantized(kb, dt), quantized(vb, dt)
+            variants[name] = (kq, vq, ks, vs)
+        splits = dec.default_num_splits(B, KVH, L, device)
+        for name, (k, v, ks, vs) in variants.items():
+            for bn, w, st in configs:
+                def step(k=k, v=v, ks=ks, vs=vs, bn=bn, w=w, st=st):
+                    paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=L, out=out, k_scale=ks,
+                                           v_scale=vs, num_splits=splits, block_n=bn, num_warps=w, num_stages=st)
+                rows.append({"batch": B, "context": L, "kv_cache_dtype": name, "block_n": bn, "num_warps": w,
+                             "num_stages": st, "us": kernel_time(clock, step)})
+            best = min((r for r in rows if (r["batch"], r["context"], r["kv_cache_dtype"]) == (B, L, name)),
+                       key=lambda r: r["us"])
+            print(f"sweep {B} x {L} {name}: best {best['us']:.1f} us at block_n {best['block_n']}, "
+                  f"{best['num_warps']} warps, {best['num_stages']} stages")
+        del variants, kb, vb
+    return rows
+
+
 def engine_throughput(device, smoke) -> dict:
     from minikv import LLM, SamplingParams
     from minikv.bench.throughput import QWEN25_05B_SHAPE, SMALL_SHAPE, make_random_checkpoint
@@ -205,6 +239,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time every decode launch setting per pool dtype")
+    ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine throughput runs")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record = {"benchmark": "kv_quant_gpu", "date": time.strftime("%Y-%m-%d"), **environment(device)}
@@ -214,15 +250,18 @@ def main() -> None:
         raise SystemExit("correctness failed: no timings")
     clock = Clock(device, reps=5 if args.smoke else 50, warmup=1 if args.smoke else 5)
     record["copy_bandwidth_gb_per_s"] = copy_bandwidth(clock, 2**22 if args.smoke else 2**30)
+    if args.sweep:
+        record["sweep"] = sweep(device, clock, args.smoke)
     record["decode"] = decode_timing(device, clock, args.smoke)
-    record["engine"] = engine_throughput(device, args.smoke)
+    if args.engine:
+        record["engine"] = engine_throughput(device, args.smoke)
     print(f"\n{record['device']}  torch {record['torch']}  triton {record['triton']}  copy "
           f"{record['copy_bandwidth_gb_per_s']:.0f} GB/s")
     print(f"{'decode':>16} {'dtype':>6} {'us':>8} {'MiB':>8} {'GB/s':>6} {'bytes/bf16':>10} {'time/bf16':>9}")
     for r in record["decode"]:
         print(f"{r['batch']:>6} x {r['context']:>7} {r['kv_cache_dtype']:>6} {r['us']:8.1f} "
               f"{r['bytes_read'] / 2**20:8.1f} {r['gb_per_s']:6.0f} {r['bytes_vs_bf16']:10.2f} {r['time_vs_bf16']:9.2f}")
-    for name, r in record["engine"]["runs"].items():
+    for name, r in record.get("engine", {}).get("runs", {}).items():
         print(f"engine {name:>14}: {r['tokens_per_s']:8,.0f} tok/s  {r['num_blocks']:6} blocks  "
               f"{r['most_running']:4} running at most  {r['num_preemptions']:4} preemptions")
     if args.out:
