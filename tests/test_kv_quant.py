@@ -85,7 +85,8 @@ def quantized_pool(seq_lens, block_size, num_kv_heads, dtype, seed):
         tables[b, :n] = order[used:used + n]
         used += n
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-    (k, ks), (v, vs) = quantize_block(with_outliers(shape, g), dtype), quantize_block(torch.randn(shape, generator=g), dtype)
+    k, ks = quantize_block(with_outliers(shape, g), dtype)
+    v, vs = quantize_block(torch.randn(shape, generator=g), dtype)
     return k, v, ks, vs, tables
 
 
