@@ -30,7 +30,7 @@ KV_LAYOUTS = ("nhd", "hnd")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHING = ("hash", "radix")
 EVICTION_POLICIES = ("lru", "fifo")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "vtc")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
@@ -49,6 +49,8 @@ SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
                       "kv_backend='paged' with prefix_caching=None (the exercise's scheduler does not match prefixes)"),
     "copy_on_write": ("rung 6", lambda c: c.is_paged, "kv_backend='paged'"),
     "decode_inner_loop": ("rung 7", lambda c: c.attention == "triton", "kv_backend='paged', attention='triton'"),
+    "pick_next": ("rung 10", lambda c: c.is_paged and c.schedule_policy == "vtc",
+                  "kv_backend='paged', schedule_policy='vtc' (it orders the waiting requests of the fair scheduler)"),
 }
 
 
@@ -148,6 +150,7 @@ class EngineConfig:
     schedule_step: Callable | None = None
     copy_on_write: Callable | None = None
     decode_inner_loop: Any = None
+    pick_next: Callable | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -222,6 +225,12 @@ class EngineConfig:
         self._paged_only("prefix_caching", p is not None)
         _check_choice("eviction", self.eviction, EVICTION_POLICIES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.schedule_policy == "vtc" and not self.is_paged:
+            raise ValueError("schedule_policy='vtc' (fair between tenants) is a policy of the continuous-batching "
+                             "scheduler; use kv_backend='paged'")
+        if self.schedule_policy == "vtc" and self.schedule_step is not None:
+            raise ValueError("schedule_step decides the whole step itself, so schedule_policy='vtc' would be ignored; "
+                             "give one or the other")
         if self.schedule_policy == "lpm" and p is None:
             raise ValueError("schedule_policy='lpm' orders requests by their cached prefix; turn prefix_caching on")
         if isinstance(p, PrefixCache) and p.block_size != self.block_size:
