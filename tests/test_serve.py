@@ -247,6 +247,7 @@ def test_overload_gets_503_with_retry_after_instead_of_an_unbounded_queue():
         assert parse_metrics(httpx.get(s.url + "/metrics").text)['minikv:requests_rejected_total{reason="overloaded"}'] == 1
 
 
+@pytest.mark.slow
 def test_minikv_serve_starts_from_the_command_line_and_stops_on_sigterm():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
