@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -272,3 +273,22 @@ def test_minikv_serve_starts_from_the_command_line_and_stops_on_sigterm():
         code = proc.wait(timeout=20)  # uvicorn shuts down, then re-raises the signal it caught
     out = proc.stdout.read()
     assert code in (0, -signal.SIGTERM) and "serving 'tiny-random'" in out and "Traceback" not in out
+
+
+def test_bench_serve_replays_the_same_seeded_load_and_measures_every_request(server):
+    from minikv.bench.serve import TenantLoad, by_tenant, make_requests, run_load, summarize
+
+    loads = [TenantLoad("A", 40.0, 6, (8, 24), (4, 8)), TenantLoad("B", 20.0, 3, (8, 8), (2, 3))]
+    reqs = make_requests(loads, seed=3, vocab=512)
+    assert reqs == make_requests(loads, seed=3, vocab=512) != make_requests(loads, seed=4, vocab=512)
+    assert [r.send_at for r in reqs] == sorted(r.send_at for r in reqs) and len(reqs) == 9
+    gaps = np.diff([r.send_at for r in make_requests([TenantLoad("x", 50.0, 4000, (1, 1), (1, 1))], 0, 512)])
+    assert abs(gaps.mean() - 1 / 50) < 0.002  # Poisson arrivals: exponential gaps of mean 1 / rate
+    results, duration = run_load(server.url, MODEL, reqs)
+    s = summarize(results, duration, slo_ttft=60.0, slo_itl=60.0)
+    assert (s["completed"], s["failed"]) == (9, 0)
+    assert sum(r.output_tokens for r in results) == sum(r.max_tokens for r in reqs)
+    assert all(len(r.itls) == r.max_tokens - 1 for r in results)  # every token arrived as its own event
+    assert s["goodput_requests_per_s"] == s["request_throughput"]  # a generous target: all met it
+    assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"]
+    assert set(by_tenant(results, duration, 1.0, 1.0)) == {"A", "B"}
