@@ -204,6 +204,19 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(
     assert m['minikv:generation_tokens_total{tenant="anonymous"}'] < 900  # it did not run to the end
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_has_its_request_aborted_too(server):
+    before = metrics(server).get('minikv:request_success_total{finished_reason="abort"}', 0)
+    body = {"model": MODEL, "prompt": prompt_ids(6, 40), "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # not streamed: the client waits, then hangs up
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.time() + 10
+    while time.time() < deadline and metrics(server)["minikv:num_requests_running"] > 0:
+        time.sleep(0.02)
+    m = metrics(server)
+    assert m["minikv:kv_cache_usage_perc"] == 0
+    assert m['minikv:request_success_total{finished_reason="abort"}'] == before + 1
+
+
 def test_isolated_tenants_never_share_cached_blocks(server):
     shared = {"model": MODEL, "prompt": prompt_ids(9, 64), "max_tokens": 1, "temperature": 0}
     alice, bob = client(server, "alice"), client(server, "bob")

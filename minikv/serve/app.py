@@ -129,14 +129,20 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     async def collect(request: Request, rid: str, chat: bool, parsed: Parsed, events: asyncio.Queue) -> dict:
         n = parsed.params.n
         texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + POLL_DISCONNECT_S
         try:
             while True:
                 try:
-                    ev: Event = await asyncio.wait_for(events.get(), POLL_DISCONNECT_S)
+                    ev: Event | None = await asyncio.wait_for(events.get(), POLL_DISCONNECT_S)
                 except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() >= next_check:  # tokens may keep coming: check by the clock, not on silence
+                    next_check = loop.time() + POLL_DISCONNECT_S
                     if await request.is_disconnected():
                         engine.abort(rid)
                         return {}
+                if ev is None:
                     continue
                 if ev.kind == "tokens":
                     texts[ev.index] += ev.text
