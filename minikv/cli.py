@@ -106,6 +106,8 @@ def _serve_parsers(sub) -> None:
                    help="salt each tenant's prefix cache: tenants never share cached blocks")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for a seat before new ones get 503 with Retry-After")
+    s.add_argument("--max-waiting-per-tenant", type=int, default=None,
+                   help="requests of one tenant waiting for a seat before that tenant's new ones get 429")
     s.add_argument("--log-level", default="info")
 
 
@@ -113,9 +115,10 @@ def _serve(args) -> int:
     from minikv import LLM
     from minikv.serve import run
 
-    if args.max_waiting < 1:
-        print(f"error: --max-waiting must be at least 1, got {args.max_waiting}", file=sys.stderr)
-        return 2
+    for flag, value in (("--max-waiting", args.max_waiting), ("--max-waiting-per-tenant", args.max_waiting_per_tenant)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend="paged",
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -128,7 +131,8 @@ def _serve(args) -> int:
     name = args.served_model_name or args.model
     print(f"minikv: serving {name!r} at http://{args.host}:{args.port}/v1 (policy {args.schedule_policy}"
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
-    run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.log_level)
+    run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
+        args.log_level)
     return 0
 
 

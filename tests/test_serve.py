@@ -244,21 +244,34 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
     assert m['minikv:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["minikv:time_to_first_token_seconds_count"]
 
 
-def test_overload_gets_503_with_retry_after_instead_of_an_unbounded_queue():
+def test_overload_gets_429_for_the_flooding_tenant_and_503_for_all_instead_of_an_unbounded_queue():
     llm = engine(max_num_seqs=1)
-    with Server(llm, served_name=MODEL, max_waiting=2) as s:
+    with Server(llm, served_name=MODEL, max_waiting=2, max_waiting_per_tenant=1) as s:
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
+            def post(key: str, stream: bool):
+                kw = dict(json={**body, "stream": stream}, headers={"Authorization": f"Bearer {key}"})
+                if not stream:
+                    return http.post(s.url + "/v1/completions", **kw)
+                st = http.stream("POST", s.url + "/v1/completions", **kw)
+                st.__enter__()
+                streams.append(st)
+                return st
+
             streams = []
-            for _ in range(3):  # one runs, two wait: the queue is full
-                streams.append(http.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}))
-                streams[-1].__enter__()
-            r = http.post(s.url + "/v1/completions", json=body)
+            post("A", True), post("A", True)  # A's first runs (one seat), its second waits
+            too_many = post("A", False)  # A already has 1 waiting: A is refused, not everyone
+            post("B", True)  # B may still queue: 2 waiting now, the server's limit
+            full = post("C", False)
             for st in streams:
                 st.__exit__(None, None, None)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert "overloaded" in r.json()["error"]["message"]
-        assert parse_metrics(httpx.get(s.url + "/metrics").text)['minikv:requests_rejected_total{reason="overloaded"}'] == 1
+        assert too_many.status_code == 429 and too_many.headers["retry-after"] == "1"
+        assert "tenant 'A' already has 1 requests waiting" in too_many.json()["error"]["message"]
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert "overloaded" in full.json()["error"]["message"]
+        m = parse_metrics(httpx.get(s.url + "/metrics").text)
+        assert m['minikv:requests_rejected_total{reason="overloaded"}'] == 1
+        assert m['minikv:requests_rejected_total{reason="tenant_limit"}'] == 1
 
 
 @pytest.mark.slow

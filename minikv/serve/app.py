@@ -48,7 +48,9 @@ def tenant_of(request: Request, parsed: Parsed) -> str:
 
 
 def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = False,
-              max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+              max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None) -> FastAPI:
+    """max_waiting: requests waiting for a seat before anyone gets 503. max_waiting_per_tenant: before
+    that tenant gets 429 (so a flood is refused to the tenant who floods, not to everyone)."""
     llm, metrics = engine.llm, engine.metrics
     app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
     created = now()
@@ -91,12 +93,17 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         except ApiError as e:
             metrics.rejected_request("bad_request" if e.status < 404 else "not_found")
             raise
+        tenant = tenant_of(request, parsed)
+        if max_waiting_per_tenant is not None and engine.num_waiting(tenant) >= max_waiting_per_tenant:
+            metrics.rejected_request("tenant_limit")
+            raise ApiError(429, f"tenant {tenant!r} already has {max_waiting_per_tenant} requests waiting for a seat "
+                                "(--max-waiting-per-tenant); retry after a second", type="rate_limit_exceeded",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
         if engine.num_waiting() >= max_waiting:
             metrics.rejected_request("overloaded")
             raise ApiError(503, f"the server is overloaded: {max_waiting} requests are already waiting for a seat "
                                 "(--max-waiting); retry after a second", type="server_overloaded",
                            headers={"Retry-After": "1"})
-        tenant = tenant_of(request, parsed)
         salt = "/".join(s for s in (tenant if isolate_tenants else None, parsed.cache_salt) if s) or None
         if salt is not None:
             prompt = {**prompt, "cache_salt": salt}
@@ -205,11 +212,12 @@ class Server:
     benchmarks). `minikv serve` runs the same app in the foreground."""
 
     def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 0, served_name: str | None = None,
-                 isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "warning"):
+                 isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
+                 max_waiting_per_tenant: int | None = None, log_level: str = "warning"):
         self.metrics = ServerMetrics()
         self.engine = EngineLoop(llm, self.metrics)
         self.served_name = served_name or str(llm.loaded.source)
-        self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting)
+        self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -247,11 +255,12 @@ class Server:
 
 
 def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool = False,
-        max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info") -> None:
+        max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
+        log_level: str = "info") -> None:
     """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM."""
     metrics = ServerMetrics()
     engine = EngineLoop(llm, metrics).start()
-    app = build_app(engine, served_name, isolate_tenants, max_waiting)
+    app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant)
     try:
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                       timeout_graceful_shutdown=2)).run()

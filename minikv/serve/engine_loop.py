@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,7 +73,9 @@ class EngineLoop:
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
         self._pending = 0  # submitted, not yet queued in the engine
+        self._pending_by_tenant: Counter[str] = Counter()
         self._pending_lock = threading.Lock()
+        self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted each step
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self.num_steps = 0
 
@@ -96,6 +99,7 @@ class EngineLoop:
         """Queue a request; `on_event` is called (on the engine thread) with its events, in order."""
         with self._pending_lock:
             self._pending += 1
+            self._pending_by_tenant[tenant] += 1
         self._commands.put(("submit", prompt, params, tenant, request_id, on_event))
         self._wake.set()
 
@@ -104,9 +108,12 @@ class EngineLoop:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def num_waiting(self) -> int:
-        """Requests not running yet: queued in the scheduler, or submitted and not yet queued."""
-        return len(self.llm.scheduler.waiting) + self._pending
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Requests not running yet: queued in the scheduler, or submitted and not yet queued (of one
+        tenant, if given)."""
+        if tenant is None:
+            return len(self.llm.scheduler.waiting) + self._pending
+        return self._waiting_by_tenant[tenant] + self._pending_by_tenant[tenant]
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -120,6 +127,7 @@ class EngineLoop:
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
+                self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
                 self._publish()
             else:
                 self._wake.wait(self.idle_wait)
@@ -142,11 +150,16 @@ class EngineLoop:
         try:
             seq = self.llm.add_request(prompt, params, request_id=request_id, tenant=tenant)
         except ValueError as e:
-            on_event(Event("rejected", error=e))
+            seq = None
+            error = e
+        with self._pending_lock:  # queued (if accepted) before its handler hears about it
+            self._pending -= 1
+            self._pending_by_tenant[tenant] -= 1
+            if seq is not None:
+                self._waiting_by_tenant[tenant] += 1
+        if seq is None:
+            on_event(Event("rejected", error=error))
             return
-        finally:
-            with self._pending_lock:
-                self._pending -= 1
         self._live[request_id] = _Live(seq, on_event, tenant)
         on_event(Event("accepted", prompt_tokens=seq.num_prompt_tokens))
 
