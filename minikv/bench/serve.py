@@ -381,7 +381,10 @@ def results_line(rec: dict, json_name: str) -> str:
         n = rec["noisy"]
         parts.append(f"noisy neighbour (A floods, B short): B's p99 TTFT **FCFS {n['fcfs']['B-quiet']['ttft_p99_s']:.2f} s "
                      f"vs fair (VTC) {n['vtc']['B-quiet']['ttft_p99_s']:.2f} s**, A's throughput "
-                     f"{n['fcfs']['A-flood']['output_tokens_per_s']:.0f} vs {n['vtc']['A-flood']['output_tokens_per_s']:.0f} tok/s")
+                     f"{n['fcfs']['A-flood']['output_tokens_per_s']:.0f} vs {n['vtc']['A-flood']['output_tokens_per_s']:.0f} tok/s"
+                     f"; refused (429/503): A {n['fcfs']['A-flood']['failed']} vs {n['vtc']['A-flood']['failed']} of "
+                     f"{n['fcfs']['A-flood']['requests']}, B {n['fcfs']['B-quiet']['failed']} vs "
+                     f"{n['vtc']['B-quiet']['failed']} of {n['fcfs']['B-quiet']['requests']}")
     if "prefix" in rec:
         p = rec["prefix"]
         parts.append(f"shared {rec['settings']['system_len']}-token system prompt: TTFT p50 "
