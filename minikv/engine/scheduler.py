@@ -7,7 +7,8 @@
          next chunk of its prompt (chunked prefill). A sequence that needs a new block and finds
          none preempts the least important running sequence (lowest priority, then newest).
       2. if nothing was preempted: swapped sequences come back when their blocks fit
-      3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow
+      3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow (oldest
+         first; with schedule_policy="vtc", the least-served tenant's first: minikv/engine/fair.py)
 
 Preemption modes: "recompute" frees the victim's blocks and requeues it at the front of waiting
 (its prompt AND generated tokens are prefilled again later); "swap" copies its blocks to the CPU
