@@ -3,6 +3,7 @@
     minikv prepare                                   fetch + convert the offline model (once)
     minikv generate --model smollm2-135m --prompt "Why is the sky blue?"
     minikv bench <name> [options]                    run minikv/bench/<name>.py (e.g. cache_speedup)
+    minikv serve --model smollm2-135m --port 8000    an OpenAI-compatible server (see minikv/serve)
 
 For the classroom:
     minikv check exercises/04a_slot_mapping.ipynb [--json]   grade an exercise you saved (exit 0: all checks pass)
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     _classroom_parsers(sub)
     _interview_parsers(sub)
+    _serve_parsers(sub)
     args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        return _serve(args)
 
     if args.cmd in ("check", "grade", "release"):
         return {"check": _check, "grade": _grade, "release": _release}[args.cmd](args)
@@ -99,6 +103,57 @@ def _interview(args) -> int:
     from minikv.interview.cli import dispatch
 
     return dispatch(args)
+# ---- serving many users ---------------------------------------------------------------------------
+
+def _serve_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model with the OpenAI API (completions, chat, streaming, /metrics)")
+    s.add_argument("--model", default="smollm2-135m", help="tiny-random, smollm2-135m, a checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    s.add_argument("--device", default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (seats)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    s.add_argument("--prefix-caching", choices=("hash", "radix", "none"), default="hash")
+    s.add_argument("--schedule-policy", choices=("fcfs", "vtc", "lpm"), default="fcfs",
+                   help="fcfs: first come first served; vtc: fair between tenants (virtual token counter); "
+                        "lpm: longest cached prefix first")
+    s.add_argument("--isolate-tenants", action="store_true",
+                   help="salt each tenant's prefix cache: tenants never share cached blocks")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting for a seat before new ones get 503 with Retry-After")
+    s.add_argument("--max-waiting-per-tenant", type=int, default=None,
+                   help="requests of one tenant waiting for a seat before that tenant's new ones get 429")
+    s.add_argument("--log-level", default="info")
+
+
+def _serve(args) -> int:
+    from minikv import LLM
+    from minikv.serve import run
+
+    for flag, value in (("--max-waiting", args.max_waiting), ("--max-waiting-per-tenant", args.max_waiting_per_tenant)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend="paged",
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
+                  prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    print(f"minikv: serving {name!r} at http://{args.host}:{args.port}/v1 (policy {args.schedule_policy}"
+          f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
+    run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
+        args.log_level)
+    return 0
 
 
 # ---- for the classroom ---------------------------------------------------------------------------

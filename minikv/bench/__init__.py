@@ -4,6 +4,7 @@
     prefix_ttft       time to first token with prefix caching off, hash chain, radix tree
     throughput        the nano-vllm offline workload: minikv's engines vs transformers'
     decode_attention  GPU: the Triton paged decode kernel vs SDPA and the torch reference
+    serve             online serving: Poisson load of streaming clients against `minikv serve`
 
 Kernel research scripts (variants of the decode kernel, its launch-settings tuner, an Nsight Compute
 profile) live beside their records under benchmarks/, not in the package.

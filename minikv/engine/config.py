@@ -30,7 +30,7 @@ KV_LAYOUTS = ("nhd", "hnd")
 PREEMPTION_MODES = ("recompute", "swap")
 PREFIX_CACHING = ("hash", "radix")
 EVICTION_POLICIES = ("lru", "fifo")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "vtc")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
@@ -51,6 +51,8 @@ SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
     "decode_inner_loop": ("rung 7", lambda c: c.attention == "triton", "kv_backend='paged', attention='triton'"),
     "kv_quantizer": ("rung 8", lambda c: c.is_paged and c.kv_cache_dtype != "auto",
                      "kv_backend='paged' and kv_cache_dtype='int8' or 'fp8'"),
+    "pick_next": ("rung 10", lambda c: c.is_paged and c.schedule_policy == "vtc",
+                  "kv_backend='paged', schedule_policy='vtc' (it orders the waiting requests of the fair scheduler)"),
 }
 
 
@@ -152,6 +154,7 @@ class EngineConfig:
     copy_on_write: Callable | None = None
     decode_inner_loop: Any = None
     kv_quantizer: Callable | None = None
+    pick_next: Callable | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -252,6 +255,12 @@ class EngineConfig:
         self._paged_only("prefix_caching", p is not None)
         _check_choice("eviction", self.eviction, EVICTION_POLICIES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.schedule_policy == "vtc" and not self.is_paged:
+            raise ValueError("schedule_policy='vtc' (fair between tenants) is a policy of the continuous-batching "
+                             "scheduler; use kv_backend='paged'")
+        if self.schedule_policy == "vtc" and self.schedule_step is not None:
+            raise ValueError("schedule_step decides the whole step itself, so schedule_policy='vtc' would be ignored; "
+                             "give one or the other")
         if self.schedule_policy == "lpm" and p is None:
             raise ValueError("schedule_policy='lpm' orders requests by their cached prefix; turn prefix_caching on")
         if isinstance(p, PrefixCache) and p.block_size != self.block_size:

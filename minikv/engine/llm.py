@@ -31,6 +31,7 @@ from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
+from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.prompts import is_single_prompt, parse_prompt
@@ -98,8 +99,10 @@ class LLM:
         and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
 
         Prefix caching (rung 6, paged): prefix_caching None, "hash" (vLLM's hashed block chain), "radix"
-        (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs" or
-        "lpm" (longest cached prefix first). Requests with different `cache_salt` never share blocks.
+        (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs",
+        "lpm" (longest cached prefix first) or "vtc" (fair between tenants: the tenant with the least
+        service so far goes first, minikv/engine/fair.py). Requests with different `cache_salt` never
+        share blocks.
 
         Named seams, where your own code runs inside the engine (each exercise plugs into one):
             causal_attention=fn   rung 1  attention of one whole sequence (kv_backend="naive")
@@ -110,6 +113,7 @@ class LLM:
             copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
+            pick_next=fn          rung 10 which waiting request the fair scheduler admits next
         Views and checkers watch the engine through `add_observer`.
         """
         try:
@@ -205,6 +209,8 @@ class LLM:
                                    **_given(schedule_step=cfg.schedule_step), on_event=self._on_event)
         if cfg.prefix_caching is not None:
             self.scheduler.policy = cfg.schedule_policy
+        if cfg.schedule_policy == "vtc":
+            self.scheduler.fair = VirtualTokenCounter(cfg.pick_next)
 
     def _new_block_manager(self, cfg: EngineConfig) -> tuple[BlockManager, PrefixCache | None]:
         """Block tables and refcounts over the allocator, with the prefix cache attached; all empty. Called
@@ -311,10 +317,15 @@ class LLM:
                     seq.forks.append(sample)
         return seq
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    tenant: str | None = None) -> Sequence:
         """Queue one request (validated now: a bad one raises and leaves the engine untouched).
-        Drive the engine with `step()` until `has_unfinished()` is False."""
+        Drive the engine with `step()` until `has_unfinished()` is False. `tenant` names who sent it
+        (schedule_policy="vtc" shares the engine fairly between tenants)."""
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {type(tenant).__name__} {tenant!r}")
         seq = self.make_sequence(prompt, params or SamplingParams(), request_id)
+        seq.tenant = tenant
         with self._lock:
             self._requests[seq.seq_id] = seq
             for s in samples_of(seq):

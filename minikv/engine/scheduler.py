@@ -7,7 +7,8 @@
          next chunk of its prompt (chunked prefill). A sequence that needs a new block and finds
          none preempts the least important running sequence (lowest priority, then newest).
       2. if nothing was preempted: swapped sequences come back when their blocks fit
-      3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow
+      3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow (oldest
+         first; with schedule_policy="vtc", the least-served tenant's first: minikv/engine/fair.py)
 
 Preemption modes: "recompute" frees the victim's blocks and requeues it at the front of waiting
 (its prompt AND generated tokens are prefilled again later); "swap" copies its blocks to the CPU
@@ -40,6 +41,7 @@ from typing import Callable
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.swap import SwapSpace
 from minikv.engine.batch import ScheduledBatch
+from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.schedule_step import ScheduleStep, checked_decision
 from minikv.engine.sequence import Sequence, SequenceStatus
 
@@ -78,9 +80,12 @@ class Scheduler:
         self.on_event = on_event
         self.step_index = 0
         self.policy = "fcfs"  # or "lpm": longest cached prefix first (needs a prefix cache)
+        self.fair: VirtualTokenCounter | None = None  # set: admit by tenant counters (minikv/engine/fair.py)
 
     # ---- queues ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if self.fair is not None:
+            self.fair.arrive(seq, self.all_sequences())
         self.waiting.append(seq)
         self._trace(seq, "arrive")
 
@@ -135,7 +140,8 @@ class Scheduler:
         if self.policy == "lpm":
             self._longest_prefix_first()
         while self.waiting and not preempted_now and not self.swapped and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            i = self.fair.next_index(list(self.waiting)) if self.fair is not None else 0
+            seq = self.waiting[i]
             hit = self.bm.match_prefix(seq)  # [0, hit.num_tokens) already in the prefix cache
             start = max(seq.num_computed_tokens, hit.num_tokens)
             n = self._tokens_to_run(seq, budget, start)
@@ -143,7 +149,7 @@ class Scheduler:
                 break
             if len(self.running) + seq.num_pending_forks >= self.max_num_seqs:  # its n samples need seats
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._trace(seq, "admit")
@@ -152,6 +158,8 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:  # what the request saved on arrival (a recompute may hit more)
                     seq.num_cached_tokens = cached
+            if self.fair is not None and seq.num_preemptions == 0:  # its tenant pays for the prompt once
+                self.fair.admitted(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.bm.grow(seq, seq.num_computed_tokens + n)
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
@@ -258,6 +266,8 @@ class Scheduler:
     def update(self, batch: ScheduledBatch) -> None:
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             seq.num_computed_tokens = start + n
+            if self.fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
+                self.fair.generated(seq)  # it sampled a token this step
             self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)

@@ -38,6 +38,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.cache_salt = cache_salt
+        self.tenant: str | None = None  # who sent it (fair scheduling between tenants, minikv/engine/fair.py)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache

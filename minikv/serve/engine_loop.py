@@ -1,0 +1,210 @@
+"""One engine loop owns the LLM; request handlers submit to it and get their tokens back as events.
+
+    HTTP handlers (asyncio, any number)            engine thread (one)
+    ------------------------------------           ---------------------------------------------
+    submit(prompt, params, tenant, on_event) --->  commands queue --> llm.add_request(...)
+    abort(request_id)                        --->                 --> llm.abort(seq): blocks freed now
+                                                   loop: llm.step(); for every live request, the
+    on_event(Event)   <-------------------------   tokens and text it got since the last step
+
+Only the engine thread touches the LLM (tokenizing, scheduling, the model). A handler never waits
+for a step: it puts a command on a queue and awaits its own events, so a slow step never blocks the
+HTTP server, and a client that goes away has its request aborted between two steps.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from minikv.engine.fork import samples_of
+from minikv.engine.llm import LLM, Prompt
+from minikv.engine.sampling_params import SamplingParams
+from minikv.engine.sequence import Sequence
+
+log = logging.getLogger("minikv.serve")
+
+
+@dataclass
+class Event:
+    """What a handler hears about its request.
+
+    kind "accepted"  the engine queued it (prompt_tokens set)
+         "rejected"  the engine refused it (error: the ValueError, e.g. a prompt over max_model_len)
+         "tokens"    sample `index` got `token_ids` / `text` since the last event; finish_reason when it ended
+         "end"       every sample ended (usage fields set)
+         "failed"    the engine hit an error while running it (error set)
+    """
+
+    kind: str
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: Exception | None = None
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    on_event: Callable[[Event], None]
+    tenant: str
+    sent: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # sample -> (tokens, chars, finished)
+
+
+class EngineLoop:
+    """metrics: a ServerMetrics (minikv/serve/metrics.py) told about every finished request, or None."""
+
+    def __init__(self, llm: LLM, metrics=None, idle_wait: float = 0.05):
+        if not llm.is_paged:
+            raise ValueError("the server runs the continuous-batching engine: build the LLM with kv_backend='paged'")
+        self.llm = llm
+        self.metrics = metrics
+        self.idle_wait = idle_wait
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._live: dict[str, _Live] = {}
+        self._pending = 0  # submitted, not yet queued in the engine
+        self._pending_by_tenant: Counter[str] = Counter()
+        self._pending_lock = threading.Lock()
+        self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted each step
+        self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
+        self.num_steps = 0
+
+    # ---- called from any thread -----------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, prompt: Prompt, params: SamplingParams, tenant: str, request_id: str,
+               on_event: Callable[[Event], None]) -> None:
+        """Queue a request; `on_event` is called (on the engine thread) with its events, in order."""
+        with self._pending_lock:
+            self._pending += 1
+            self._pending_by_tenant[tenant] += 1
+        self._commands.put(("submit", prompt, params, tenant, request_id, on_event))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away); its blocks go back before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def num_waiting(self, tenant: str | None = None) -> int:
+        """Requests not running yet: queued in the scheduler, or submitted and not yet queued (of one
+        tenant, if given)."""
+        if tenant is None:
+            return len(self.llm.scheduler.waiting) + self._pending
+        return self._waiting_by_tenant[tenant] + self._pending_by_tenant[tenant]
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            if self.llm.has_unfinished():
+                try:
+                    self.llm.step()
+                except Exception as e:  # noqa: BLE001  the engine recovered its state; its requests end
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self._fail_all(e)
+                    continue
+                self.num_steps += 1
+                self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
+                self._publish()
+            else:
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+        self._drain()
+        self._fail_all(RuntimeError("the server is shutting down"))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                self._add(*cmd[1:])
+            else:
+                self._abort(cmd[1])
+
+    def _add(self, prompt, params, tenant, request_id, on_event) -> None:
+        try:
+            seq = self.llm.add_request(prompt, params, request_id=request_id, tenant=tenant)
+        except ValueError as e:
+            seq = None
+            error = e
+        with self._pending_lock:  # queued (if accepted) before its handler hears about it
+            self._pending -= 1
+            self._pending_by_tenant[tenant] -= 1
+            if seq is not None:
+                self._waiting_by_tenant[tenant] += 1
+        if seq is None:
+            on_event(Event("rejected", error=error))
+            return
+        self._live[request_id] = _Live(seq, on_event, tenant)
+        on_event(Event("accepted", prompt_tokens=seq.num_prompt_tokens))
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:  # already finished
+            return
+        self.llm.abort(live.seq)
+        if self.metrics is not None:
+            self.metrics.request_done(live.tenant, live.seq, "abort")
+
+    def _publish(self) -> None:
+        """Hand every live request what it got this step; retire the ones that ended."""
+        for rid, live in list(self._live.items()):
+            for s in samples_of(live.seq):
+                tokens, chars, finished = live.sent.get(s.index, (0, 0, False))
+                if finished or (len(s.output_token_ids) == tokens and not s.is_finished):
+                    continue
+                new_ids = s.output_token_ids[tokens:]
+                if self.metrics is not None and new_ids:  # counted before the client can see them
+                    self.metrics.tokens_generated(live.tenant, len(new_ids))
+                live.on_event(Event("tokens", s.index, list(new_ids), s.text[chars:],
+                                    s.finish_reason if s.is_finished else None))
+                live.sent[s.index] = (len(s.output_token_ids), len(s.text), s.is_finished)
+            root = live.seq
+            if root.num_pending_forks or not all(s.is_finished for s in samples_of(root)):
+                continue
+            del self._live[rid]
+            samples = samples_of(root)
+            errors = [s for s in samples if s.finish_reason == "error"]
+            if self.metrics is not None:
+                self.metrics.request_done(live.tenant, root, root.finish_reason or "stop")
+            if errors:
+                live.on_event(Event("failed", error=RuntimeError(errors[0].error)))
+            live.on_event(Event("end", prompt_tokens=root.num_prompt_tokens,
+                                completion_tokens=sum(len(s.output_token_ids) for s in samples),
+                                cached_tokens=root.num_cached_tokens))
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, live in list(self._live.items()):
+            del self._live[rid]
+            try:
+                self.llm.abort(live.seq)
+            except Exception:  # noqa: BLE001  best effort: the engine may be the thing that broke
+                pass
+            if self.metrics is not None:
+                self.metrics.request_done(live.tenant, live.seq, "error")
+            live.on_event(Event("failed", error=error))
