@@ -91,3 +91,123 @@ def test_prefill_kernel_with_window_and_sinks_equals_reference_and_reads_no_free
                                   meta.max_query_len, sliding_window=window, sink_tokens=sinks, block_m=16,
                                   block_n=32, out=poisoned(q.shape, q.dtype))
     assert_close(out, want.float(), 2e-6, f"prefill, window {window}, sinks {sinks}")
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+PAGED = dict(kv_backend="paged", block_size=4)
+PROMPTS = [list(range(1, 14)), list(range(20, 50))]
+
+
+class LiveBlocks:
+    """Observer: the most blocks any one sequence held after a step."""
+
+    def __init__(self):
+        self.most = 0
+
+    def on_step(self, llm, batch, events):
+        llm.block_manager.check(llm.scheduler.all_sequences())
+        for s in llm.scheduler.running:
+            self.most = max(self.most, sum(1 for b in s.block_table if b != NO_BLOCK))
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_a_window_longer_than_every_sequence_gives_the_tokens_of_the_engine_without_one():
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLM("tiny-random", num_blocks=40, **PAGED)
+    wide = LLM("tiny-random", num_blocks=40, sliding_window=64, sink_tokens=4, **PAGED)
+    assert tokens(wide.generate(PROMPTS, p)) == tokens(plain.generate(PROMPTS, p))
+    assert wide.stats()["window_freed_blocks"] == 0
+
+
+def test_giving_blocks_back_changes_no_token_and_a_long_generation_holds_a_bounded_number_of_blocks():
+    p = SamplingParams(max_tokens=150, ignore_eos=True)
+    window = dict(sliding_window=16, sink_tokens=4, max_num_batched_tokens=16)
+    # the same mask, but a free rule that gives nothing back: every block stays until the end
+    keep = LLM("tiny-random", num_blocks=128, window_free_rule=lambda *a: [], **window, **PAGED)
+    held_all = LiveBlocks()
+    keep.add_observer(held_all)
+    want = tokens(keep.generate(PROMPTS, p))
+    # 24 blocks of 4 = 96 tokens: far too few for 163- and 180-token sequences without the window
+    small = LLM("tiny-random", num_blocks=24, max_model_len=400, **window, **PAGED)
+    held = LiveBlocks()
+    small.add_observer(held)
+    assert tokens(small.generate(PROMPTS, p)) == want
+    bound = small.engine_config.window_blocks(400)  # sink block + window and one step's tokens + 1
+    assert held_all.most == 45 and held.most <= bound == 10, (held_all.most, held.most, bound)
+    stats = small.stats()
+    assert stats["window_freed_blocks"] > 60 and stats["num_preemptions"] == 0
+    assert stats["used_blocks"] == 0, "every block goes back when the requests finish"
+
+
+def test_a_model_whose_config_has_a_window_uses_it_by_default():
+    import dataclasses
+
+    from minikv.model.loader import LoadedModel
+
+    base = LLM("tiny-random", num_blocks=64, **PAGED)
+    loaded = base.loaded
+    mistral_like = LoadedModel(loaded.model, dataclasses.replace(loaded.config, sliding_window=12), loaded.tokenizer,
+                               loaded.source)
+    llm = LLM(mistral_like, num_blocks=64, **PAGED)
+    assert llm.engine_config.sliding_window == 12
+    p = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = tokens(llm.generate(PROMPTS, p))
+    assert llm.stats()["window_freed_blocks"] > 0
+    assert out == tokens(base.derive(sliding_window=12).generate(PROMPTS, p))
+    assert out != tokens(base.generate(PROMPTS, p)), "a 12-token window changes what a 43-token context gives"
+    tiny_window = LoadedModel(loaded.model, dataclasses.replace(loaded.config, sliding_window=2), None, "x")
+    with pytest.raises(ValueError, match="the model's sliding_window=2 is smaller than a block"):
+        LLM(tiny_window, **PAGED)
+
+
+def test_prefix_caching_forks_and_beams_keep_their_invariants_under_a_window():
+    shared = list(range(100, 140))
+    prompts = [shared + [1, 2, 3], shared + [4, 5], shared + [6]]
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    window = dict(sliding_window=12, sink_tokens=2, num_blocks=48)
+    want = tokens(LLM("tiny-random", **window, **PAGED).generate(prompts, p))
+    cached = LLM("tiny-random", prefix_caching="hash", **window, **PAGED)
+    cached.add_observer(LiveBlocks())
+    assert tokens(cached.generate(prompts, p)) == want
+    assert tokens(cached.generate(prompts, p)) == want, "a second pass hits blocks some windows gave back"
+    assert cached.stats()["prefix_cache"]["hits"] > 0
+    forks = LLM("tiny-random", **window, **PAGED)
+    forks.add_observer(LiveBlocks())
+    outs = forks.generate(prompts[:1], SamplingParams(n=3, temperature=1.0, max_tokens=30, ignore_eos=True, seed=1))
+    assert len(outs[0].outputs) == 3 and forks.stats()["window_freed_blocks"] > 0
+    beams = LLM("tiny-random", **window, **PAGED)
+    beams.add_observer(LiveBlocks())
+    beams.beam_search(prompts[:1], beam_width=3, max_tokens=20)
+    assert beams.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sliding_window=2), "sliding_window=2 is smaller than a block .*block_size 4"),
+    (dict(sliding_window=8, sink_tokens=9), "sink_tokens=9 is larger than sliding_window=8"),
+    (dict(sliding_window=-8), "sliding_window must be an integer >= 1"),
+    (dict(sliding_window=8, sink_tokens=-1), "sink_tokens must be an integer >= 0"),
+    (dict(sink_tokens=4), "sink_tokens=4 keeps the first tokens in sight beside a sliding window, but there is none"),
+    (dict(sliding_window=8, prefix_caching="radix"), "radix tree .* use prefix_caching='hash'"),
+    (dict(kv_backend="contiguous", sliding_window=8), "sliding_window is an option of the paged pool"),
+    (dict(kv_backend="naive", sink_tokens=4), "sink_tokens is an option of the paged pool"),
+    (dict(window_free_rule=lambda *a: []), "window_free_rule plugs into rung 8"),
+    (dict(sliding_window=8, num_blocks=4, max_model_len=200), "holds up to .* blocks at once"),
+])
+def test_bad_window_options_are_refused_with_the_limit_and_the_fix(kwargs, message):
+    options = {**PAGED, **kwargs}
+    if options["kv_backend"] != "paged":
+        options.pop("block_size")
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny-random", **options)
+
+
+def test_a_free_rule_that_frees_a_block_still_in_sight_is_refused():
+    def frees_the_sinks(block_table, num_computed_tokens, block_size, sliding_window, sink_tokens):
+        return [0] if num_computed_tokens > 20 else []
+
+    llm = LLM("tiny-random", num_blocks=40, sliding_window=8, sink_tokens=2, window_free_rule=frees_the_sinks, **PAGED)
+    with pytest.raises(ValueError, match=r"frees block 0 \(positions 0-3\), but the next query .* sinks 0-1"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True))
