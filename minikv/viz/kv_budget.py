@@ -170,3 +170,70 @@ def plot_budget(models: list[str], contexts: tuple[int, ...] = (8192, 32768, 131
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3, axis="y")
     return ax.figure
+
+
+# ---- one block of a quantized pool -------------------------------------------------------------------
+def block_bytes_lines(block, dtype_name: str) -> list[str]:
+    """What one block of one layer costs and loses in `dtype_name` ("int8" or "fp8"): payload, scales,
+    and the error of each element. block [block_size, num_kv_heads, head_dim] in full precision."""
+    import torch
+
+    from minikv.cache.quant import dequantize_block, quantize_block
+
+    dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
+    q, scale = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale) - block.float()).abs()
+    T, H, D = block.shape
+    payload, scales, bf16 = q.numel() * q.element_size(), scale.numel() * 4, block.numel() * 2
+    return [f"one block of one layer: {T} tokens x {H} kv heads x {D} values",
+            f"  bf16: {bf16:,} B    {dtype_name}: {payload:,} B payload + {scales:,} B scales "
+            f"(one float32 per token and head) = {payload + scales:,} B ({bf16 / (payload + scales):.2f}x less)",
+            f"  error per element: max {err.max().item():.4f}, mean {err.mean().item():.5f}; "
+            f"relative to the block's values: {(err.norm() / block.float().norm()).item():.4f}"]
+
+
+def plot_block_error(block, dtype_name: str, head: int = 0, ax=None):
+    """|dequantized - original| of each element of one kv head of one block: tokens x head_dim."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from minikv.cache.quant import dequantize_block, quantize_block
+
+    dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
+    q, scale = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale) - block.float()).abs()[:, head]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 2.4))
+    im = ax.imshow(err, aspect="auto", cmap="viridis")
+    ax.set_xlabel("channel (head_dim)")
+    ax.set_ylabel("token in block")
+    ax.set_title(f"{dtype_name}: |error| of each element, kv head {head} (scale per row: absmax / "
+                 f"{'127' if dtype_name == 'int8' else '448'})", fontsize=9)
+    ax.figure.colorbar(im, ax=ax)
+    return ax.figure
+
+
+def quant_block_widget(blocks: dict):
+    """Pick a block (`blocks`: name -> [block_size, kv_heads, head_dim] tensor), int8 or fp8, a kv head:
+    its bytes (payload and scales) and the error of each element."""
+    import ipywidgets as w
+
+    from minikv.viz.pool import figure_png
+
+    first = next(iter(blocks.values()))
+    pick = w.Dropdown(options=list(blocks), description="block")
+    dtype = w.ToggleButtons(options=["int8", "fp8"], value="int8")
+    head = w.IntSlider(value=0, min=0, max=first.shape[1] - 1, description="kv head", continuous_update=False)
+    text, image = w.HTML(), w.Image(format="png")
+
+    def update(_=None):
+        b = blocks[pick.value]
+        text.value = "<pre>" + "\n".join(block_bytes_lines(b, dtype.value)) + "</pre>"
+        image.value = figure_png(plot_block_error(b, dtype.value, head.value))
+
+    for widget in (pick, dtype, head):
+        widget.observe(update, names="value")
+    update()
+    return view([w.HBox([pick, dtype]), head, text, image], "one block of a quantized pool: bytes and error",
+                details=lambda: "\n".join(block_bytes_lines(blocks[pick.value], dtype.value)),
+                picture=lambda: image.value)
