@@ -37,7 +37,9 @@ Keeping the copies in flight (benchmarks/NOTES_decode.md, runs 7-16):
 Limits: head_dim any (padded to a power of two), block_size any >= 1 (the engine uses powers of
 two), any context length, group size any (padded to 16 rows for the tensor-core dot), the pool in
 any storage order with a contiguous head_dim (token- or head-major: only strides are read). fp16
-and bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16.
+and bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16. A quantized pool (int8
+or fp8 with per token and head scales, minikv/cache/quant.py) is dequantized tile by tile as it is
+read (kernels/quant.py), before the inner loop: the seam below sees K/V in q's dtype either way.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from minikv.kernels.quant import load_kv_tile, quant_args
 
 
 @triton.jit
@@ -72,6 +76,7 @@ def _decode_split_kernel(
     q_ptr,  # [B, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides (token- or head-major storage)
     v_cache_ptr,  # same layout and strides as k_cache
+    k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 when QUANT (else unused)
     block_tables_ptr,  # [B, table_width] physical block ids (-1 = none, never read)
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, num_heads, head_dim]   written directly when SINGLE_SPLIT
@@ -86,6 +91,7 @@ def _decode_split_kernel(
     table_width,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     stride_ob, stride_oh,
     stride_trace,
@@ -104,6 +110,7 @@ def _decode_split_kernel(
     TRACE: tl.constexpr,
     USE_PDL: tl.constexpr,  # the merge is launched as a programmatic dependent (GPU, compute capability >= 9)
     INNER_LOOP: tl.constexpr,  # the @triton.jit function that folds one tile in (online_softmax_block's signature)
+    QUANT: tl.constexpr,  # the pool holds int8/fp8 values and scales: dequantize each tile as it is read
 ):
     if USE_PDL:  # the merge's programs may start now and wait (gdc_wait) for this grid's results
         tl.extra.cuda.gdc_launch_dependents()
@@ -149,8 +156,9 @@ def _decode_split_kernel(
             block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+            k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
@@ -166,8 +174,9 @@ def _decode_split_kernel(
             block = tl.gather(blocks, pos // BLOCK_SIZE - base, axis=0).to(tl.int64)  # physical blocks
             row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+            k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
@@ -296,6 +305,8 @@ def paged_decode_attention(
     pdl: bool | None = None,  # merge launched as a programmatic dependent (default DECODE_PDL, where supported)
     inner_loop=None,  # a @triton.jit function with online_softmax_block's signature (None: that function)
     merge=None,  # a torch function (part_out [B, H, S, D], part_lse [B, H, S]) -> [B, H, D]: replaces the merge kernel
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim].
 
@@ -316,6 +327,7 @@ def paged_decode_attention(
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"need one row per sequence ({B})")
     inner_loop = check_inner_loop(inner_loop)
+    k_scale, v_scale, stride_sb, stride_ss, stride_sh, quant = quant_args(k_scale, v_scale, k_cache)
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
@@ -346,10 +358,11 @@ def paged_decode_attention(
     split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
     table_entries, chunk_n = table_chunk(block_size, block_n)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
         scale * math.log2(math.e), window, sinks, num_splits, split_len, block_tables.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_sb, stride_ss, stride_sh,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         trace_stride,
@@ -357,7 +370,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
-        INNER_LOOP=inner_loop, **launch,
+        INNER_LOOP=inner_loop, QUANT=quant, **launch,
     )
     if num_splits > 1 and merge is not None:
         merged = merge(part_out[..., :head_dim], part_lse)

@@ -15,7 +15,8 @@ Each program streams key tiles [0, last position of its rows] through the block 
 same online softmax as the decode kernel; a tile's mask is causal (key pos <= query pos) and, with
 a sliding window, key pos > query pos - window or key pos < sinks (StreamingLLM's sink tokens, read
 by a first loop over [0, sinks) before the window's tiles). A block the engine gave back because it
-fell wholly outside every window (block table entry -1) is never read.
+fell wholly outside every window (block table entry -1) is never read. A quantized pool's tiles are
+dequantized as they are read (kernels/quant.py).
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from minikv.kernels.quant import load_kv_tile, quant_args
+
 
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 when QUANT (else unused)
     block_tables_ptr,  # [B, max_blocks]
     query_start_loc_ptr,  # [B+1]
     seq_lens_ptr,  # [B]
@@ -39,6 +43,7 @@ def _prefill_kernel(
     sinks,  # and keys [0, sinks) when SLIDING
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
+    stride_sb, stride_ss, stride_sh,
     stride_bt,
     stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr,
@@ -49,6 +54,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
+    QUANT: tl.constexpr,  # int8/fp8 values with scales: dequantize each tile as it is read
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,8 +94,9 @@ def _prefill_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -105,8 +112,9 @@ def _prefill_kernel(
         valid = valid & (block >= 0)  # -1: a block given back (outside every window), never read
         row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -144,6 +152,8 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim] to write into (else a new tensor)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of the new tokens over their paged context: [T, num_heads, head_dim]."""
     T, num_heads, head_dim = q.shape
@@ -155,6 +165,7 @@ def paged_prefill_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    k_scale, v_scale, stride_sb, stride_ss, stride_sh, quant = quant_args(k_scale, v_scale, k_cache)
     B = seq_lens.shape[0]
     if query_start_loc.shape[0] != B + 1 or block_tables.shape[0] != B:
         raise ValueError(f"query_start_loc needs B+1 = {B + 1} entries and block_tables B rows")
@@ -171,15 +182,16 @@ def paged_prefill_attention(
                                 "num_stages": num_stages or PREFILL_CONFIG["num_stages"]}
     grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e), sliding_window or 0, sink_tokens if sliding_window else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_sb, stride_ss, stride_sh,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, SLIDING=bool(sliding_window),
-        **launch,
+        QUANT=quant, **launch,
     )
     return out

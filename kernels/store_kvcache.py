@@ -6,6 +6,10 @@
 One program per token copies its num_kv_heads x head_dim values: one contiguous row of a
 token-major pool, or one head_dim row per KV head of a head-major one (the pool's strides say which).
 A negative slot means "no slot" (a padding token) and is skipped.
+
+Into a quantized pool (int8 or fp8, minikv/cache/quant.py) each KV head's row is quantized on the
+way: scale = absmax / qmax goes to the scales beside the blocks, round(x / scale) to the slot.
+`quantize_block` there is this kernel's torch twin, to the bit.
 """
 from __future__ import annotations
 
@@ -13,19 +17,26 @@ import torch
 import triton
 import triton.language as tl
 
+from minikv.cache.quant import QMAX
+from minikv.kernels.quant import quant_args
+
 
 @triton.jit
 def _store_kvcache_kernel(
     k_ptr, v_ptr,  # [T, num_kv_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], dim contiguous
+    k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (QUANT only)
     slot_mapping_ptr,  # [T]
+    qmax,  # the largest stored magnitude (QUANT only): 127 for int8, 448 for fp8 e4m3
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,  # the pool's strides: block, slot in the block, KV head
+    stride_sb, stride_ss, stride_sh,  # the scales' strides
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    QUANT: tl.constexpr,  # 0: store as is, 1: int8 (round half up), 2: fp8 (the conversion rounds)
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -34,11 +45,35 @@ def _store_kvcache_kernel(
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_PAD)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    if QUANT:
+        s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_ss + h * stride_sh  # [HEADS_PAD, 1]
+        k, k_scale = _quantize_rows(k, qmax, QUANT)
+        v, v_scale = _quantize_rows(v, qmax, QUANT)
+        tl.store(k_scale_ptr + s_dst, k_scale, mask=h < NUM_KV_HEADS)
+        tl.store(v_scale_ptr + s_dst, v_scale, mask=h < NUM_KV_HEADS)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_rows(x, qmax, QUANT: tl.constexpr):
+    """x [HEADS_PAD, HEAD_PAD] (zeros where masked) -> (values on the 8-bit grid as fp32, scale [HEADS_PAD, 1])."""
+    x = x.to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=1, keep_dims=True)
+    inv = qmax / tl.where(absmax > 0, absmax, 1.0)  # a row of zeros stays zeros (scale 0)
+    y = x * inv
+    if QUANT == 1:
+        y = tl.floor(y + 0.5)
+    if QUANT == 2:  # round to e4m3's grid here (to nearest, ties to even) so that the conversion is exact:
+        # the interpreter's own fp32 -> fp8 rounding drops the carry into the exponent (125.5 -> 64)
+        pow2 = (tl.abs(y).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^floor(log2|y|)
+        ulp = tl.maximum(pow2 * 0.125, 0.001953125)  # 3 mantissa bits; subnormal spacing 2^-9 below 2^-6
+        y = ((y / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds y / ulp to an integer
+    y = tl.minimum(tl.maximum(y, -qmax), qmax)
+    return y, absmax / qmax
 
 
 def store_kvcache(
@@ -47,6 +82,8 @@ def store_kvcache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]  (one layer)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     T, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
@@ -61,11 +98,18 @@ def store_kvcache(
         raise ValueError("k and v need a contiguous head_dim (stride 1)")
     if T == 0:
         return
+    k_scale, v_scale, stride_sb, stride_ss, stride_sh, quant = quant_args(k_scale, v_scale, k_cache)
+    qmax = QMAX.get(k_cache.dtype, 0.0)
+    if quant != bool(qmax):
+        raise ValueError(f"a pool of {k_cache.dtype} {'needs' if qmax else 'takes no'} scales (k_scale, v_scale); "
+                         "quantized pools hold int8 or float8_e4m3fn values with float32 scales")
     launch = {} if k.device.type != "cuda" else {"num_warps": 1 if num_kv_heads * head_dim <= 512 else 4}
     _store_kvcache_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, qmax,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_sb, stride_ss, stride_sh,
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=triton.next_power_of_2(head_dim),
+        QUANT=0 if not quant else 1 if k_cache.dtype == torch.int8 else 2,
         **launch,
     )

@@ -51,6 +51,11 @@ LLM_OPTIONS = [
     (dict(kv_backend="contiguous", block_size=8), "block_size"),
     (dict(kv_backend="contiguous", prefix_caching="hash"), "prefix_caching"),
     (dict(blok_size=16), "blok_size"),
+    (dict(kv_backend="paged", kv_cache_dtype="int4"), "kv_cache_dtype"),
+    (dict(kv_backend="paged", kv_cache_dtype=torch.int8), "kv_cache_dtype"),
+    (dict(kv_backend="contiguous", kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_backend="paged", kv_cache_dtype="int8", kv_quantizer="absmax"), "kv_quantizer"),
+    (dict(kv_backend="paged", kv_quantizer=lambda x, dtype: (x, x)), "kv_quantizer"),
 ]
 SAMPLING = [
     (dict(max_tokens=0), "max_tokens"),

@@ -211,3 +211,40 @@ def test_a_free_rule_that_frees_a_block_still_in_sight_is_refused():
     llm = LLM("tiny-random", num_blocks=40, sliding_window=8, sink_tokens=2, window_free_rule=frees_the_sinks, **PAGED)
     with pytest.raises(ValueError, match=r"frees block 0 \(positions 0-3\), but the next query .* sinks 0-1"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=20, ignore_eos=True))
+
+
+def test_kernels_on_a_quantized_pool_with_window_sinks_and_given_back_blocks_equal_the_dequantized_reference():
+    from minikv.cache.quant import dequantize_block, quantize_block
+
+    bs, window, sinks = 8, 16, 3
+    seq_lens = [5, 40, 77]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, bs, 2, torch.float32, seed=3)
+    (kq, ks), (vq, vs) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
+    k_deq, v_deq = dequantize_block(kq, ks), dequantize_block(vq, vs)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens)
+    q = torch.randn(len(seq_lens), 4, HEAD_DIM)
+    freed = give_back_dead_blocks(tables, meta, window, sinks, bs)
+    out = paged_decode_attention(q, kq, vq, freed, meta.seq_lens, SCALE, num_splits=2, sliding_window=window,
+                                 sink_tokens=sinks, k_scale=ks, v_scale=vs, out=poisoned(q.shape, q.dtype))
+    assert_close(out, loop_reference(q, k_deq, v_deq, tables, meta, window, sinks).float(), 2e-5, "decode, int8")
+    query_lens, seq_lens = [12, 1], [60, 33]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, bs, 2, torch.float32, seed=4)
+    (kq, ks), (vq, vs) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
+    meta = AttentionMetadata.build(query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 4, HEAD_DIM)
+    freed = give_back_dead_blocks(tables, meta, window, sinks, bs)
+    out = paged_prefill_attention(q, kq, vq, freed, meta.query_start_loc, meta.seq_lens, SCALE, meta.max_query_len,
+                                  sliding_window=window, sink_tokens=sinks, k_scale=ks, v_scale=vs, block_m=16,
+                                  block_n=16, out=poisoned(q.shape, q.dtype))
+    want = loop_reference(q, dequantize_block(kq, ks), dequantize_block(vq, vs), tables, meta, window, sinks)
+    assert_close(out, want.float(), 2e-5, "prefill, int8")
+
+
+def test_a_quantized_pool_with_a_window_gives_back_blocks_and_the_tokens_of_keeping_them():
+    p = SamplingParams(max_tokens=60, ignore_eos=True)
+    window = dict(sliding_window=16, sink_tokens=4, max_num_batched_tokens=16, kv_cache_dtype="int8")
+    keep = LLM("tiny-random", num_blocks=64, window_free_rule=lambda *a: [], **window, **PAGED)
+    small = LLM("tiny-random", num_blocks=24, max_model_len=200, preemption="swap", **window, **PAGED)
+    small.add_observer(LiveBlocks())
+    assert tokens(small.generate(PROMPTS, p)) == tokens(keep.generate(PROMPTS, p))
+    assert small.stats()["window_freed_blocks"] > 0 and small.stats()["kv_cache_dtype"] == "int8"

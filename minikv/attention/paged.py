@@ -12,6 +12,8 @@ is taken block by block as a sequence grows.
 This torch version is the reference the Triton kernels are checked against: it writes the new K/V
 through the slot mapping, gathers each sequence's blocks into a padded [B, L] view and runs one
 masked attention over the whole flattened batch (prefill and decode mixed, no loop over sequences).
+On a quantized pool (minikv/cache/quant.py) the store quantizes and the gather dequantizes: the
+attention itself runs on K/V in the model's dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from minikv.attention.common import attend
 from minikv.attention.metadata import BatchInputs, PagedMetadata
 from minikv.cache.pool import KVPool
+from minikv.cache.quant import dequantize_block
 
 
 class PagedBackend:
@@ -46,6 +49,11 @@ class PagedBackend:
         L = meta.max_seq_len
         keys = k_cache[tables].reshape(B, nb * self.pool.block_size, *k_cache.shape[2:])[:, :L]
         values = v_cache[tables].reshape(B, nb * self.pool.block_size, *v_cache.shape[2:])[:, :L]
+        if self.pool.quantized:  # scales [num_blocks, block_size, num_kv_heads], read through the same tables
+            k_scale, v_scale = self.pool.layer_scales(layer)
+            ks = k_scale[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
+            vs = v_scale[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
+            keys, values = dequantize_block(keys, ks, self.pool.dtype), dequantize_block(values, vs, self.pool.dtype)
         return keys, values
 
     def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:

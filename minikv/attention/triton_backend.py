@@ -22,6 +22,10 @@ max_seq_len at capture). Any count is correct for any lengths (the last split re
 past the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with max_seq_len set
 to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
 
+A quantized pool (int8/fp8 with scales, minikv/cache/quant.py): the store kernel quantizes, the
+attention kernels dequantize each tile as they read it. A learner's quantizer (the kv_quantizer seam)
+is torch code, so with one the step's K/V are stored by the pool's torch `store` instead.
+
 `decode_inner_loop` is the seam of exercise 08a: a @triton.jit function with the signature of the
 decode kernel's online-softmax step, passed down as `paged_decode_attention(..., inner_loop=...)`.
 """
@@ -33,6 +37,7 @@ from minikv.attention.common import attend
 from minikv.attention.metadata import PagedMetadata
 from minikv.attention.paged import PagedBackend
 from minikv.cache.pool import KVPool
+from minikv.cache.quant import quantize_block
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
@@ -51,18 +56,25 @@ class TritonPagedBackend(PagedBackend):
         self.decode_inner_loop = decode_inner_loop  # None: the kernel's own online-softmax step
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kvcache(k, v, *self.pool.layer(layer), slot_mapping)  # slot -1: nothing stored
+        if self.pool.quantizer is not quantize_block:  # the kv_quantizer seam: torch code, slot -1 skipped
+            keep = slot_mapping >= 0
+            self.pool.store(layer, k[keep], v[keep], slot_mapping[keep])
+            return
+        k_scale, v_scale = self.pool.layer_scales(layer)  # None unless the pool is quantized
+        store_kvcache(k, v, *self.pool.layer(layer), slot_mapping, k_scale, v_scale)  # slot -1: nothing stored
 
     def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:
         self.store(layer, k, v, meta.slot_mapping)
         k_cache, v_cache = self.pool.layer(layer)
+        k_scale, v_scale = self.pool.layer_scales(layer)  # None unless the pool is quantized
         if meta.is_decode_only:  # one token per sequence: q [B, num_heads, head_dim]
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
-                                          sink_tokens=self.sink_tokens, max_seq_len=meta.max_seq_len, inner_loop=self.decode_inner_loop)
+                                          sink_tokens=self.sink_tokens, max_seq_len=meta.max_seq_len,
+                                          inner_loop=self.decode_inner_loop, k_scale=k_scale, v_scale=v_scale)
         if self.prefill_impl == "torch":
             keys, values = self.gather(layer, meta)
             return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                        scale, meta.max_query_len, sliding_window=self.sliding_window,
-                                       sink_tokens=self.sink_tokens)
+                                       sink_tokens=self.sink_tokens, k_scale=k_scale, v_scale=v_scale)

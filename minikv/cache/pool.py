@@ -18,12 +18,20 @@ scheduler and the block manager decide who owns which part; nobody else holds th
              [layers, blocks, kv_heads, block_size, head_dim], seen through a transposed view), so a
              kernel reading one KV head streams whole blocks instead of rows num_kv_heads apart
 
+A quantized KVPool (cache_dtype int8 or float8_e4m3fn, see minikv/cache/quant.py) stores 8-bit
+K/V and one float32 scale per token and KV head beside them, token-major whatever the layout:
+        k_scale: [num_layers, num_blocks, block_size, num_kv_heads]              (v_scale the same)
+`store` quantizes, the attention backends dequantize what they read.
+
 Whole blocks move through `copy_blocks` (copy-on-write), `read_blocks` / `write_blocks` (swap to the
-CPU and back, and any other tier that keeps blocks elsewhere).
+CPU and back, and any other tier that keeps blocks elsewhere); on a quantized pool the scales move
+with them.
 """
 from __future__ import annotations
 
 import torch
+
+from minikv.cache.quant import QMAX, Quantizer, quantize_block
 
 KV_LAYOUTS = ("nhd", "hnd")
 
@@ -40,60 +48,105 @@ def new_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: in
 
 
 class KVPool:
-    """The paged pool: K and V of `num_blocks` blocks of `block_size` slots, in every layer."""
+    """The paged pool: K and V of `num_blocks` blocks of `block_size` slots, in every layer.
+
+    dtype is the model's (what goes in and what attention computes in); cache_dtype what is stored:
+    dtype itself (None), or int8 / float8_e4m3fn with scales. `quantizer` replaces `quantize_block`
+    (the kv_quantizer seam)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, kv_layout: str = "nhd"):
-        self.k_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_layout)
-        self.v_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_layout)
+                 dtype: torch.dtype, device, kv_layout: str = "nhd", cache_dtype: torch.dtype | None = None,
+                 quantizer: Quantizer | None = None):
+        cache_dtype = cache_dtype or dtype
+        self.k_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, device,
+                                kv_layout)
+        self.v_cache = new_pool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, device,
+                                kv_layout)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device, self.kv_layout = dtype, self.k_cache.device, kv_layout
+        self.cache_dtype = cache_dtype
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            shape = (num_layers, num_blocks, block_size, num_kv_heads)
+            self.k_scale = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.v_scale = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.quantizer = quantizer or quantize_block
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype in QMAX
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor indexed [layer, block, ...]: (k, v), and (k_scale, v_scale) after them when quantized."""
+        return (self.k_cache, self.v_cache) if not self.quantized else (
+            self.k_cache, self.v_cache, self.k_scale, self.v_scale)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one block over all layers (static: sizes a pool before it exists)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V of one block over all layers, scales included (static: sizes a pool before it exists)."""
+        per_row = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype in QMAX else 0)
+        return 2 * num_layers * block_size * num_kv_heads * per_row
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one of this pool's blocks over all layers."""
-        return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        """K and V of one of this pool's blocks over all layers (scales included)."""
+        return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                    self.cache_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers (scales included)."""
+        return self.block_bytes // self.block_size
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] views (what kernels take)."""
         return self.k_cache[layer], self.v_cache[layer]
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One layer's K and V scales [num_blocks, block_size, num_kv_heads] (None, None when not quantized)."""
+        if not self.quantized:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write K/V [T, num_kv_heads, head_dim] of one layer into their slots (every slot >= 0)."""
+        """Write K/V [T, num_kv_heads, head_dim] of one layer into their slots (every slot >= 0),
+        quantized with their scales on a quantized pool."""
         block, offset = slot_mapping // self.block_size, slot_mapping % self.block_size
+        if self.quantized:
+            (k, ks), (v, vs) = self.quantizer(k, self.cache_dtype), self.quantizer(v, self.cache_dtype)
+            self.k_scale[layer][block, offset] = ks.float()
+            self.v_scale[layer][block, offset] = vs.float()
         self.k_cache[layer][block, offset] = k
         self.v_cache[layer][block, offset] = v
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst gets block src's K and V in every layer."""
+        """Copy-on-write: block dst gets block src's K and V (and scales) in every layer."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
+        for plane in self.planes:
+            plane[:, dst] = plane[:, src]
 
-    def read_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, ...]:
         """Copies of these blocks' K and V: [num_layers, len(blocks), block_size, num_kv_heads, head_dim]
-        each, token-major whatever the pool's layout."""
+        each, token-major whatever the pool's layout; a quantized pool adds its K and V scales
+        [num_layers, len(blocks), block_size, num_kv_heads] (the order of `planes`)."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return self.k_cache[:, index].contiguous(), self.v_cache[:, index].contiguous()
+        return tuple(plane[:, index].contiguous() for plane in self.planes)
 
-    def write_blocks(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put K/V shaped as `read_blocks` returns them (any device) into these blocks."""
-        expected = (self.num_layers, len(blocks), self.block_size, self.num_kv_heads, self.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"write_blocks of {len(blocks)} blocks needs K and V shaped {expected}, "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    def write_blocks(self, blocks: list[int], *planes: torch.Tensor) -> None:
+        """Put tensors shaped as `read_blocks` returns them (any device) into these blocks."""
+        expected = [(self.num_layers, len(blocks), *p.shape[2:]) for p in self.planes]
+        if len(planes) != len(expected) or any(tuple(p.shape) != e for p, e in zip(planes, expected)):
+            names = "K, V, K scales and V scales" if self.quantized else "K and V"
+            raise ValueError(f"write_blocks of {len(blocks)} blocks needs {names} shaped {expected}, "
+                             f"got {[tuple(p.shape) for p in planes]}")
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        self.k_cache[:, index] = k.to(self.device, self.dtype)
-        self.v_cache[:, index] = v.to(self.device, self.dtype)
+        for plane, given in zip(self.planes, planes):
+            plane[:, index] = given.to(self.device, plane.dtype)
 
 
 class RowPool:

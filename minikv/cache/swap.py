@@ -3,6 +3,8 @@
     device KVPool  block          --swap out-->  cpu blocks  k_swap[:, cpu_block]
                    (read_blocks)  <--swap in---  (write_blocks)
 Costs bytes over the host link instead of FLOPs; pays off when re-prefilling is expensive.
+A quantized pool's blocks travel as they are stored (8-bit values and their scales): nothing is
+re-quantized, and about half the bytes of a 16-bit pool cross the link.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ class SwapSpace:
         if num_cpu_blocks < 0:
             raise ValueError(f"swap space needs num_cpu_blocks >= 0, got {num_cpu_blocks}")
         self.pool = pool
-        # [num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim], pinned for fast copies from a GPU
-        shape = (pool.num_layers, num_cpu_blocks, pool.block_size, pool.num_kv_heads, pool.head_dim)
+        # each of the pool's planes with num_cpu_blocks blocks, pinned for fast copies from a GPU:
+        # [num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim] for K and V (scales: no head_dim)
         pin = pool.device.type == "cuda"
-        self.k_swap = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
-        self.v_swap = torch.zeros(shape, dtype=pool.dtype, pin_memory=pin)
+        self.planes = [torch.zeros((p.shape[0], num_cpu_blocks, *p.shape[2:]), dtype=p.dtype, pin_memory=pin)
+                       for p in pool.planes]
+        self.k_swap, self.v_swap = self.planes[0], self.planes[1]
         self.allocator = FreeListAllocator(num_cpu_blocks)
         self.bytes_per_block = pool.block_bytes  # K+V, all layers
         self.blocks_out = self.blocks_in = 0
@@ -36,9 +39,8 @@ class SwapSpace:
         cpu = [self.allocator.allocate() if b >= 0 else -1 for b in device_blocks]
         pairs = [(d, c) for d, c in zip(device_blocks, cpu) if d >= 0]
         if pairs:
-            k, v = self.pool.read_blocks([d for d, _ in pairs])
-            self.k_swap[:, [c for _, c in pairs]] = k.to("cpu")
-            self.v_swap[:, [c for _, c in pairs]] = v.to("cpu")
+            for swap, plane in zip(self.planes, self.pool.read_blocks([d for d, _ in pairs])):
+                swap[:, [c for _, c in pairs]] = plane.to("cpu")
         self.blocks_out += len(pairs)
         return cpu
 
@@ -47,7 +49,7 @@ class SwapSpace:
         pairs = [(c, d) for c, d in zip(cpu_blocks, device_blocks) if c >= 0]
         if pairs:
             cpu = [c for c, _ in pairs]
-            self.pool.write_blocks([d for _, d in pairs], self.k_swap[:, cpu], self.v_swap[:, cpu])
+            self.pool.write_blocks([d for _, d in pairs], *(swap[:, cpu] for swap in self.planes))
         self.release(cpu_blocks)
         self.blocks_in += len(pairs)
 

@@ -51,6 +51,8 @@ SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
     "decode_inner_loop": ("rung 7", lambda c: c.attention == "triton", "kv_backend='paged', attention='triton'"),
     "window_free_rule": ("rung 8", lambda c: c.is_paged and c.sliding_window is not None,
                          "kv_backend='paged' and a sliding_window=W"),
+    "kv_quantizer": ("rung 8", lambda c: c.is_paged and c.kv_cache_dtype != "auto",
+                     "kv_backend='paged' and kv_cache_dtype='int8' or 'fp8'"),
 }
 
 
@@ -138,6 +140,7 @@ class EngineConfig:
     attention: str | None = None
     kv_layout: str | None = None
     cuda_graphs: bool | None = None
+    kv_cache_dtype: str = "auto"  # what the pool stores: "auto" (the model's dtype), "int8" or "fp8" (e4m3)
     # prefix caching (rung 6)
     prefix_caching: Any = None
     eviction: str = "lru"
@@ -154,6 +157,7 @@ class EngineConfig:
     copy_on_write: Callable | None = None
     decode_inner_loop: Any = None
     window_free_rule: Callable | None = None
+    kv_quantizer: Callable | None = None
 
     @property
     def is_paged(self) -> bool:
@@ -180,8 +184,12 @@ class EngineConfig:
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
+        if self.kv_quantizer is not None and self.cuda_graphs:
+            raise ValueError("kv_quantizer runs your torch function at every store, which a CUDA graph cannot "
+                             "replay; set cuda_graphs=False to use it")
         if self.cuda_graphs is None:
-            self.cuda_graphs = self.device.type == "cuda" and self.attention == "triton"
+            self.cuda_graphs = (self.device.type == "cuda" and self.attention == "triton"
+                                and self.kv_quantizer is None)
         elif self.cuda_graphs and (self.device.type != "cuda" or self.attention != "triton"):
             raise ValueError(f"cuda_graphs replays decode steps of the Triton kernels on a GPU (here: device "
                              f"{self.device.type}, attention {self.attention!r}, kv_backend {self.kv_backend!r}); "
@@ -217,8 +225,30 @@ class EngineConfig:
         if self.preemption == "swap" and self.swap_blocks == 0:
             raise ValueError("preemption='swap' needs a swap space; give swap_blocks > 0 (default: num_blocks)")
         _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS, allow_none=True)
+        self._check_kv_cache_dtype()
         if self.is_paged and self.kv_layout is None:
             self.kv_layout = "hnd" if self.attention == "triton" else "nhd"
+
+    def _check_kv_cache_dtype(self) -> None:
+        from minikv.cache.quant import KV_CACHE_DTYPES, fp8_supported
+
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "auto":
+            return
+        if not self.is_paged:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} quantizes the blocks of the paged pool, but "
+                             f"kv_backend is {self.kv_backend!r}; use kv_backend='paged' or kv_cache_dtype='auto'")
+        if self.kv_cache_dtype == "fp8":
+            why = fp8_supported(self.device)
+            if why is not None:
+                raise ValueError(f"kv_cache_dtype='fp8' needs float8 (e4m3) types: {why}; use kv_cache_dtype='int8'")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the paged pool stores K/V in (kv_cache_dtype resolved against the model's dtype)."""
+        from minikv.cache.quant import cache_dtype
+
+        return cache_dtype(self.kv_cache_dtype, self.dtype)
 
     def _check_prefix_options(self) -> None:
         from minikv.cache.prefix_cache import PrefixCache

@@ -93,7 +93,9 @@ class LLM:
         attention ("torch" reference or "triton" kernels; default "triton" for a paged pool on a GPU,
         "torch" otherwise), kv_layout (the pool's storage order: "nhd" token-major or "hnd"
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
-        default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py).
+        default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
+        the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
+        and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
 
         Prefix caching (rung 6, paged): prefix_caching None, "hash" (vLLM's hashed block chain), "radix"
         (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs" or
@@ -108,6 +110,7 @@ class LLM:
             copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
             window_free_rule=fn   rung 8  which blocks a sliding window gives back (needs sliding_window)
+            kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
 
         Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
         and the last W positions (StreamingLLM), and blocks outside every later window go back to
@@ -145,7 +148,7 @@ class LLM:
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         c = self.config
         cfg.fit(c.max_position_embeddings,
-                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype),
+                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
                 c.sliding_window)
         self.max_model_len = cfg.max_model_len
         self.attention = cfg.attention if cfg.is_paged else None
@@ -200,7 +203,7 @@ class LLM:
         else:
             backend_cls, extra = PagedBackend, {}
         pool = KVPool(c.num_layers, cfg.num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype,
-                      self.device, cfg.kv_layout)
+                      self.device, cfg.kv_layout, cfg.kv_dtype, cfg.kv_quantizer)
         self.backend = backend_cls(pool, cfg.sliding_window, cfg.sink_tokens, **extra)
         self.block_manager, self.prefix_cache = self._new_block_manager(cfg)
         swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
@@ -650,7 +653,11 @@ class LLM:
         out: dict = {"kv_backend": self.kv_backend}
         if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
+            pool = self.backend.pool
             out.update(
+                # the pool: what it stores, the bytes of one token (K and V, all layers, scales included)
+                kv_cache_dtype=str(pool.cache_dtype).removeprefix("torch."), bytes_per_token=pool.bytes_per_token,
+                pool_bytes=pool.block_bytes * pool.num_blocks,
                 num_blocks=bm.num_blocks, block_size=self.block_size, used_blocks=bm.num_used_blocks,
                 free_blocks=bm.num_free_blocks, kv_usage=bm.num_used_blocks / bm.num_blocks,
                 num_preemptions=sch.num_preemptions, num_recomputes=sch.num_recomputes, num_swaps=sch.num_swaps,

@@ -1,0 +1,168 @@
+"""Checker for exercise 09a: quantize one block of K or V to 8 bits with its scales, and back.
+
+    quantize_block(x, dtype) -> (q, scale)
+        x      [block_size, num_kv_heads, head_dim] float (any leading shape works: [..., head_dim])
+        dtype  torch.int8 or torch.float8_e4m3fn
+        q      same shape as x, in dtype; scale [block_size, num_kv_heads] float32, one per token and head
+        scale = absmax of the row / qmax (127 for int8, 448 for fp8), so x ~ q * scale
+    dequantize_block(q, scale) -> q * scale as float32
+
+Three stages, each stopping at the first problem with a message that says where:
+  1. quantize_block on random blocks and on the blocks that break naive quantizers (an outlier
+     channel, a row of zeros, a row whose largest value is negative, huge and tiny magnitudes):
+     shapes and dtypes, the scale (absmax / qmax: not larger, which wastes levels, not smaller, which
+     clips), and the round-trip error (half a step of the grid at most)
+  2. dequantize_block against q * scale
+  3. (check_kv_quant_in_engine) SmolLM2 on an int8 pool whose K/V are stored by your quantize_block
+     (`LLM(..., kv_cache_dtype="int8", kv_quantizer=quantize_block)`): the same greedy tokens as the
+     engine's own quantizer
+"""
+from __future__ import annotations
+
+import torch
+
+from minikv.cache.quant import QMAX
+from minikv.cache.quant import dequantize_block as reference_dequantize
+from minikv.cache.quant import quantize_block as reference_quantize
+from minikv.checks.report import fail, first_difference, passed
+
+DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+BLOCK = (16, 3, 64)  # block_size, num_kv_heads, head_dim
+
+
+def blocks(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(lesson, x [16, 3, 64]) cases: random, then the ones that break naive quantizers."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda scale=1.0: torch.randn(BLOCK, generator=g) * scale  # noqa: E731
+    outlier = r()
+    outlier[:, :, 5] *= 40  # one channel 40x the others in every token (as keys have)
+    zeros = r()
+    zeros[3, 1] = 0  # a row of zeros: its scale is 0 and must not give NaN
+    negative = r()
+    negative[:, :, 7] = -25  # the largest magnitude of every row is negative
+    mixed = r() * torch.logspace(-3, 3, BLOCK[0])[:, None, None]  # tokens of very different sizes
+    return [("a random block", r()), ("a random block with large values", r(300)),
+            ("an outlier channel (channel 5 is 40x the others)", outlier), ("a row of zeros (token 3, head 1)", zeros),
+            ("rows whose largest magnitude is negative", negative), ("tokens from 1e-3 to 1e3", mixed)]
+
+
+def _bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest round-trip error a correct 8-bit value may have, per element."""
+    if dtype == torch.int8:  # a uniform grid, step = scale: half a step
+        return (scale[..., None] / 2 * (1 + 1e-5) + 1e-12).expand_as(x)
+    # e4m3: 3 mantissa bits, half an ulp is at most 1/16 of the value; below 2^-6 (subnormals) the step is 2^-9
+    return torch.maximum(x.abs() / 16, scale[..., None] * 2.0**-10) * (1 + 1e-5) + 1e-12
+
+
+def _call(case: str, fn, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001  shown to the learner
+        fail(case, f"{fn.__name__} raised {type(e).__name__}", str(e))
+
+
+def check_quantize_block(quantize_block, dtypes=("int8", "fp8")) -> None:
+    n = 0
+    for name in dtypes:
+        dtype, qmax = DTYPES[name], QMAX[DTYPES[name]]
+        for lesson, x in blocks():
+            case = f"{name}, {lesson}: x {list(x.shape)} [block_size, num_kv_heads, head_dim]"
+            out = _call(case, quantize_block, x.clone(), dtype)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                fail(case, f"quantize_block returned {type(out).__name__}", "expected a pair (q, scale)")
+            q, scale = out
+            if not isinstance(q, torch.Tensor) or q.shape != x.shape or q.dtype != dtype:
+                fail(case, f"q is {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}",
+                     f"expected {dtype} {tuple(x.shape)}: one 8-bit value per element of x",
+                     "convert at the end: .to(dtype) (for int8, after rounding and clamping)")
+            if not isinstance(scale, torch.Tensor) or scale.shape != x.shape[:-1] or scale.dtype != torch.float32:
+                fail(case, f"scale is {getattr(scale, 'dtype', type(scale).__name__)} "
+                           f"{tuple(getattr(scale, 'shape', ()))}",
+                     f"expected float32 {tuple(x.shape[:-1])}: one scale per token and KV head",
+                     "reduce over the last dimension only: x.abs().amax(dim=-1)")
+            want_scale = x.abs().amax(-1) / qmax
+            bad = first_difference(want_scale, scale, ("token", "head"), atol=0, rtol=1e-5)
+            if bad:
+                big = (scale > want_scale * (1 + 1e-5)).any()
+                fail(case, "the scales differ from absmax / qmax", bad,
+                     f"the largest magnitude of a row must land on +-{qmax:g}: "
+                     + ("a larger scale leaves levels unused" if big else "a smaller scale clips the largest values")
+                     + " (absmax, not max: the largest value may be negative)")
+            got = q.float() * scale[..., None]
+            if not torch.isfinite(got).all():
+                fail(case, "q * scale has NaN or inf", "a row of zeros has absmax 0: its scale is 0 and q must be 0",
+                     "divide by the scale only where it is > 0 (torch.where)")
+            err, bound = (got - x).abs(), _bound(x, scale, dtype)
+            over = err > bound
+            if over.any():
+                i = [int(v) for v in torch.nonzero(over)[0]]
+                fail(case, "the round trip q * scale is too far from x",
+                     f"at token {i[0]}, head {i[1]}, dim {i[2]}: x = {x[tuple(i)].item():.6g}, q * scale = "
+                     f"{got[tuple(i)].item():.6g}, error {err[tuple(i)].item():.3g} > {bound[tuple(i)].item():.3g} "
+                     f"({int(over.sum())} of {over.numel()} values)",
+                     "round to the nearest level (int8: torch.floor(y + 0.5) or torch.round), never truncate"
+                     if dtype == torch.int8 else "clamp x / scale to [-448, 448], then .to(torch.float8_e4m3fn)")
+            n += 1
+    passed(n, f"quantize_block gives one scale per token and KV head, and q * scale within half a step "
+              f"({', '.join(dtypes)})")
+
+
+def check_dequantize_block(dequantize_block) -> None:
+    n = 0
+    for name, dtype in DTYPES.items():
+        for lesson, x in blocks(seed=1):
+            case = f"{name}, {lesson}"
+            q, scale = reference_quantize(x, dtype)
+            got = _call(case, dequantize_block, q, scale)
+            bad = first_difference(reference_dequantize(q, scale), got, ("token", "head", "dim"), atol=0, rtol=1e-6)
+            if bad:
+                fail(case, "dequantize_block(q, scale) differs from q * scale", bad,
+                     "convert q to float32 first, and give scale a last dimension: scale[..., None]")
+            if got.dtype != torch.float32:
+                fail(case, f"got {got.dtype}", "expected float32")
+            n += 1
+    passed(n, "dequantize_block gives q * scale in float32")
+
+
+def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> dict:
+    """`llm` runs an int8 (or fp8) pool whose K/V your kv_quantizer stored: its greedy tokens must equal
+    those of the engine's own quantizer on the same pool (`llm.derive(kv_quantizer=None)`). Returns the
+    tokens before the first difference from a full-precision pool, yours and the engine's."""
+    from minikv import SamplingParams
+    from minikv.bench import first_divergence
+
+    cfg = llm.engine_config
+    if cfg.kv_quantizer is None or cfg.kv_cache_dtype == "auto":
+        raise ValueError("build the LLM with kv_backend='paged', kv_cache_dtype='int8' and kv_quantizer=quantize_block")
+    calls = []
+    learner = cfg.kv_quantizer
+
+    def counted(x, dtype):
+        calls.append(x.shape[0])
+        return learner(x, dtype)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    mine = [o.token_ids for o in llm.derive(kv_quantizer=counted).generate(prompts, params)]
+    engine = [o.token_ids for o in llm.derive(kv_quantizer=None).generate(prompts, params)]
+    full = [o.token_ids for o in llm.derive(kv_quantizer=None, kv_cache_dtype="auto").generate(prompts, params)]
+    if not calls:
+        fail("the engine run", "your quantizer was never called", "the pool stored K/V without it",
+             "pass it as LLM(..., kv_quantizer=quantize_block) with kv_cache_dtype='int8'")
+    for prompt, got, want in zip(prompts, mine, engine):
+        if got != want:
+            i = first_divergence(got, want)
+            fail(f"prompt {prompt!r}", f"greedy token {i} differs from the engine's own {cfg.kv_cache_dtype} pool",
+                 f"expected {want}\ngot      {got}",
+                 "does check 1 pass? The engine dequantizes q * scale: the scale must be absmax / qmax of "
+                 "each row you are given")
+    agree = {"yours": [], "engine": []}
+    for got, want, ref in zip(mine, engine, full):
+        for key, toks in (("yours", got), ("engine", want)):
+            d = first_divergence(toks, ref)
+            agree[key].append(max_tokens if d is None else d)
+    passed(len(prompts), f"the engine on a pool of {cfg.kv_cache_dtype} filled by your quantize_block "
+                         f"({len(calls)} stores) gives the engine's own tokens; tokens before the first "
+                         f"difference from the full-precision pool: {agree['yours']} of {max_tokens}")
+    return agree

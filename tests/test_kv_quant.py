@@ -1,0 +1,217 @@
+"""Rung 8: the quantized pool (int8 or fp8 e4m3, one float32 scale per token and KV head).
+
+The Triton kernels (interpreter on the CPU) equal the torch reference on int8 and fp8 pools: the store
+kernel quantizes to the bit like `quantize_block`, the decode and prefill kernels equal attention over
+the dequantized K/V on ragged lengths and two block sizes. In the engine, a quantized pool keeps the
+block manager's invariants through prefix caching, swap, forks and beams, holds about twice the
+blocks of a 16-bit pool in the same memory, and SmolLM2's greedy tokens stay those of the
+full-precision pool for most of a short run.
+"""
+import math
+
+import pytest
+import torch
+from engine_checks import checked
+
+from minikv import LLM, SamplingParams
+from minikv.attention.common import attend
+from minikv.attention.metadata import AttentionMetadata
+from minikv.cache.pool import KVPool, new_pool
+from minikv.cache.quant import QMAX, dequantize_block, quantize_block
+from minikv.cache.swap import SwapSpace
+from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+FP8 = torch.float8_e4m3fn
+QDTYPES = [torch.int8, FP8]
+HEAD_DIM = 32
+SCALE = HEAD_DIM**-0.5
+
+
+def with_outliers(shape, generator) -> torch.Tensor:
+    """Normal values, a row of zeros, and one channel 50x larger in a few rows (as keys have)."""
+    x = torch.randn(shape, generator=generator)
+    x.view(-1, shape[-1])[0] = 0
+    x.view(-1, shape[-1])[1::7, 3] *= 50
+    return x
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=["int8", "fp8"])
+def test_quantize_block_round_trip_stays_within_half_a_step_of_the_grid(dtype):
+    x = with_outliers((6, 4, 2, HEAD_DIM), torch.Generator().manual_seed(0))
+    q, scale = quantize_block(x, dtype)
+    assert q.dtype == dtype and q.shape == x.shape and scale.shape == x.shape[:-1] and scale.dtype == torch.float32
+    assert torch.equal(scale, x.abs().amax(-1) / QMAX[dtype])  # absmax lands on +-qmax
+    err = (dequantize_block(q, scale) - x).abs()
+    if dtype == torch.int8:  # a uniform grid of step `scale`
+        bound = scale[..., None] / 2 * (1 + 1e-5)
+    else:  # 3 mantissa bits: half an ulp is 1/16 of the value; the subnormals' step is 2^-9 of the scale
+        bound = torch.maximum(x.abs() / 16, scale[..., None] * 2.0**-10) * (1 + 1e-5)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max():.3g}"
+    assert dequantize_block(q, scale)[0, 0, 0].eq(0).all()  # the zero row: scale 0, no NaN
+
+
+@pytest.mark.parametrize("kv_layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("dtype", QDTYPES, ids=["int8", "fp8"])
+def test_store_kernel_quantizes_each_token_to_the_bit_like_quantize_block(dtype, kv_layout):
+    g = torch.Generator().manual_seed(1)
+    T, H, num_blocks, bs = 21, 2, 8, 4
+    k, v = with_outliers((T, H, HEAD_DIM), g), 3 * with_outliers((T, H, HEAD_DIM), g)
+    k_cache = new_pool(1, num_blocks, bs, H, HEAD_DIM, dtype, "cpu", kv_layout)[0]
+    v_cache = new_pool(1, num_blocks, bs, H, HEAD_DIM, dtype, "cpu", kv_layout)[0]
+    k_scale, v_scale = torch.full((2, num_blocks, bs, H), -1.0).unbind(0)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:T]
+    slots[5] = -1  # a padding token: nothing stored
+    store_kvcache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    keep = slots >= 0
+    for x, cache, scale in [(k, k_cache, k_scale), (v, v_cache, v_scale)]:
+        want_q, want_s = quantize_block(x[keep], dtype)
+        got_q = cache[slots[keep] // bs, slots[keep] % bs]
+        assert torch.equal(got_q.view(torch.int8), want_q.view(torch.int8))  # bit for bit
+        assert torch.equal(scale[slots[keep] // bs, slots[keep] % bs], want_s)
+        untouched = ~torch.isin(torch.arange(num_blocks * bs), slots[keep])
+        assert (scale.reshape(num_blocks * bs, H)[untouched] == -1).all()
+
+
+def quantized_pool(seq_lens, block_size, num_kv_heads, dtype, seed):
+    """Random K/V quantized into a pool whose blocks are shuffled among the sequences (-1 padded tables)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    (k, ks), (v, vs) = quantize_block(with_outliers(shape, g), dtype), quantize_block(torch.randn(shape, generator=g), dtype)
+    return k, v, ks, vs, tables
+
+
+def reference(q, k, v, ks, vs, tables, meta):
+    """Rung 4's math on the dequantized K/V, in float64."""
+    B, L = meta.num_seqs, meta.max_seq_len
+    t = tables.clamp(min=0)
+    keys = dequantize_block(k, ks)[t].reshape(B, -1, *k.shape[2:])[:, :L]
+    values = dequantize_block(v, vs)[t].reshape(B, -1, *v.shape[2:])[:, :L]
+    return attend(q.double(), keys.double(), values.double(), meta, SCALE)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", QDTYPES, ids=["int8", "fp8"])
+def test_triton_decode_on_a_quantized_pool_equals_attention_over_the_dequantized_kv(dtype, block_size):
+    seq_lens = [1, block_size, 3 * block_size + 1, 37]
+    k, v, ks, vs, tables = quantized_pool(seq_lens, block_size, 2, dtype, seed=block_size)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens)
+    q = torch.randn(len(seq_lens), 4, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    num_splits = 3 if block_size == 4 else 1  # split-K and the single-split path
+    out = paged_decode_attention(q, k, v, tables, meta.seq_lens, SCALE, num_splits=num_splits, k_scale=ks, v_scale=vs)
+    assert (out.double() - reference(q, k, v, ks, vs, tables, meta)).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", QDTYPES, ids=["int8", "fp8"])
+def test_triton_prefill_on_a_quantized_pool_equals_attention_over_the_dequantized_kv(dtype, block_size):
+    query_lens, seq_lens = [9, 1, 12, 3], [9, 5, 2 * block_size + 7, 30]  # prompt, decode row, chunk, cached prefix
+    k, v, ks, vs, tables = quantized_pool(seq_lens, block_size, 2, dtype, seed=block_size + 1)
+    meta = AttentionMetadata.build(query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 4, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    out = paged_prefill_attention(q, k, v, tables, meta.query_start_loc, meta.seq_lens, SCALE, meta.max_query_len,
+                                  k_scale=ks, v_scale=vs)
+    assert (out.double() - reference(q, k, v, ks, vs, tables, meta)).abs().max() < 2e-6
+
+
+def test_kernels_refuse_an_8bit_pool_without_scales():
+    k = torch.zeros(4, 4, 2, HEAD_DIM, dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs scales"):
+        store_kvcache(torch.randn(1, 2, HEAD_DIM), torch.randn(1, 2, HEAD_DIM), k, k.clone(), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=["int8", "fp8"])
+def test_copy_on_write_and_swap_move_the_scales_with_the_blocks(dtype):
+    pool = KVPool(2, 6, 4, 2, HEAD_DIM, torch.float32, "cpu", cache_dtype=dtype)
+    g = torch.Generator().manual_seed(4)
+    for layer in range(2):
+        pool.store(layer, torch.randn(24, 2, HEAD_DIM, generator=g), torch.randn(24, 2, HEAD_DIM, generator=g),
+                   torch.arange(24))
+    before = [p.clone() for p in pool.planes]
+    pool.copy_blocks([(1, 4)])
+    for p, b in zip(pool.planes, before):
+        assert torch.equal(p[:, 4].view(torch.uint8) if p.dtype == dtype else p[:, 4],
+                           b[:, 1].view(torch.uint8) if b.dtype == dtype else b[:, 1])
+    swap = SwapSpace(pool, 3)
+    cpu = swap.swap_out([0, 2])
+    for p in pool.planes:
+        p[:, [0, 2]] = torch.zeros((), dtype=p.dtype)
+    swap.swap_in(cpu, [0, 2])
+    for p, b in zip(pool.planes, before):
+        assert torch.equal(p[:, [0, 2]].float(), b[:, [0, 2]].float())
+    with pytest.raises(ValueError, match="K scales"):
+        pool.write_blocks([0], *pool.read_blocks([0])[:2])
+
+
+def test_a_quantized_pool_holds_about_twice_the_blocks_of_a_16_bit_pool_in_the_same_memory():
+    def stats(dtype, kv_cache_dtype):
+        llm = LLM("tiny-random", kv_backend="paged", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory=2**20)
+        return llm.stats()
+
+    half, q8, f8, full = stats("float16", "auto"), stats("float16", "int8"), stats("float16", "fp8"), stats(
+        "float32", "int8")
+    head_dim = LLM("tiny-random").config.head_dim
+    assert (half["kv_cache_dtype"], q8["kv_cache_dtype"], f8["kv_cache_dtype"]) == ("float16", "int8", "float8_e4m3fn")
+    # per token and KV head: 2 * head_dim bytes at 16 bits, head_dim + 4 (the scale) at 8
+    assert q8["bytes_per_token"] / half["bytes_per_token"] == (head_dim + 4) / (2 * head_dim)
+    assert q8["num_blocks"] == f8["num_blocks"] == full["num_blocks"]  # the model's dtype no longer matters
+    assert q8["num_blocks"] == 2**20 // (q8["bytes_per_token"] * q8["block_size"])
+    assert 2 * half["num_blocks"] * head_dim // (head_dim + 4) - 1 <= q8["num_blocks"] <= 2 * half["num_blocks"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_triton_and_torch_attention_generate_the_same_tokens_on_a_quantized_pool(kv_cache_dtype):
+    prompts = [list(range(1, 12)), [5, 6, 7] * 5]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    runs = [[o.token_ids for o in LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=48, attention=att,
+                                      kv_cache_dtype=kv_cache_dtype).generate(prompts, params)]
+            for att in ("torch", "triton")]
+    assert runs[0] == runs[1]
+
+
+def test_prefix_caching_swap_forks_and_beams_run_on_a_quantized_pool_and_keep_the_invariants():
+    prefix = list(range(3, 27))
+    prompts = [prefix + [40 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, n=2, ignore_eos=True)
+    roomy = checked(LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=96, kv_cache_dtype="int8",
+                        prefix_caching="hash"))
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    # the same on a pool so small that requests are swapped out and back in
+    tight = checked(roomy.derive(num_blocks=22, preemption="swap", max_num_seqs=8))
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    stats = tight.stats()
+    assert stats["num_swaps"] > 0 and stats["forks"] > 0 and stats["prefix_cache"]["hits"] > 0
+    assert got == want  # swapped blocks come back with their scales, to the bit
+    beams = [[[c.token_ids for c in o.outputs] for o in llm.beam_search([prefix], beam_width=3, max_tokens=6)]
+             for llm in (roomy, tight)]
+    assert tight.stats()["forks"] > 0 and beams[0] == beams[1]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_on_a_quantized_pool_follow_the_full_precision_pool():
+    prompts = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = LLM("smollm2-135m", kv_backend="paged", block_size=16, num_blocks=32)
+    want = [o.token_ids for o in full.generate(prompts, params)]
+
+    def agreement(kv_cache_dtype):  # tokens before the first difference, as a fraction of the run
+        got = [o.token_ids for o in full.derive(kv_cache_dtype=kv_cache_dtype).generate(prompts, params)]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, want)]
+        return sum(first) / (len(prompts) * params.max_tokens)
+
+    assert agreement("int8") >= 0.85
+    assert agreement("fp8") >= 0.5  # e4m3 keeps 3 mantissa bits: it drifts sooner (benchmarks/RESULTS.md)
+
+
+def test_fp8_is_refused_with_the_reason_where_torch_has_no_float8_types(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs float8.*use kv_cache_dtype='int8'"):
+        LLM("tiny-random", kv_backend="paged", kv_cache_dtype="fp8")
