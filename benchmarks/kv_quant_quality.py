@@ -7,7 +7,8 @@ the same engine with a full-precision (float32) pool.
 Three measures, each against the full-precision pool, same weights, same process:
 
   greedy      each fixed prompt generates `max_tokens` greedy tokens; how many come before the first
-              token that differs (agreement = their mean as a fraction of max_tokens)
+              token that differs (agreement = their mean as a fraction of max_tokens), and at each first
+              difference the gap between the full pool's top two logits (a near tie flips on any noise)
   teacher     a fixed text (benchmarks/data/pride_and_prejudice_ch1.txt, public domain) is fed whole;
   forcing     at every position the quantized pool's next-token distribution against the full one:
               KL(full || quantized) mean and max, max |logit difference|, top-1 agreement
@@ -121,11 +122,18 @@ def main() -> None:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         first = [first_divergence(g, w) for g, w in zip(got, want)]
         before = [max_tokens if f is None else f for f in first]
+        # where a run parts from the full-precision one: how close were the full pool's top two tokens?
+        gaps = []
+        for prompt, f, w in zip(prompts, first, want):
+            if f is not None:
+                top = all_logits(full, full.encode(prompt)[0] + w[:f])[-1].topk(2).values
+                gaps.append(round((top[0] - top[1]).item(), 4))
         stats = llm.stats()
         results[kv] = {
             "kv_cache_dtype": stats["kv_cache_dtype"], "bytes_per_token": stats["bytes_per_token"],
             "greedy": {"prompts": len(prompts), "max_tokens": max_tokens, "tokens_before_first_difference": before,
                        "identical_runs": sum(f is None for f in first),
+                       "full_precision_top2_logit_gap_at_first_difference": gaps,
                        "agreement": sum(before) / (len(prompts) * max_tokens)},
             "teacher_forcing": teacher_forcing(logits_full, all_logits(llm, ids), ids),
             "teacher_forcing_per_block_scales": teacher_forcing(
@@ -159,8 +167,11 @@ def main() -> None:
     line = (f"- {record['date']} · kv_quant_quality · {record['device']}, {record['torch_threads']} torch threads · "
             f"torch {record['torch']} · {args.model} float32 weights, block {BLOCK_SIZE}, scale per token and KV head · "
             f"greedy agreement over {len(prompts)} prompts × {max_tokens} tokens (tokens before the first difference): "
-            f"**int8 {i8['greedy']['agreement']:.0%}** ({i8['greedy']['identical_runs']}/{len(prompts)} identical), "
-            f"**fp8 {f8['greedy']['agreement']:.0%}** ({f8['greedy']['identical_runs']}/{len(prompts)} identical); "
+            f"**int8 {i8['greedy']['agreement']:.1%}** ({i8['greedy']['identical_runs']}/{len(prompts)} identical), "
+            f"**fp8 {f8['greedy']['agreement']:.1%}** ({f8['greedy']['identical_runs']}/{len(prompts)} identical); "
+            f"top-2 logit gap of the full pool where a run parts: int8 "
+            f"{i8['greedy']['full_precision_top2_logit_gap_at_first_difference']}, fp8 "
+            f"{f8['greedy']['full_precision_top2_logit_gap_at_first_difference']}; "
             f"teacher forcing on {len(ids)} tokens of Pride and Prejudice ch. 1: KL mean int8 "
             f"{i8['teacher_forcing']['kl_mean']:.1e} / fp8 {f8['teacher_forcing']['kl_mean']:.1e}, max |logit diff| "
             f"{i8['teacher_forcing']['logit_max_abs']:.2f} / {f8['teacher_forcing']['logit_max_abs']:.2f}, top-1 "

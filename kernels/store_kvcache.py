@@ -71,7 +71,8 @@ def _quantize_rows(x, qmax, QUANT: tl.constexpr):
         # the interpreter's own fp32 -> fp8 rounding drops the carry into the exponent (125.5 -> 64)
         pow2 = (tl.abs(y).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^floor(log2|y|)
         ulp = tl.maximum(pow2 * 0.125, 0.001953125)  # 3 mantissa bits; subnormal spacing 2^-9 below 2^-6
-        y = ((y / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds y / ulp to an integer
+        r = ((y / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23 rounds y / ulp to an integer
+        y = tl.where(r == 0.0, y * 0.0, r)  # keep the sign of a value that rounds to zero (-0.0), as torch does
     y = tl.minimum(tl.maximum(y, -qmax), qmax)
     return y, absmax / qmax
 

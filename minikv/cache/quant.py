@@ -42,7 +42,8 @@ QMAX = {torch.int8: 127.0}
 if hasattr(torch, "float8_e4m3fn"):
     QMAX[torch.float8_e4m3fn] = 448.0
 
-# A kv_quantizer (the seam of exercise 09a): (x [..., head_dim] float, dtype) -> (q [..., head_dim] dtype, scale [...] fp32)
+# A kv_quantizer (the seam of exercise 09a):
+#   (x [..., head_dim] float, dtype) -> (q [..., head_dim] in dtype, scale [...] float32)
 Quantizer = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
