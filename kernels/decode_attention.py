@@ -85,6 +85,7 @@ def _decode_split_kernel(
     trace_ptr,  # [B, num_kv_heads, table_width] int32: which split read each block (TRACE only)
     scale_log2e,
     window,  # sliding window (keys in (pos - window, pos]); used when HAS_WINDOW
+    sinks,  # sink tokens: keys [0, sinks) are seen too, read by split 0 before its range; used when HAS_SINKS
     num_splits,
     split_len,  # positions per split, whole tiles: the longest span in the batch cut num_splits ways
     table_width,
@@ -96,6 +97,7 @@ def _decode_split_kernel(
     stride_trace,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly, no merge
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per pool block
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
@@ -146,6 +148,21 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    if HAS_SINKS:  # split 0 also folds in the sinks [0, sinks) that lie before the window (start = its start)
+        sink_end = tl.where(split == 0, tl.minimum(sinks, start), 0)
+        for tile in range(0, sink_end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < sink_end
+            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+            kv_mask = valid[:, None] & d_ok[None, :]
+            srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+            k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
+            if TRACE:
+                tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
+                         split.to(tl.int32) + tl.zeros([BLOCK_N], tl.int32), mask=valid)
     for chunk in range(start, end, CHUNK_N):
         chunk_end = tl.minimum(chunk + CHUNK_N, end)
         # The tiles of this chunk take their physical blocks from registers (tl.gather): no K/V
@@ -277,6 +294,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    sink_tokens: int = 0,  # with a sliding window: keys [0, sink_tokens) stay in sight (StreamingLLM)
     max_seq_len: int | None = None,  # host copy of seq_lens.max(), saves a device sync (a smaller value
     #   stays correct: the last split reads whatever lies past the others)
     block_n: int | None = None,
@@ -314,6 +332,7 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     window = sliding_window or 0
+    sinks = sink_tokens if window > 0 else 0
     span = min(max_seq_len, window) if window > 0 else max_seq_len
     if num_splits is None:
         num_splits = default_num_splits(B, num_kv_heads, span, q.device)
@@ -340,14 +359,14 @@ def paged_decode_attention(
     table_entries, chunk_n = table_chunk(block_size, block_n)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
-        scale * math.log2(math.e), window, num_splits, split_len, block_tables.shape[1],
+        scale * math.log2(math.e), window, sinks, num_splits, split_len, block_tables.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_ss, stride_sh,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         trace_stride,
-        SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=window > 0, BLOCK_SIZE=block_size,
+        SINGLE_SPLIT=num_splits == 1, HAS_WINDOW=window > 0, HAS_SINKS=sinks > 0, BLOCK_SIZE=block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,

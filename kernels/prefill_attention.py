@@ -13,8 +13,10 @@ prefix came from the prefix cache, and a decode row mixed into the batch (q_len 
 
 Each program streams key tiles [0, last position of its rows] through the block table with the
 same online softmax as the decode kernel; a tile's mask is causal (key pos <= query pos) and, with
-a sliding window, key pos > query pos - window. A quantized pool's tiles are dequantized as they are
-read (kernels/quant.py).
+a sliding window, key pos > query pos - window or key pos < sinks (StreamingLLM's sink tokens, read
+by a first loop over [0, sinks) before the window's tiles). A block the engine gave back because it
+fell wholly outside every window (block table entry -1) is never read. A quantized pool's tiles are
+dequantized as they are read (kernels/quant.py).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def _prefill_kernel(
     out_ptr,  # [T, num_heads, head_dim]
     scale_log2e,
     window,  # keys in (pos - window, pos] when SLIDING
+    sinks,  # and keys [0, sinks) when SLIDING
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_sb, stride_ss, stride_sh,
@@ -82,10 +85,31 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    sink_end = 0
+    if SLIDING:
+        sink_end = tl.minimum(sinks, lo)  # sinks before the window's first tile: [0, sink_end)
+    for tile in range(0, sink_end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < sink_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = valid[:, None] & d_ok[None, :]
+        srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         valid = pos < hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        valid = valid & (block >= 0)  # -1: a block given back (outside every window), never read
         row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & d_ok[None, :]
         srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
@@ -94,7 +118,7 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
-            see = see & (pos[None, :] > q_pos[:, None] - window)
+            see = see & ((pos[None, :] > q_pos[:, None] - window) | (pos[None, :] < sinks))
         s = tl.where(see, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -122,6 +146,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     sliding_window: int | None = None,
+    sink_tokens: int = 0,  # with a sliding window: keys [0, sink_tokens) stay in sight (StreamingLLM)
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -158,7 +183,7 @@ def paged_prefill_attention(
     grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, out,
-        scale * math.log2(math.e), sliding_window or 0,
+        scale * math.log2(math.e), sliding_window or 0, sink_tokens if sliding_window else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         stride_sb, stride_ss, stride_sh,

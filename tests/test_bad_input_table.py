@@ -56,6 +56,13 @@ LLM_OPTIONS = [
     (dict(kv_backend="contiguous", kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(kv_backend="paged", kv_cache_dtype="int8", kv_quantizer="absmax"), "kv_quantizer"),
     (dict(kv_backend="paged", kv_quantizer=lambda x, dtype: (x, x)), "kv_quantizer"),
+    (dict(kv_backend="paged", sliding_window=-4), "sliding_window"),
+    (dict(kv_backend="paged", sliding_window=8, block_size=16), "sliding_window"),
+    (dict(kv_backend="paged", sliding_window=16, sink_tokens=17), "sink_tokens"),
+    (dict(kv_backend="paged", sliding_window=16, sink_tokens=-1), "sink_tokens"),
+    (dict(kv_backend="paged", sink_tokens=4), "sink_tokens"),
+    (dict(sliding_window=16), "sliding_window"),
+    (dict(kv_backend="paged", window_free_rule=lambda *a: []), "window_free_rule"),
 ]
 SAMPLING = [
     (dict(max_tokens=0), "max_tokens"),

@@ -390,7 +390,7 @@ def test_every_untouched_exercise_fails_minikv_check_with_a_message(course_grade
 
 @pytest.mark.slow
 def test_grade_a_class_of_a_solver_and_an_untouched_copy(course_grades, tmp_path):
-    one, two = fastest(course_grades, 2)
+    one, two = sorted(fastest(course_grades, 2))  # the grade table lists exercises by name
     course = tmp_path / "course"  # the exercises that count: two of the course's
     for name in (one, two):
         (course).mkdir(exist_ok=True)

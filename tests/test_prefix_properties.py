@@ -182,8 +182,12 @@ def one_thread():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), design=st.sampled_from(["hash", "radix"]),
        eviction=st.sampled_from(["lru", "fifo"]), preemption=st.sampled_from(["recompute", "swap"]),
-       num_blocks=st.sampled_from([20, 28, 64]), policy=st.sampled_from(["fcfs", "lpm"]))
-def test_random_workloads_give_the_tokens_of_caching_off(seed, design, eviction, preemption, num_blocks, policy):
+       num_blocks=st.sampled_from([20, 28, 64]), policy=st.sampled_from(["fcfs", "lpm"]),
+       window=st.sampled_from([None, None, (8, 2)]))
+def test_random_workloads_give_the_tokens_of_caching_off(seed, design, eviction, preemption, num_blocks, policy,
+                                                         window):
+    """Caching on gives the tokens of caching off, also under a sliding window that gives back blocks
+    the hash chain still holds (the radix tree is refused with a window)."""
     rng = random.Random(seed)
     families = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 14))] for _ in range(3)]
     prompts, params = [], []
@@ -195,6 +199,9 @@ def test_random_workloads_give_the_tokens_of_caching_off(seed, design, eviction,
                                      n=rng.choice([1, 1, 1, 2]), seed=i, temperature=rng.choice([0.0, 0.8])))
     kw = dict(kv_backend="paged", block_size=BS, num_blocks=num_blocks, max_model_len=64, preemption=preemption,
               max_num_batched_tokens=rng.choice([7, 64]))
+    if window is not None:
+        kw.update(sliding_window=window[0], sink_tokens=window[1])
+        design = "hash"
     ref = LLM("tiny-random", **kw).generate(prompts, params)
     llm = checked(LLM("tiny-random", prefix_caching=design, eviction=eviction, schedule_policy=policy, **kw))
     half = rng.randint(1, 9)

@@ -6,6 +6,8 @@ end of its known tokens, exactly where the engine would sample. What is checked 
   - every sequence is in exactly one place (waiting / running / swapped / finished)
   - a running sequence holds enough blocks for its computed tokens; others hold none
   - swap space: blocks held by swapped sequences + free == total
+  - with a sliding window: every block a running sequence gave back is out of sight of its next
+    query, and none it still holds could go back (freed as soon as it falls outside)
   - after the drain, every block and every swap block is free
 """
 import torch
@@ -16,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.pool import KVPool
 from minikv.cache.swap import SwapSpace
+from minikv.cache.window import NO_BLOCK, first_seen, window_free_rule
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -30,9 +33,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mode = None
         self.seqs: list[Sequence] = []
 
-    def _setup(self, mode: str, budget: int, chunked: bool, max_seqs: int, swap_blocks: int):
+    def _setup(self, mode: str, budget: int, chunked: bool, max_seqs: int, swap_blocks: int, window=None):
         pool = KVPool(1, NUM_BLOCKS, BLOCK_SIZE, 1, 2, torch.float32, "cpu")
-        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.window = window  # (sliding_window, sink_tokens) or None
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, **(dict(sliding_window=window[0], sink_tokens=window[1])
+                                                         if window else {}))
         swap = SwapSpace(pool, swap_blocks) if mode == "swap" else None
         budget = budget if chunked else max(budget, NUM_BLOCKS * BLOCK_SIZE)
         self.sched = Scheduler(self.bm, max_seqs, budget, chunked, mode, swap)
@@ -40,9 +45,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.mode is None)
     @rule(mode=st.sampled_from(["recompute", "swap"]), budget=st.integers(1, 24), chunked=st.booleans(),
-          max_seqs=st.integers(1, 6), swap_blocks=st.integers(0, 16))
-    def configure(self, mode, budget, chunked, max_seqs, swap_blocks):
-        self._setup(mode, budget, chunked, max_seqs, swap_blocks)
+          max_seqs=st.integers(1, 6), swap_blocks=st.integers(0, 16),
+          window=st.sampled_from([None, None, (4, 0), (6, 1), (8, 5), (5, 5)]))
+    def configure(self, mode, budget, chunked, max_seqs, swap_blocks, window):
+        self._setup(mode, budget, chunked, max_seqs, swap_blocks, window)
 
     @precondition(lambda self: self.mode is not None)
     @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 16), priority=st.integers(0, 2))
@@ -100,12 +106,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert places[id(s)] == expected, f"{s} is in {places[id(s)]} queues"
             if s.status == SequenceStatus.RUNNING:
                 assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, BLOCK_SIZE)
+                if self.window:
+                    w, sinks = self.window
+                    for i, b in enumerate(s.block_table):
+                        if b == NO_BLOCK:
+                            assert i * BLOCK_SIZE >= sinks and (i + 1) * BLOCK_SIZE <= first_seen(
+                                s.num_computed_tokens, w), f"{s}: block {i} given back while still in sight"
+                    assert window_free_rule(s.block_table, s.num_computed_tokens, BLOCK_SIZE, w, sinks) == [], \
+                        f"{s} still holds blocks outside its window"
+                else:
+                    assert NO_BLOCK not in s.block_table
             else:
                 assert s.block_table == [], f"{s} holds blocks while {s.status.value}"
             if s.status != SequenceStatus.SWAPPED:
                 assert s.swap_table == []
         if self.sched.swap is not None:
-            held = sum(len(s.swap_table) for s in self.sched.swapped)
+            held = sum(1 for s in self.sched.swapped for c in s.swap_table if c != NO_BLOCK)
             assert held + self.sched.swap.num_free_blocks == self.sched.swap.allocator.num_blocks
 
 

@@ -14,8 +14,10 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its own sequence's positions [0, its position].
+    """Causal attention of each new token over its own sequence's positions [0, its position]
+    (with a sliding window: the last `sliding_window` of them, plus the first `sink_tokens`).
 
     The queries are scattered into a padded [B, max_query_len] grid, one masked SDPA call runs
     over all sequences at once (no Python loop), and the result is gathered back to [T, ...].
@@ -24,7 +26,7 @@ def attend(
     B, L, num_kv_heads, _ = keys.shape
     q_pad = q.new_zeros(B, meta.max_query_len, num_heads, head_dim)
     q_pad[meta.token_seq, meta.token_qpos] = q
-    mask = causal_mask(meta, L, sliding_window)
+    mask = causal_mask(meta, L, sliding_window, sink_tokens)
     group = num_heads // num_kv_heads  # grouped-query attention: each KV head serves `group` q heads
     k = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
     v = values.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -34,10 +36,14 @@ def attend(
     return out.transpose(1, 2)[meta.token_seq, meta.token_qpos]
 
 
-def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None) -> torch.Tensor:
+def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None, sink_tokens: int = 0) -> torch.Tensor:
     """[B, max_query_len, L] bool: may padded query (b, i) see key position j? Built once per step
-    and reused by every layer."""
-    key = ("causal_mask", L, sliding_window)
+    and reused by every layer. With a sliding window W and S sink tokens (StreamingLLM), the query
+    at position p sees
+
+        [0, S)  the sinks          and          (p - W, p]  its window      (j <= p always)
+    """
+    key = ("causal_mask", L, sliding_window, sink_tokens)
     if key not in meta.step_memo:
         B, max_q = meta.num_seqs, meta.max_query_len
         # absolute position of each padded query; padding rows see position 0 only (never NaN)
@@ -46,6 +52,7 @@ def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None) -> 
         k_pos = torch.arange(L, device=q_pos.device)
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also keeps j < seq_len
         if sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            in_window = k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            mask &= in_window | (k_pos < sink_tokens)[None, None, :]
         meta.step_memo[key] = mask
     return meta.step_memo[key]

@@ -28,9 +28,10 @@ from minikv.cache.quant import dequantize_block
 class PagedBackend:
     name = "paged"
 
-    def __init__(self, pool: KVPool, sliding_window: int | None = None):
+    def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0):
         self.pool = pool
         self.sliding_window = sliding_window
+        self.sink_tokens = sink_tokens if sliding_window else 0  # StreamingLLM's sinks: [0, sink_tokens) stay seen
 
     def prepare_metadata(self, inputs: BatchInputs) -> PagedMetadata:
         return PagedMetadata.from_inputs(inputs, slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables)
@@ -42,7 +43,8 @@ class PagedBackend:
     def gather(self, layer: int, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's K/V read through its block table: [B, max_seq_len, num_kv_heads, head_dim]."""
         k_cache, v_cache = self.pool.layer(layer)  # [num_blocks, block_size, num_kv_heads, head_dim]
-        tables = meta.block_tables.clamp(min=0)  # -1 = no block; those positions are masked anyway
+        tables = meta.block_tables.clamp(min=0)  # -1 = no block (past the table, or given back outside
+        # every window): those positions are masked anyway
         B, nb = tables.shape
         L = meta.max_seq_len
         keys = k_cache[tables].reshape(B, nb * self.pool.block_size, *k_cache.shape[2:])[:, :L]
@@ -57,4 +59,4 @@ class PagedBackend:
     def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:
         self.store(layer, k, v, meta.slot_mapping)
         keys, values = self.gather(layer, meta)
-        return attend(q, keys, values, meta, scale, self.sliding_window)
+        return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)

@@ -48,11 +48,11 @@ class TritonPagedBackend(PagedBackend):
     # decode split count; None = chosen per step from the batch and the longest context
     decode_num_splits: int | None = None
 
-    def __init__(self, pool: KVPool, sliding_window: int | None = None, decode_inner_loop=None):
+    def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0, decode_inner_loop=None):
         if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
-        super().__init__(pool, sliding_window)
+        super().__init__(pool, sliding_window, sink_tokens)
         self.decode_inner_loop = decode_inner_loop  # None: the kernel's own online-softmax step
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -70,11 +70,11 @@ class TritonPagedBackend(PagedBackend):
         if meta.is_decode_only:  # one token per sequence: q [B, num_heads, head_dim]
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
-                                          max_seq_len=meta.max_seq_len, inner_loop=self.decode_inner_loop,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          sink_tokens=self.sink_tokens, max_seq_len=meta.max_seq_len,
+                                          inner_loop=self.decode_inner_loop, k_scale=k_scale, v_scale=v_scale)
         if self.prefill_impl == "torch":
             keys, values = self.gather(layer, meta)
-            return attend(q, keys, values, meta, scale, self.sliding_window)
+            return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                        scale, meta.max_query_len, sliding_window=self.sliding_window,
-                                       k_scale=k_scale, v_scale=v_scale)
+                                       sink_tokens=self.sink_tokens, k_scale=k_scale, v_scale=v_scale)

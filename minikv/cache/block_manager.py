@@ -21,6 +21,13 @@ Prefix caching (rung 6, `attach_prefix_cache`): a block whose ref_count drops to
 K/V in the prefix cache (unused, evictable) instead of going back empty; an admitted sequence first
 takes the blocks of its cached prefix (`acquire_prefix`), and its newly full blocks join the cache
 after each step (`cache_blocks`). Cached blocks are never written: writes start past the prefix.
+
+Sliding window (rung 8, `sliding_window=W, sink_tokens=S`): after each step, the blocks no later
+query can see go back (`free_outside_window`, rule in minikv/cache/window.py); their table entries
+become NO_BLOCK (-1), so a table keeps its shape and a long sequence holds a bounded number of
+blocks. Every loop over a table skips NO_BLOCK. A given-back block that the prefix cache holds stays
+there, unused and evictable: its K/V still belong to its prefix (the hash chain's rule; the radix
+tree, which evicts leaves only, is refused with a window by the engine's configuration).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from typing import Callable
 from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_table import CachedRequest, blocks_needed
 from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
+from minikv.cache.window import NO_BLOCK, WindowFreeRule, checked_frees, window_free_rule
 
 # copy_on_write(block_table, ref_count, num_computed_tokens, num_tokens, block_size, allocate) -> [(src, dst)]
 CopyOnWrite = Callable[[list[int], list[int], int, int, int, Callable[[], int]], list[tuple[int, int]]]
@@ -57,10 +65,13 @@ def copy_on_write_rule(block_table: list[int], ref_count: list[int], num_compute
 
 class BlockManager:
     """allocator: who hands out free block ids (`BlockAllocator`; rung 4's seam).
-    copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam)."""
+    copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam).
+    sliding_window, sink_tokens: blocks outside every later window go back (rung 8); None: all kept.
+    free_rule: a function with `window_free_rule`'s signature used in its place (rung 8's seam)."""
 
     def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None,
-                 copy_on_write: CopyOnWrite | None = None):
+                 copy_on_write: CopyOnWrite | None = None, sliding_window: int | None = None,
+                 sink_tokens: int = 0, free_rule: WindowFreeRule | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.allocator = allocator if allocator is not None else FreeListAllocator(num_blocks)
         if copy_on_write is not None and not callable(copy_on_write):
@@ -68,6 +79,9 @@ class BlockManager:
                             f"num_tokens, block_size, allocate) -> [(src, dst), ...], got {copy_on_write!r}")
         self.copy_on_write_fn: CopyOnWrite = copy_on_write or copy_on_write_rule
         self.ref_count = [0] * num_blocks
+        self.sliding_window, self.sink_tokens = sliding_window, sink_tokens
+        self.free_rule: WindowFreeRule = free_rule or window_free_rule
+        self.num_window_freed = 0  # table entries given back by the window since start
         self.prefix_cache: PrefixCache | None = None
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
@@ -99,12 +113,17 @@ class BlockManager:
         need = self.num_new_blocks(seq, num_tokens) + len(self.shared_blocks_to_write(seq, num_tokens))
         return need <= self.num_free_blocks
 
-    def grow(self, seq: CachedRequest, num_tokens: int) -> None:
-        """Append blocks to seq.block_table until it can hold `num_tokens` tokens."""
-        need = self.num_new_blocks(seq, num_tokens)
+    def grow(self, seq: CachedRequest, num_tokens: int, holes: frozenset[int] = frozenset()) -> None:
+        """Append blocks to seq.block_table until it can hold `num_tokens` tokens. Logical indexes in
+        `holes` get NO_BLOCK instead (a windowed sequence swapped back in: those were given back)."""
+        start = len(seq.block_table)
+        need = self.num_new_blocks(seq, num_tokens) - sum(1 for i in holes if i >= start)
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
-        for _ in range(need):
+        for i in range(start, start + self.num_new_blocks(seq, num_tokens)):
+            if i in holes:
+                seq.block_table.append(NO_BLOCK)
+                continue
             block = self.allocator.allocate()
             if self.ref_count[block] != 0:
                 raise RuntimeError(f"allocator returned block {block}, which is still in use")
@@ -116,7 +135,8 @@ class BlockManager:
     def free(self, seq: CachedRequest) -> None:
         """Drop the sequence's references, tail first; blocks nobody references go back."""
         for block in reversed(seq.block_table):
-            self.decref(block)
+            if block != NO_BLOCK:
+                self.decref(block)
         seq.block_table = []
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
@@ -140,7 +160,8 @@ class BlockManager:
     def fork(self, parent: CachedRequest, child: CachedRequest) -> None:
         """The child shares every block of the parent (copy-on-write happens on the next write)."""
         for block in parent.block_table:
-            self.incref(block)
+            if block != NO_BLOCK:
+                self.incref(block)
         child.block_table = list(parent.block_table)
         self.num_forks += 1
         self._track_peaks()
@@ -207,6 +228,20 @@ class BlockManager:
                         "copy-on-write replaces entries, it never adds or removes one")
         return copies
 
+    # ---- sliding window (rung 8) ----------------------------------------------------------------
+    def free_outside_window(self, seq: CachedRequest) -> int:
+        """After a step: give back the blocks of `seq` that no later query sees (the free rule, its
+        answer checked); their entries become NO_BLOCK. Returns how many went back."""
+        if self.sliding_window is None or not seq.block_table:
+            return 0
+        idx = checked_frees(self.free_rule, seq.block_table, seq.num_computed_tokens, self.block_size,
+                            self.sliding_window, self.sink_tokens, seq.request_id)
+        for i in idx:
+            self.decref(seq.block_table[i])  # shared (a fork, a cached prefix): the others keep it
+            seq.block_table[i] = NO_BLOCK
+        self.num_window_freed += len(idx)
+        return len(idx)
+
     # ---- prefix cache (rung 6) -------------------------------------------------------------------
     def attach_prefix_cache(self, cache: PrefixCache) -> None:
         """Turn prefix caching on (before any block is in use)."""
@@ -267,7 +302,8 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for s in seqs:
             for b in s.block_table:
-                counts[b] += 1
+                if b != NO_BLOCK:
+                    counts[b] += 1
         if counts != self.ref_count:
             bad = next(i for i, (a, b) in enumerate(zip(counts, self.ref_count)) if a != b)
             raise AssertionError(f"block {bad}: in {counts[bad]} block tables but ref_count {self.ref_count[bad]}")

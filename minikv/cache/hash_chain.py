@@ -124,6 +124,9 @@ class HashChainCache(PrefixCache):
             key, toks, extra = self._key(parent, seq.token_ids, i, seq.cache_salt)
             keys.append(key)
             block, entry = seq.block_table[i], self.table.get(key)
+            if block < 0:  # given back by a sliding window before it was offered: stop here
+                keys.pop()
+                break
             if entry is None:
                 if block not in self.by_block:
                     now = self.tick()

@@ -34,22 +34,29 @@ class SwapSpace:
         return self.allocator.num_free_blocks
 
     def swap_out(self, device_blocks: list[int]) -> list[int]:
-        """Copy these pool blocks to free CPU blocks; returns the CPU blocks, in the same order."""
-        cpu = [self.allocator.allocate() for _ in device_blocks]
-        for swap, plane in zip(self.planes, self.pool.read_blocks(device_blocks)):
-            swap[:, cpu] = plane.to("cpu")
-        self.blocks_out += len(cpu)
+        """Copy these pool blocks to free CPU blocks; returns the CPU blocks, in the same order. An
+        entry of -1 (a block a sliding window gave back) stays -1: nothing to copy."""
+        cpu = [self.allocator.allocate() if b >= 0 else -1 for b in device_blocks]
+        pairs = [(d, c) for d, c in zip(device_blocks, cpu) if d >= 0]
+        if pairs:
+            for swap, plane in zip(self.planes, self.pool.read_blocks([d for d, _ in pairs])):
+                swap[:, [c for _, c in pairs]] = plane.to("cpu")
+        self.blocks_out += len(pairs)
         return cpu
 
     def swap_in(self, cpu_blocks: list[int], device_blocks: list[int]) -> None:
-        """Copy CPU blocks back into these pool blocks and free the CPU blocks."""
-        self.pool.write_blocks(device_blocks, *(swap[:, cpu_blocks] for swap in self.planes))
+        """Copy CPU blocks back into these pool blocks and free the CPU blocks (-1 entries: none)."""
+        pairs = [(c, d) for c, d in zip(cpu_blocks, device_blocks) if c >= 0]
+        if pairs:
+            cpu = [c for c, _ in pairs]
+            self.pool.write_blocks([d for _, d in pairs], *(swap[:, cpu] for swap in self.planes))
         self.release(cpu_blocks)
-        self.blocks_in += len(cpu_blocks)
+        self.blocks_in += len(pairs)
 
     def release(self, cpu_blocks: list[int]) -> None:
         for b in cpu_blocks:
-            self.allocator.free(b)
+            if b >= 0:
+                self.allocator.free(b)
 
     def reset(self) -> None:
         """Forget every swapped-out block (after a fault, the engine recomputes their sequences)."""

@@ -49,6 +49,8 @@ SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
                       "kv_backend='paged' with prefix_caching=None (the exercise's scheduler does not match prefixes)"),
     "copy_on_write": ("rung 6", lambda c: c.is_paged, "kv_backend='paged'"),
     "decode_inner_loop": ("rung 7", lambda c: c.attention == "triton", "kv_backend='paged', attention='triton'"),
+    "window_free_rule": ("rung 8", lambda c: c.is_paged and c.sliding_window is not None,
+                         "kv_backend='paged' and a sliding_window=W"),
     "kv_quantizer": ("rung 8", lambda c: c.is_paged and c.kv_cache_dtype != "auto",
                      "kv_backend='paged' and kv_cache_dtype='int8' or 'fp8'"),
     "pick_next": ("rung 10", lambda c: c.is_paged and c.schedule_policy == "vtc",
@@ -145,6 +147,9 @@ class EngineConfig:
     prefix_caching: Any = None
     eviction: str = "lru"
     schedule_policy: str = "fcfs"
+    # sliding window with sink tokens (rung 8): None = the model's own window (if its config has one)
+    sliding_window: int | None = None
+    sink_tokens: int = 0
     # named seams: a learner's code plugged into the engine
     block_allocator: Any = None
     slot_mapping: Callable | None = None
@@ -153,6 +158,7 @@ class EngineConfig:
     schedule_step: Callable | None = None
     copy_on_write: Callable | None = None
     decode_inner_loop: Any = None
+    window_free_rule: Callable | None = None
     kv_quantizer: Callable | None = None
     pick_next: Callable | None = None
 
@@ -177,6 +183,7 @@ class EngineConfig:
         self._check_paged_options()
         self._check_prefix_options()
         self._check_seams()
+        self._check_window()
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
@@ -288,14 +295,52 @@ class EngineConfig:
             raise ValueError("block_allocator must be a class called with num_blocks, or an object with allocate(), "
                              f"free(block_id) and num_free_blocks; got {self.block_allocator!r}")
 
+    def _check_window(self, source: str = "sliding_window") -> None:
+        """The window and its sinks, on their own and against the pool (again in `fit` once the model's
+        own window is known: `source` names where the window came from)."""
+        w, s = self.sliding_window, self.sink_tokens
+        self._paged_only("sliding_window", w is not None and source == "sliding_window")
+        self._paged_only("sink_tokens", s != 0)
+        _check_int("sliding_window", w, 1, "it is how many of the last positions each query sees")
+        _check_int("sink_tokens", s, 0, "it is how many first positions every query sees too", allow_none=False)
+        if w is None:  # the model's own window, if any, comes in `fit`
+            return
+        if w < self.block_size:
+            raise ValueError(f"{source}={w} is smaller than a block (block_size {self.block_size}): a window frees "
+                             f"whole blocks; use a window of at least {self.block_size} tokens or a smaller block_size")
+        if s > w:
+            raise ValueError(f"sink_tokens={s} is larger than {source}={w}; the sinks are a few first tokens "
+                             f"(StreamingLLM keeps 4) beside the window: use sink_tokens <= {w}")
+        if self.prefix_caching == "radix" or getattr(self.prefix_caching, "design", None) == "radix":
+            raise ValueError(f"{source}={w} gives back blocks in the middle of a cached prefix, which the radix tree "
+                             "(it evicts leaves only) cannot hold; use prefix_caching='hash' with a window")
+
+    def window_blocks(self, num_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once: all of them without a window;
+        with one, the blocks of its sinks, of its window and of one step's new tokens (+1: the window
+        starts mid-block). Needs max_num_batched_tokens (filled in by `fit`)."""
+        bs = self.block_size
+        full = -(-num_tokens // bs)
+        if self.sliding_window is None:
+            return full
+        steps = self.max_num_batched_tokens if self.enable_chunked_prefill else num_tokens
+        return min(full, -(-self.sink_tokens // bs) + -(-(self.sliding_window - 1 + steps) // bs) + 1)
+
     @property
     def uses_learner_attention(self) -> bool:
         return self.causal_attention is not None or self.decode_step is not None
 
     # ---- phase 2: against the model and the machine ------------------------------------------------
-    def fit(self, max_positions: int, bytes_per_block: int | None = None) -> None:
-        """Fill in the sizes left as None and check them against the model (its number of positions)
-        and, for a paged pool, against memory (`bytes_per_block`: K and V of one block, all layers)."""
+    def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None) -> None:
+        """Fill in the sizes left as None and check them against the model (its number of positions, its
+        own sliding window) and, for a paged pool, against memory (`bytes_per_block`: K and V of one
+        block, all layers)."""
+        if self.is_paged and self.sliding_window is None and model_window is not None:
+            self.sliding_window = model_window  # the model was trained with it: the pool frees blocks by it
+            self._check_window("the model's sliding_window")
+        if self.is_paged and self.sliding_window is None and self.sink_tokens:
+            raise ValueError(f"sink_tokens={self.sink_tokens} keeps the first tokens in sight beside a sliding window, "
+                             "but there is none (the model has no window of its own); give sliding_window=W too")
         if self.max_model_len is not None and self.max_model_len > max_positions:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's {max_positions:,} positions; "
                              "lower it")
@@ -325,13 +370,20 @@ class EngineConfig:
         capacity = self.num_blocks * self.block_size
         if given_len is None:
             self.max_model_len = min(self.max_model_len, capacity)
-        elif given_len > capacity:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 512 if self.enable_chunked_prefill else self.max_model_len
+        if given_len is not None and given_len > capacity and self.sliding_window is not None:
+            if self.window_blocks(given_len) > self.num_blocks:  # a window bounds what a request holds
+                raise ValueError(
+                    f"num_blocks={self.num_blocks} x block_size={self.block_size} holds {capacity:,} tokens; a request "
+                    f"of max_model_len={given_len:,} with sliding_window={self.sliding_window} and sink_tokens="
+                    f"{self.sink_tokens} holds up to {self.window_blocks(given_len)} blocks at once (its sinks, its "
+                    "window and one step's new tokens); raise num_blocks, or lower max_num_batched_tokens")
+        elif given_len is not None and given_len > capacity:
             raise ValueError(
                 f"num_blocks={self.num_blocks} x block_size={self.block_size} holds {capacity:,} tokens, too small "
                 f"for one request of max_model_len={given_len:,}; raise num_blocks (or kv_cache_memory) to at least "
                 f"{-(-given_len // self.block_size)}, or lower max_model_len")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 512 if self.enable_chunked_prefill else self.max_model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="

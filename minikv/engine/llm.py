@@ -112,9 +112,15 @@ class LLM:
             schedule_step=fn      rung 5  which sequences run this step, and how many tokens each
             copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
+            window_free_rule=fn   rung 8  which blocks a sliding window gives back (needs sliding_window)
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
             pick_next=fn          rung 10 which waiting request the fair scheduler admits next
         Views and checkers watch the engine through `add_observer`.
+
+        Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
+        and the last W positions (StreamingLLM), and blocks outside every later window go back to
+        the pool while the request runs (minikv/cache/window.py). None: the model's own window, if
+        its config has one (Mistral); a window on a model trained without one changes its outputs.
         """
         try:
             cfg = EngineConfig(model=model, device=device, dtype=dtype, kv_backend=kv_backend,
@@ -146,7 +152,8 @@ class LLM:
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         c = self.config
         cfg.fit(c.max_position_embeddings,
-                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype))
+                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
+                c.sliding_window)
         self.max_model_len = cfg.max_model_len
         self.attention = cfg.attention if cfg.is_paged else None
         self.block_size = cfg.block_size if cfg.is_paged else None
@@ -201,7 +208,7 @@ class LLM:
             backend_cls, extra = PagedBackend, {}
         pool = KVPool(c.num_layers, cfg.num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                       self.device, cfg.kv_layout, cfg.kv_dtype, cfg.kv_quantizer)
-        self.backend = backend_cls(pool, c.sliding_window, **extra)
+        self.backend = backend_cls(pool, cfg.sliding_window, cfg.sink_tokens, **extra)
         self.block_manager, self.prefix_cache = self._new_block_manager(cfg)
         swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -223,7 +230,9 @@ class LLM:
                 allocator_obj = type(allocator)(cfg.num_blocks)
         else:
             allocator_obj = allocator(cfg.num_blocks) if allocator is not None else None
-        bm = BlockManager(cfg.num_blocks, cfg.block_size, allocator_obj, **_given(copy_on_write=cfg.copy_on_write))
+        bm = BlockManager(cfg.num_blocks, cfg.block_size, allocator_obj, **_given(copy_on_write=cfg.copy_on_write),
+                          sliding_window=cfg.sliding_window, sink_tokens=cfg.sink_tokens,
+                          **_given(free_rule=cfg.window_free_rule))
         cache = None
         if cfg.prefix_caching is not None:
             design = cfg.prefix_caching
@@ -671,6 +680,8 @@ class LLM:
                 forks=bm.num_forks, cow_copies=bm.num_cow_copies,
                 shared_blocks=sum(1 for r in bm.ref_count if r > 1),
                 peak_used_blocks=bm.peak_used_blocks, peak_blocks_unshared=bm.peak_refs,
+                sliding_window=self.engine_config.sliding_window, sink_tokens=self.engine_config.sink_tokens,
+                window_freed_blocks=bm.num_window_freed,
             )
         out["requests"] = [
             {"request_id": s.request_id, "time_to_first_token": o.time_to_first_token,

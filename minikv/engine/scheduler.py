@@ -28,6 +28,10 @@ and after every step its newly full blocks join the cache. policy="lpm" admits t
 sequence with the longest cached prefix first (SGLang's cache-aware scheduling): more hits, but a
 request that shares nothing can wait as long as others that share keep arriving (starvation).
 
+Sliding window (rung 8): after every step (and on admission onto a cached prefix) the block
+manager gives back the blocks no later query of the sequence sees (`free_outside_window`); their
+table entries become -1, and a swapped-out sequence keeps those holes (nothing to copy or restore).
+
 A learner's decision (exercise 05a) plugs in with `Scheduler(..., schedule_step=fn)`, or
 `LLM(..., kv_backend="paged", schedule_step=fn)` (the seam: minikv/engine/schedule_step.py). The
 scheduler asks it every step in place of steps 1-3, admits the waiting sequences it chose and grows
@@ -40,6 +44,7 @@ from typing import Callable
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.swap import SwapSpace
+from minikv.cache.window import NO_BLOCK
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.schedule_step import ScheduleStep, checked_decision
@@ -128,7 +133,8 @@ class Scheduler:
         while self.swapped and not preempted_now and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             n = self._tokens_to_run(seq, budget)
-            if n == 0 or blocks_needed(seq.num_computed_tokens + n, self.bm.block_size) > self.bm.num_free_blocks:
+            holes = sum(1 for c in seq.swap_table if c == NO_BLOCK)  # given back by a window: none needed
+            if n == 0 or blocks_needed(seq.num_computed_tokens + n, self.bm.block_size) - holes > self.bm.num_free_blocks:
                 break
             self.swapped.popleft()
             self._swap_in(seq)
@@ -158,6 +164,7 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:  # what the request saved on arrival (a recompute may hit more)
                     seq.num_cached_tokens = cached
+                self.bm.free_outside_window(seq)  # a long cached prefix: blocks before the window go back
             if self.fair is not None and seq.num_preemptions == 0:  # its tenant pays for the prompt once
                 self.fair.admitted(seq, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.bm.grow(seq, seq.num_computed_tokens + n)
@@ -210,7 +217,7 @@ class Scheduler:
         batch.preempted.append(seq)
         stalled = seq.num_computed_tokens == seq.num_tokens  # nothing to run: it could never swap back in
         use_swap = (self.preemption == "swap" and self.swap is not None and not stalled
-                    and self.swap.num_free_blocks >= len(seq.block_table))
+                    and self.swap.num_free_blocks >= sum(1 for b in seq.block_table if b != NO_BLOCK))
         if use_swap:
             self.num_swaps += 1
             seq.swap_table = self.swap.swap_out(seq.block_table)
@@ -255,7 +262,8 @@ class Scheduler:
         self._trace(child, "fork")
 
     def _swap_in(self, seq: Sequence) -> None:
-        self.bm.grow(seq, len(seq.swap_table) * self.bm.block_size)
+        holes = frozenset(i for i, c in enumerate(seq.swap_table) if c == NO_BLOCK)
+        self.bm.grow(seq, len(seq.swap_table) * self.bm.block_size, holes)
         self.swap.swap_in(seq.swap_table, seq.block_table)
         seq.swap_table = []
         seq.status = SequenceStatus.RUNNING
@@ -269,6 +277,7 @@ class Scheduler:
             if self.fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
                 self.fair.generated(seq)  # it sampled a token this step
             self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
+            self.bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
         for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token

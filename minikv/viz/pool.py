@@ -166,7 +166,8 @@ def block_owners(snap: StepSnapshot, num_blocks: int) -> list[list[str]]:
     owners: list[list[str]] = [[] for _ in range(num_blocks)]
     for s in snap.seqs.values():
         for b in s.block_table:
-            owners[b].append(s.request_id)
+            if b >= 0:  # -1: a block a sliding window gave back
+                owners[b].append(s.request_id)
     return owners
 
 
@@ -176,6 +177,8 @@ def block_fill(trace: Trace, step: int) -> list[int]:
     for s in trace.steps[step].seqs.values():
         held = s.num_computed_tokens + s.scheduled
         for i, b in enumerate(s.block_table):
+            if b < 0:  # given back by a sliding window
+                continue
             fill[b] = max(fill[b], min(trace.block_size, max(0, held - i * trace.block_size)))
     return fill
 
