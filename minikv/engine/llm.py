@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import threading
 from collections import deque
 from typing import Callable, Iterator
@@ -28,7 +29,7 @@ from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
-from minikv.engine.config import EngineConfig
+from minikv.engine.config import EngineConfig, ModelShape
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
@@ -75,6 +76,16 @@ def _key(seq: Sequence) -> int:
     return draw_key(seq.seed, len(seq.output_token_ids))
 
 
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Print a line to stderr the first time it comes up in this process."""
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr)
+
+
 def _given(**kwargs) -> dict:
     """The keyword arguments that were given (not None): seams reach the parts that take them only when used."""
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -82,10 +93,12 @@ def _given(**kwargs) -> dict:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str | None = None, dtype: torch.dtype | str | None = None,
-                 kv_backend: str = "contiguous", max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 kv_backend: str | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
                  seed: int = 0, **options):
-        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-7). Every option is
-        checked at once by `EngineConfig` (minikv/engine/config.py), which also fills in the defaults.
+        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-7); None: paged on a
+        GPU, contiguous on a CPU. Every option is checked at once by `EngineConfig`
+        (minikv/engine/config.py), which also fills in the defaults: on a GPU, max_num_seqs, the token
+        budget and the pool's size are fitted to the card and the model (printed once, and in stats()).
 
         Paged pool: block_size (tokens per block, a power of two), num_blocks or kv_cache_memory
         (bytes) for the pool, max_num_batched_tokens (token budget per step), enable_chunked_prefill,
@@ -139,7 +152,11 @@ class LLM:
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         c = self.config
         cfg.fit(c.max_position_embeddings,
-                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype))
+                KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype),
+                ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
+        if cfg.chosen and self.device.type == "cuda":
+            _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: " + ", ".join(
+                f"{name}={getattr(cfg, name):,}" for name in cfg.chosen) + " (pass any of them to LLM(...) to override)")
         self.max_model_len = cfg.max_model_len
         self.attention = cfg.attention if cfg.is_paged else None
         self.block_size = cfg.block_size if cfg.is_paged else None
@@ -638,7 +655,11 @@ class LLM:
 
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
-        out: dict = {"kv_backend": self.kv_backend}
+        cfg = self.engine_config
+        out: dict = {"kv_backend": self.kv_backend,
+                     "config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
+                                "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks,
+                                "chosen": dict(cfg.chosen)}}
         if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
             out.update(
