@@ -77,6 +77,45 @@ def _key(seq: Sequence) -> int:
 
 
 _said: set[str] = set()
+PROGRESS_MIN_REQUESTS = 16  # generate() shows a progress bar from this many requests on (on a terminal)
+
+
+def _show_progress(num_requests: int, use_tqdm: bool | None) -> bool:
+    if use_tqdm is not None:
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True, False or None (a bar for many requests on a terminal), "
+                             f"got {use_tqdm!r}")
+        return use_tqdm
+    return num_requests >= PROGRESS_MIN_REQUESTS and sys.stderr.isatty()
+
+
+class Progress:
+    """A tqdm bar over the requests of one generate call: requests done, and output tokens per second."""
+
+    def __init__(self, seqs: list[Sequence]):
+        import time
+
+        from tqdm import tqdm
+
+        self.clock = time.perf_counter
+        self.left = [s.params.n for s in seqs]  # samples of each request still running
+        self.tokens, self.start, self.shown = 0, self.clock(), 0.0
+        self.bar = tqdm(total=len(seqs), desc="generate", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+    def see(self, event: StreamEvent) -> None:
+        self.tokens += event.token_id is not None
+        if event.finished:
+            self.left[event.index] -= 1
+            if self.left[event.index] == 0:
+                self.bar.update(1)
+        now = self.clock()
+        if now - self.shown > 0.5 or event.finished:
+            self.shown = now
+            self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):,.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.set_postfix_str(f"{self.tokens / max(self.clock() - self.start, 1e-9):,.0f} tok/s", refresh=False)
+        self.bar.close()
 
 
 def _say_once(message: str) -> None:
@@ -348,12 +387,22 @@ class LLM:
         requests too, keeping their events for the outer loop."""
         yield from self._follow(*self._submit(prompts, params))
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        use_tqdm: a progress bar on stderr (requests done, output tokens per second). None: shown for
+        PROGRESS_MIN_REQUESTS requests or more when stderr is a terminal, so notebooks, tests and logs
+        keep clean outputs; True or False decides."""
         seqs, events = self._submit(prompts, params)
-        for _ in self._follow(seqs, events):
-            pass
+        bar = Progress(seqs) if _show_progress(len(seqs), use_tqdm) else None
+        try:
+            for event in self._follow(seqs, events):
+                if bar is not None:
+                    bar.see(event)
+        finally:
+            if bar is not None:
+                bar.close()
         failed = [s for seq in seqs for s in samples_of(seq) if s.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed ({failed[0].error}); the other requests "
