@@ -134,6 +134,7 @@ def run(args) -> dict:
                            max_id=shape["vocab_size"] - 1)
     sync = (lambda: None) if cpu else torch.cuda.synchronize
     record = {"benchmark": "step profile", "minikv_file": minikv.__file__, "label": args.label, "device": dev,
+              "split_from_bound": args.split_from_bound,
               "card": torch.cuda.get_device_name() if not cpu else "cpu", "torch": torch.__version__,
               "model": "small qwen2 (CPU)" if cpu else "Qwen2.5-0.5B shapes, random bf16",
               "num_requests": len(requests), "skip_steps": args.skip, "runs": {}}
@@ -181,7 +182,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", type=int, default=150, help="steps run before measuring (prefills out of the way)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--split-from-bound", action="store_true",
+                    help="decode split ranges cut from max_seq_len under graphs too (the earlier way)")
     args = ap.parse_args(argv)
+    if args.split_from_bound:
+        from minikv.attention.triton_backend import TritonPagedBackend
+
+        TritonPagedBackend.decode_split_per_seq = False
     record = run(args)
     out = Path(args.out) / f"step_profile_{args.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,10 +75,10 @@ class ModelShape:
 def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """A generous bound on the memory one step needs besides weights and pool: the largest step's
     activations (residual, norms, q/k/v, MLP's gate, up and product: ~6 x hidden + 3 x intermediate per
-    token) and the logits of every sampled row in float32 with the sampler's copies (4x), plus 1 GiB for
-    CUDA graphs, cuBLAS workspaces and the allocator's slack."""
+    token) and the logits of every sampled row in float32 with the sampler's temporaries (8x: its noise
+    over a whole vocabulary is int64), plus 1 GiB for CUDA graphs, cuBLAS workspaces and the allocator."""
     per_token = (6 * shape.hidden_size + 3 * shape.intermediate_size) * shape.dtype_bytes
-    logits = 4 * max_num_seqs * shape.vocab_size * 4
+    logits = 8 * max_num_seqs * shape.vocab_size * 4
     return max_num_batched_tokens * per_token + logits + 2**30
 
 
