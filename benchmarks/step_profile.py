@@ -114,11 +114,15 @@ def device_profile(llm, steps: int) -> dict:
         elif e.key.startswith(("cuda", "aten::item", "aten::_local_scalar_dense", "aten::to", "aten::copy_")):
             host_ops[e.key] += e.self_cpu_time_total
     device_ms = sum(by_family.values()) / steps / 1e3
+
+    def per_step(items) -> dict:
+        return {k: round(v / steps / 1e3, 4) for k, v in items}
+
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
     return {"steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3), "device_ms_per_step": round(device_ms, 3),
-            "device_ms_by_family": {k: round(v / steps / 1e3, 4) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": {k[:90]: round(v / steps / 1e3, 4) for k, v in top},
-            "host_sync_ops_ms": {k: round(v / steps / 1e3, 4) for k, v in sorted(host_ops.items(), key=lambda kv: -kv[1])[:8]}}
+            "device_ms_by_family": per_step(sorted(by_family.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": per_step((k[:90], v) for k, v in top),
+            "host_sync_ops_ms": per_step(sorted(host_ops.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def run(args) -> dict:

@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shapes (default qwen2.5-0.5b)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--num-requests", type=int, default=None, help="first N requests of the workload (default all)")
-    ap.add_argument("--sampling", default="greedy,sampled", help="comma list: greedy (argmax), sampled (T=0.6, top-p 0.95)")
+    ap.add_argument("--sampling", default="greedy,sampled",
+                    help="comma list: greedy (argmax), sampled (T=0.6, top-p 0.95)")
     ap.add_argument("--padded-requests", type=int, default=32, help="requests in the padded-generate batch")
     ap.add_argument("--cap", type=float, default=170.0, help="seconds each minikv engine may run")
     ap.add_argument("--hf-cap", type=float, default=None, help="seconds transformers may run (default --cap)")
@@ -415,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
-    def phase(name: str, fn):
+    def phase(name: str, fn, into: str | None = None):
+        """Run one phase; its result goes into record[into] (if given) and is saved at once."""
         t = time.perf_counter()
         try:
             result = fn()
@@ -424,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name} failed: {type(e).__name__}: {e}", flush=True)
             result = None
         print(f"[bench] {name}: {time.perf_counter() - t:.1f} s  {json.dumps(result)[:400]}", flush=True)
+        if into is not None:
+            record[into].append(result)
         save()
         return result
 
@@ -436,41 +440,43 @@ def main(argv: list[str] | None = None) -> int:
         if dev.startswith("cuda"):
             record["limits"] = phase("limits", lambda: measure_limits(dev))
         if "checks" not in skip and not big:
-            record["checks"].append(phase("check float32", lambda: check_tokens(ckpt, dev, torch.float32)))
+            phase("check float32", lambda: check_tokens(ckpt, dev, torch.float32), into="checks")
             if dtype != torch.float32:
-                record["checks"].append(phase(f"check {dtype}", lambda: check_tokens(ckpt, dev, dtype)))
+                phase(f"check {dtype}", lambda: check_tokens(ckpt, dev, dtype), into="checks")
             if triton_ok:
                 hf = load_hf(ckpt, dev, dtype)
-                tri = phase("check triton", lambda: check_tokens(ckpt, dev, dtype, attention="triton", hf_model=hf))
+                tri = phase("check triton", lambda: check_tokens(ckpt, dev, dtype, attention="triton", hf_model=hf),
+                            into="checks")
                 del hf
                 release(dev)
-                record["checks"].append(tri)
                 triton_ok = tri is not None  # its match rate is in the record, next to the torch one
-                record["checks"].append(phase("check cuda graphs", lambda: check_graph_tokens(ckpt, dev)))
+                phase("check cuda graphs", lambda: check_graph_tokens(ckpt, dev), into="checks")
         attention = "triton" if triton_ok else "torch"
         for mode in modes:
             if "torch" not in skip and attention == "triton":
-                record["results"].append(phase(f"minikv torch, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, cap_s=args.cap, sampling=mode)))
+                phase(f"minikv torch, {mode}", lambda: run_minikv(
+                    ckpt, requests, dev, dtype, cap_s=args.cap, sampling=mode), into="results")
             if "triton" not in skip or attention == "torch":
-                record["results"].append(phase(f"minikv {attention} tuned, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, **TUNED)))
+                phase(f"minikv {attention} tuned, {mode}", lambda: run_minikv(
+                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, **TUNED), into="results")
             if "defaults" not in skip:
-                record["results"].append(phase(f"minikv defaults, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, defaults=True)))
+                phase(f"minikv defaults, {mode}", lambda: run_minikv(
+                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, defaults=True),
+                    into="results")
             if "triton_eager" not in skip and attention == "triton":
-                record["results"].append(phase(f"minikv triton, eager decode, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, "triton", cap_s=args.cap, cuda_graphs=False, sampling=mode)))
+                phase(f"minikv triton, eager decode, {mode}", lambda: run_minikv(
+                    ckpt, requests, dev, dtype, "triton", cap_s=args.cap, cuda_graphs=False, sampling=mode),
+                    into="results")
             if "hf_cb" not in skip:
                 hf = load_hf(ckpt, dev, dtype)
-                record["results"].append(phase(f"transformers continuous batching, {mode}",
-                                               lambda: run_hf_continuous(hf, requests, cap_s=hf_cap, sampling=mode)))
+                phase(f"transformers continuous batching, {mode}",
+                      lambda: run_hf_continuous(hf, requests, cap_s=hf_cap, sampling=mode), into="results")
                 del hf
                 release(dev)
         if "hf_padded" not in skip:
             hf = load_hf(ckpt, dev, dtype)  # a fresh model: continuous batching switched its attention
-            record["results"].append(phase("transformers padded generate",
-                                           lambda: run_hf_padded(hf, requests[: args.padded_requests], dev)))
+            phase("transformers padded generate",
+                  lambda: run_hf_padded(hf, requests[: args.padded_requests], dev), into="results")
             del hf
             release(dev)
     tuned = next((r for r in record["results"] if r and r.get("config") == "tuned" and r["engine"] == "minikv"

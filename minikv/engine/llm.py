@@ -194,8 +194,9 @@ class LLM:
                 KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype),
                 ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
         if cfg.chosen and self.device.type == "cuda":
-            _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: " + ", ".join(
-                f"{name}={getattr(cfg, name):,}" for name in cfg.chosen) + " (pass any of them to LLM(...) to override)")
+            _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: "
+                      + ", ".join(f"{name}={getattr(cfg, name):,}" for name in cfg.chosen)
+                      + " (pass any of them to LLM(...) to override)")
         self.max_model_len = cfg.max_model_len
         self.attention = cfg.attention if cfg.is_paged else None
         self.block_size = cfg.block_size if cfg.is_paged else None
@@ -507,7 +508,7 @@ class LLM:
         if not seqs:
             return []
         try:
-            return sample(logits, [s.params for s in seqs], [_key(s) for s in seqs])
+            return sample(logits, [s.params for s in seqs], [0 if s.params.greedy else _key(s) for s in seqs])
         except Exception:  # noqa: BLE001  find whose row it is
             pass
         tokens: list[int | None] = []
