@@ -73,7 +73,8 @@ def main(argv=None) -> dict:
                                 "median_tok_s": round(n / statistics.median(ts), 2)}
     r = record["runs"]
     record["ratios_median"] = {
-        "minikv_sampled_over_greedy": round(r["minikv sampled"]["median_tok_s"] / r["minikv greedy"]["median_tok_s"], 3),
+        "minikv_sampled_over_greedy": round(r["minikv sampled"]["median_tok_s"]
+                                            / r["minikv greedy"]["median_tok_s"], 3),
         "minikv_over_transformers_greedy": round(r["minikv greedy"]["median_tok_s"]
                                                  / r["transformers greedy"]["median_tok_s"], 3),
         "minikv_over_transformers_sampled": round(r["minikv sampled"]["median_tok_s"]
