@@ -166,7 +166,7 @@ def run(args) -> dict:
                 result["device"] = device_profile(llm, args.profile_steps)
             record["runs"][mode] = result
             print(mode, json.dumps(result)[:600], flush=True)
-            del llm
+            del llm, timer  # the timer's wrappers hold the engine: both go, or the next engine finds little memory
             if not cpu:
                 torch.cuda.empty_cache()
     return record
