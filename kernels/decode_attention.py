@@ -31,6 +31,8 @@ Keeping the copies in flight (benchmarks/NOTES_decode.md, runs 7-16):
   (num_stages > 2); with the table read inside the loop it waited for every copy first.
 - a split's range comes from the longest span, known on the host: without a sliding window the
   first table entries, q and the sequence length are loaded at once (one memory latency, not two).
+  Under a CUDA graph the host knows only a bound (max_model_len); there `split_per_seq` cuts each
+  sequence's own length instead, paying that second latency so that no split is empty or overlong.
 - on compute capability 9+ the merge is launched as a programmatic dependent: its programs are
   scheduled while the split kernel drains, and wait for its results (gdc_wait).
 
@@ -88,6 +90,7 @@ def _decode_split_kernel(
     sinks,  # sink tokens: keys [0, sinks) are seen too, read by split 0 before its range; used when HAS_SINKS
     num_splits,
     split_len,  # positions per split, whole tiles: the longest span in the batch cut num_splits ways
+    #             (SPLIT_PER_SEQ: unused, each program cuts its own sequence's span instead)
     table_width,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -111,6 +114,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,  # the merge is launched as a programmatic dependent (GPU, compute capability >= 9)
     INNER_LOOP: tl.constexpr,  # the @triton.jit function that folds one tile in (online_softmax_block's signature)
     QUANT: tl.constexpr,  # the pool holds int8/fp8 values and scales: dequantize each tile as it is read
+    SPLIT_PER_SEQ: tl.constexpr = False,  # ranges cut from this sequence's own length (loaded first)
 ):
     if USE_PDL:  # the merge's programs may start now and wait (gdc_wait) for this grid's results
         tl.extra.cuda.gdc_launch_dependents()
@@ -125,7 +129,14 @@ def _decode_split_kernel(
     # block-table entries, q and the length are fetched at once: one memory latency, not two.
     if HAS_WINDOW:
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        if SPLIT_PER_SEQ:
+            span = tl.maximum(tl.minimum(seq_len, window), 1)
+            split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
         start = tl.maximum(seq_len - window, 0) + split * split_len
+    elif SPLIT_PER_SEQ:  # one more latency before the first loads, but no split is empty or overlong
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        split_len = tl.cdiv(tl.cdiv(tl.maximum(seq_len, 1), num_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
     else:
         start = split * split_len
     base = start // BLOCK_SIZE
@@ -136,7 +147,7 @@ def _decode_split_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-    if not HAS_WINDOW:
+    if not HAS_WINDOW and not SPLIT_PER_SEQ:
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + split_len, seq_len))  # the last takes any rest
     if start >= end:  # a shorter sequence leaves its last splits empty: an lse of -inf gives them weight 0
@@ -307,6 +318,8 @@ def paged_decode_attention(
     merge=None,  # a torch function (part_out [B, H, S, D], part_lse [B, H, S]) -> [B, H, D]: replaces the merge kernel
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
     v_scale: torch.Tensor | None = None,
+    split_per_seq: bool = False,  # each sequence's span cut num_splits ways on the device, not the longest
+    #   one (max_seq_len) on the host: for CUDA graphs, whose max_seq_len is only a bound
 ) -> torch.Tensor:
     """Attention of each sequence's new token over its paged K/V: returns [B, num_heads, head_dim].
 
@@ -370,7 +383,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
-        INNER_LOOP=inner_loop, QUANT=quant, **launch,
+        INNER_LOOP=inner_loop, QUANT=quant, SPLIT_PER_SEQ=split_per_seq, **launch,
     )
     if num_splits > 1 and merge is not None:
         merged = merge(part_out[..., :head_dim], part_lse)

@@ -11,7 +11,7 @@ from minikv import LLM, SamplingParams
 # (what, value, the name the message must contain)
 LLM_OPTIONS = [
     (dict(kv_backend="flash"), "kv_backend"),
-    (dict(kv_backend=None), "kv_backend"),
+    (dict(kv_backend=""), "kv_backend"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_num_seqs=2.5), "max_num_seqs"),
     (dict(max_num_seqs=True), "max_num_seqs"),

@@ -120,3 +120,34 @@ def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, s
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert flag in run.stdout
+
+
+def test_throughput_benchmark_reports_greedy_and_sampled_defaults_and_tuned_with_their_ratios(tmp_path):
+    from minikv.bench import throughput
+
+    out = tmp_path / "throughput.json"
+    throughput.main(["--small", "--num-requests", "3", "--skip", "checks,hf_cb,hf_padded", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["errors"] == []
+    runs = {(r["sampling"], r["config"]): r for r in record["results"]}
+    assert set(runs) == {("greedy", "tuned"), ("greedy", "defaults"), ("sampled", "tuned"), ("sampled", "defaults")}
+    assert all(r["complete"] and r["output_tokens"] == record["workload"]["output_tokens"] for r in runs.values())
+    assert runs["greedy", "tuned"]["max_num_seqs"] == throughput.TUNED["max_num_seqs"]
+    assert runs["greedy", "defaults"]["chosen"], "the defaults run says which sizes the engine chose"
+    assert set(record["ratios"]) == {"sampled_over_greedy_tuned", "sampled_over_greedy_defaults",
+                                     "defaults_over_tuned_greedy", "defaults_over_tuned_sampled"}
+
+
+def test_the_floor_counts_weights_per_step_and_each_tokens_context_once():
+    from minikv.bench import throughput
+
+    shape = throughput.SMALL_SHAPE
+    limits = {"copy_bytes_per_s": 1e9, "bf16_flops_per_s": 1e12}
+    one = throughput.floor_seconds(shape, [([1] * 10, 2)], steps=3, limits=limits)
+    h, i, v, L, d = 128, 256, 10240, 2, 32
+    per_layer = h * d * (4 + 2 * 2) + 4 * d * h + 3 * h * i
+    assert one["params"] == L * per_layer + v * h  # tied embeddings counted once
+    kv = 2 * L * 2 * d * 2
+    assert one["kv_bytes_read"] == kv * (11 + 12)  # the two output tokens see 11 and 12 positions
+    assert one["memory_s"] == (3 * one["params"] * 2 + one["kv_bytes_read"]) / 1e9
+    assert one["prefill_compute_s"] == 2 * 10 * L * per_layer / 1e12

@@ -3,7 +3,10 @@ builds each rung from it; the named seams are options like the others."""
 import pytest
 
 from minikv import LLM, SamplingParams
-from minikv.engine.config import SEAMS, EngineConfig
+import torch
+
+from minikv.engine.config import (DEFAULT_GPU_KV_FRACTION, SEAMS, DeviceInfo, EngineConfig, ModelShape,
+                                  step_scratch_bytes)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -93,3 +96,63 @@ def test_observers_see_every_step_and_can_be_removed():
     assert len(seen) == 6
     with pytest.raises(ValueError, match="an observer needs an on_schedule"):
         llm.add_observer(object())
+
+
+# ---- defaults fitted to the device, checked on made-up cards ----------------------------------------
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, free_memory=78 * 2**30, num_sms=132)
+L4 = DeviceInfo("NVIDIA L4", total_memory=24 * 2**30, free_memory=22 * 2**30, num_sms=58)
+QWEN_05B = ModelShape(hidden_size=896, intermediate_size=4864, vocab_size=151936, dtype_bytes=2)
+QWEN_BLOCK = 16 * 24 * 2 * 2 * 64 * 2  # bytes of K and V of one 16-token block, 24 layers, 2 KV heads, bf16
+
+
+def _fit(info, **options):
+    cfg = EngineConfig(kv_backend="paged", device="cpu", dtype="float32", **options)
+    cfg.fit(max_positions=32768, bytes_per_block=QWEN_BLOCK, shape=QWEN_05B, info=info)
+    return cfg
+
+
+def test_a_large_gpu_gets_hundreds_of_sequences_a_budget_in_the_thousands_and_most_of_its_free_memory():
+    cfg = _fit(H100)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 16384)
+    pool = cfg.num_blocks * QWEN_BLOCK
+    assert 0.75 * H100.free_memory < pool < DEFAULT_GPU_KV_FRACTION * H100.free_memory
+    assert set(cfg.chosen) == {"max_num_seqs", "max_num_batched_tokens", "num_blocks"}
+    assert "H100" in cfg.chosen["num_blocks"]
+
+
+def test_a_smaller_gpu_gets_vllms_smaller_defaults():
+    cfg = _fit(L4)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 8192)
+
+
+def test_given_sizes_are_kept_and_not_reported_as_chosen():
+    cfg = _fit(H100, max_num_seqs=64, max_num_batched_tokens=4096, num_blocks=1000)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_blocks) == (64, 4096, 1000)
+    assert cfg.chosen == {}
+
+
+def test_a_small_pool_caps_the_sequences_so_each_can_hold_a_thousand_tokens():
+    cfg = _fit(H100, kv_cache_memory=100 * QWEN_BLOCK)  # 1,600 tokens
+    assert cfg.num_blocks == 100 and cfg.max_num_seqs == 1
+    cfg = _fit(H100, kv_cache_memory=6400 * QWEN_BLOCK)  # 102,400 tokens: 100 sequences of 1,024
+    assert cfg.max_num_seqs == 100
+
+
+def test_the_scratch_reserve_grows_with_the_budget_and_the_vocabulary():
+    small = step_scratch_bytes(QWEN_05B, 512, 8)
+    assert step_scratch_bytes(QWEN_05B, 16384, 8) - small == (16384 - 512) * (6 * 896 + 3 * 4864) * 2
+    assert step_scratch_bytes(QWEN_05B, 512, 256) - small == 8 * 248 * 151936 * 4
+
+
+def test_a_card_too_full_for_one_block_says_what_to_free():
+    full = DeviceInfo("busy", total_memory=80 * 2**30, free_memory=2**30)
+    with pytest.raises(ValueError, match="holds no block.*kv_cache_memory"):
+        _fit(full)
+
+
+def test_kv_backend_defaults_to_paged_on_a_gpu_and_contiguous_on_a_cpu():
+    assert EngineConfig(device="cpu").kv_backend == "contiguous"
+    llm = LLM("tiny-random", device="cpu")
+    assert llm.kv_backend == "contiguous" and llm.stats()["config"]["max_num_seqs"] == 4
+    if torch.cuda.is_available():
+        assert EngineConfig(device="cuda").kv_backend == "paged"

@@ -181,6 +181,28 @@ def test_decode_trace_shows_every_block_read_by_exactly_the_split_that_owns_it()
 
 
 
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_split_per_sequence_cuts_each_context_evenly_whatever_max_seq_len_says(window):
+    """Under a CUDA graph max_seq_len is only a bound (max_model_len): with split_per_seq each program
+    cuts its own sequence's span, so every split of a long enough sequence reads a share and the
+    result equals the reference for any bound."""
+    seq_lens = [5, 64, 100, 200]
+    k_cache, v_cache, tables = scattered_pool(seq_lens, 8, 2, torch.float32, seed=9)
+    meta = AttentionMetadata.build([1] * 4, seq_lens)
+    q = torch.randn(4, 4, HEAD_DIM)
+    want = reference(q, k_cache, v_cache, tables, meta, window)
+    for bound in (2048, 7):  # far above the longest context, and below all but the shortest
+        trace = torch.full((4, 2, tables.shape[1]), -1, dtype=torch.int32)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, meta.seq_lens, SCALE, num_splits=3, block_n=16,
+                                     sliding_window=window, max_seq_len=bound, trace=trace, split_per_seq=True,
+                                     out=poisoned(q.shape, q.dtype))
+        assert_close(out, want, 2e-6, f"max_seq_len {bound}, window {window}")
+        if window is None:
+            # blocks of 8: 200 positions are three splits of 80, 80 and 40; 64 are two tiles of 32, the third empty
+            assert trace[3, 0, :25].tolist() == [0] * 10 + [1] * 10 + [2] * 5
+            assert trace[1, 0, :8].tolist() == [0] * 4 + [1] * 4
+
+
 @triton.jit
 def _inner_loop_without_rescale(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
     """online_softmax_block with a classic bug: what was summed is never rescaled when the max grows."""

@@ -17,10 +17,12 @@ K/V at 32 x 4096 and 8 x 16384 (within 2%), 11% slower at 64 x 1024 (the split m
 reference. Prefill 2-3x faster than rung 4's reference (1.5x slower than flash attention on
 contiguous K/V), so prefill steps use the kernel by default.
 
-CUDA graphs: a captured decode step keeps its split count and split length (cut from the metadata's
-max_seq_len at capture). Any count is correct for any lengths (the last split reads whatever lies
-past the others), so the engine's graphs (minikv/engine/cuda_graph.py) capture with max_seq_len set
-to max_model_len; `decode_num_splits` fixes the count instead where that is wanted.
+CUDA graphs: a captured decode step keeps its split count (cut from the metadata's max_seq_len and
+the batch at capture). The engine's graphs (minikv/engine/cuda_graph.py) capture with max_seq_len set
+to max_model_len and no host lengths; ranges cut from that bound would leave most splits of a short
+context empty and one split holding all of it, so there each program cuts its own sequence's length
+into the split count instead (`split_per_seq`, read on the device). `decode_num_splits` fixes the
+count where that is wanted; `decode_split_per_seq` forces either way of cutting.
 
 A quantized pool (int8/fp8 with scales, minikv/cache/quant.py): the store kernel quantizes, the
 attention kernels dequantize each tile as they read it. A learner's quantizer (the kv_quantizer seam)
@@ -47,6 +49,9 @@ class TritonPagedBackend(PagedBackend):
     prefill_impl = "triton"
     # decode split count; None = chosen per step from the batch and the longest context
     decode_num_splits: int | None = None
+    # split ranges cut per sequence on the device (True) or from max_seq_len on the host (False);
+    # None = per sequence exactly when the host does not know the lengths (a CUDA graph's buffers)
+    decode_split_per_seq: bool | None = None
 
     def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0, decode_inner_loop=None):
         if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
@@ -71,7 +76,9 @@ class TritonPagedBackend(PagedBackend):
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
                                           sink_tokens=self.sink_tokens, max_seq_len=meta.max_seq_len,
-                                          inner_loop=self.decode_inner_loop, k_scale=k_scale, v_scale=v_scale)
+                                          inner_loop=self.decode_inner_loop, k_scale=k_scale, v_scale=v_scale,
+                                          split_per_seq=(meta.seq_lens_list is None if self.decode_split_per_seq
+                                                         is None else self.decode_split_per_seq))
         if self.prefill_impl == "torch":
             keys, values = self.gather(layer, meta)
             return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)

@@ -19,7 +19,7 @@ others: a seam given to a rung that does not use it is an error, never silently 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -38,7 +38,74 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 4, 1024
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = {"naive": 1, "contiguous": 4, "paged": 32}
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20  # bytes of paged pool on a CPU when neither num_blocks nor kv_cache_memory is given
-DEFAULT_GPU_KV_FRACTION = 0.5  # of the free device memory at start-up
+DEFAULT_GPU_KV_FRACTION = 0.9  # of the free device memory at start-up, less what a step's activations need
+GPU_MAX_NUM_SEQS = {"small": 256, "large": 512}  # by device memory: under / over LARGE_GPU_MEMORY
+GPU_MAX_NUM_BATCHED_TOKENS = {"small": 8192, "large": 16384}
+LARGE_GPU_MEMORY = 70 * 2**30  # bytes: an 80 GB H100 or larger counts as large (vLLM draws the line here too)
+MIN_TOKENS_PER_SEQ = 1024  # defaults keep a pool able to hold this many tokens of every running sequence
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the defaults look at: the card's name, total and free memory (bytes), and SM count. Tests
+    pass a made-up one to see what a given card would get."""
+
+    name: str
+    total_memory: int
+    free_memory: int
+    num_sms: int = 0
+
+    @classmethod
+    def of(cls, device: torch.device) -> "DeviceInfo":
+        props = torch.cuda.get_device_properties(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(props.name, total, free, props.multi_processor_count)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model sizes a step's scratch memory depends on."""
+
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+
+
+def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A generous bound on the memory one step needs besides weights and pool: the largest step's
+    activations (residual, norms, q/k/v, MLP's gate, up and product: ~6 x hidden + 3 x intermediate per
+    token) and the logits of every sampled row in float32 with the sampler's temporaries (8x: its noise
+    over a whole vocabulary is int64), plus 1 GiB for CUDA graphs, cuBLAS workspaces and the allocator."""
+    per_token = (6 * shape.hidden_size + 3 * shape.intermediate_size) * shape.dtype_bytes
+    logits = 8 * max_num_seqs * shape.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits + 2**30
+
+
+def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None
+                 ) -> dict[str, int]:
+    """max_num_seqs, max_num_batched_tokens and num_blocks for a paged engine on this card, each only
+    where not given (None). As vLLM and nano-vllm do: hundreds of sequences, a budget in the thousands,
+    and the pool takes what the weights and a step's scratch leave of the free memory.
+
+        large card (>= 70 GiB):  512 sequences, 16,384 tokens per step
+        smaller card:            256 sequences,  8,192 tokens per step
+        then: the budget at least max_model_len (a whole prompt fits one step) and max_num_seqs;
+              max_num_seqs at most the pool's tokens / min(max_model_len, 1,024)"""
+    size = "large" if info.total_memory >= LARGE_GPU_MEMORY else "small"
+    seqs = max_num_seqs if max_num_seqs is not None else GPU_MAX_NUM_SEQS[size]
+    budget = max_num_batched_tokens
+    if budget is None:
+        budget = max(GPU_MAX_NUM_BATCHED_TOKENS[size], max_model_len, seqs)
+    out = {"max_num_seqs": seqs, "max_num_batched_tokens": budget}
+    if pool_bytes is None:
+        pool_bytes = int(info.free_memory * DEFAULT_GPU_KV_FRACTION) - step_scratch_bytes(shape, budget, seqs)
+    out["num_blocks"] = max(0, pool_bytes // bytes_per_block)
+    if max_num_seqs is None:
+        capacity = out["num_blocks"] * block_size
+        out["max_num_seqs"] = max(1, min(seqs, capacity // min(max_model_len, MIN_TOKENS_PER_SEQ)))
+    return out
 
 # seam -> (the rung it belongs to, a predicate on the config, what to do instead)
 SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
@@ -127,7 +194,7 @@ class EngineConfig:
     model: Any = "smollm2-135m"
     device: Any = None
     dtype: Any = None
-    kv_backend: str = "contiguous"
+    kv_backend: str | None = None  # None: "paged" on a GPU (the fastest rung), "contiguous" on a CPU
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     seed: int = 0
@@ -161,12 +228,16 @@ class EngineConfig:
     window_free_rule: Callable | None = None
     kv_quantizer: Callable | None = None
     pick_next: Callable | None = None
+    # filled by fit(): each size it chose itself -> why (printed once on a GPU, and in LLM.stats())
+    chosen: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_paged(self) -> bool:
         return self.kv_backend == "paged"
 
     def __post_init__(self) -> None:
+        if self.kv_backend is None:
+            self.kv_backend = "paged" if parse_device(self.device).type == "cuda" else "contiguous"
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"unknown kv_backend {self.kv_backend!r}; choose one of {', '.join(KV_BACKENDS)}")
         self.device = parse_device(self.device)
@@ -331,10 +402,12 @@ class EngineConfig:
         return self.causal_attention is not None or self.decode_step is not None
 
     # ---- phase 2: against the model and the machine ------------------------------------------------
-    def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None) -> None:
+    def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None,
+            shape: ModelShape | None = None, info: DeviceInfo | None = None) -> None:
         """Fill in the sizes left as None and check them against the model (its number of positions, its
         own sliding window) and, for a paged pool, against memory (`bytes_per_block`: K and V of one
-        block, all layers)."""
+        block, all layers). On a GPU a paged engine's sizes come from the card and the model
+        (`gpu_defaults`; `shape` gives the model's sizes, `info` the card: DeviceInfo.of(device) unless given)."""
         if self.is_paged and self.sliding_window is None and model_window is not None:
             self.sliding_window = model_window  # the model was trained with it: the pool frees blocks by it
             self._check_window("the model's sliding_window")
@@ -347,21 +420,39 @@ class EngineConfig:
         given_len = self.max_model_len
         if self.max_model_len is None:
             self.max_model_len = min(max_positions, DEFAULT_MAX_MODEL_LEN)
-        if self.max_num_seqs is None:
+        on_gpu = self.is_paged and (info is not None or self.device.type == "cuda")
+        if self.max_num_seqs is None and not on_gpu:
             self.max_num_seqs = DEFAULT_MAX_NUM_SEQS[self.kv_backend]
+            self.chosen["max_num_seqs"] = f"the {self.kv_backend} rung's default"
         if not self.is_paged:
             return
         assert bytes_per_block is not None, "a paged config is fitted with the pool's bytes per block"
-        available = memory_available(self.device)
+        if on_gpu:
+            info = info if info is not None else DeviceInfo.of(self.device)
+            available = info.free_memory
+            shape = shape if shape is not None else ModelShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
+            picked = gpu_defaults(info, shape, bytes_per_block, self.block_size, self.max_model_len, self.max_num_seqs,
+                                  self.max_num_batched_tokens, self.kv_cache_memory if self.num_blocks is None else
+                                  self.num_blocks * bytes_per_block)
+            why = f"fitted to {info.name} ({info.total_memory / 2**30:.0f} GiB, {info.free_memory / 2**30:.0f} free)"
+            for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
+                if getattr(self, name) is None and not (name == "num_blocks" and self.kv_cache_memory is not None):
+                    setattr(self, name, picked[name])
+                    self.chosen[name] = why
+            if self.num_blocks is None:  # kv_cache_memory given
+                self.num_blocks = picked["num_blocks"]
+        else:
+            available = memory_available(self.device)
         if self.num_blocks is None:
             memory = self.kv_cache_memory
             if memory is None:
-                memory = (int(available * DEFAULT_GPU_KV_FRACTION) if self.device.type == "cuda"
-                          else DEFAULT_CPU_KV_MEMORY)
+                memory = DEFAULT_CPU_KV_MEMORY
+                self.chosen["num_blocks"] = f"{DEFAULT_CPU_KV_MEMORY // 2**20} MiB of pool on a CPU"
             self.num_blocks = memory // bytes_per_block
-            if self.num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={memory:,} bytes holds no block of {bytes_per_block:,} bytes "
-                                 f"(block_size {self.block_size}); give more memory or a smaller block_size")
+        if self.num_blocks < 1:
+            raise ValueError(f"the pool holds no block of {bytes_per_block:,} bytes (block_size {self.block_size}; "
+                             f"{available / 2**30:,.1f} GiB free); give more memory (kv_cache_memory, num_blocks) "
+                             "or a smaller block_size")
         need = self.num_blocks * bytes_per_block
         if need > available:
             raise ValueError(f"num_blocks={self.num_blocks:,} blocks of {bytes_per_block:,} bytes need "
@@ -372,6 +463,8 @@ class EngineConfig:
             self.max_model_len = min(self.max_model_len, capacity)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 512 if self.enable_chunked_prefill else self.max_model_len
+            self.chosen["max_num_batched_tokens"] = "the CPU default" if self.enable_chunked_prefill else \
+                "max_model_len (no chunked prefill)"
         if given_len is not None and given_len > capacity and self.sliding_window is not None:
             if self.window_blocks(given_len) > self.num_blocks:  # a window bounds what a request holds
                 raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import threading
 from collections import deque
 from typing import Callable, Iterator
@@ -28,7 +29,7 @@ from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.engine.beam import BeamSearch, take_beam_rows
-from minikv.engine.config import EngineConfig
+from minikv.engine.config import EngineConfig, ModelShape
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
@@ -76,6 +77,55 @@ def _key(seq: Sequence) -> int:
     return draw_key(seq.seed, len(seq.output_token_ids))
 
 
+_said: set[str] = set()
+PROGRESS_MIN_REQUESTS = 16  # generate() shows a progress bar from this many requests on (on a terminal)
+
+
+def _show_progress(num_requests: int, use_tqdm: bool | None) -> bool:
+    if use_tqdm is not None:
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True, False or None (a bar for many requests on a terminal), "
+                             f"got {use_tqdm!r}")
+        return use_tqdm
+    return num_requests >= PROGRESS_MIN_REQUESTS and sys.stderr.isatty()
+
+
+class Progress:
+    """A tqdm bar over the requests of one generate call: requests done, and output tokens per second."""
+
+    def __init__(self, seqs: list[Sequence]):
+        import time
+
+        from tqdm import tqdm
+
+        self.clock = time.perf_counter
+        self.left = [s.params.n for s in seqs]  # samples of each request still running
+        self.tokens, self.start, self.shown = 0, self.clock(), 0.0
+        self.bar = tqdm(total=len(seqs), desc="generate", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+    def see(self, event: StreamEvent) -> None:
+        self.tokens += event.token_id is not None
+        if event.finished:
+            self.left[event.index] -= 1
+            if self.left[event.index] == 0:
+                self.bar.update(1)
+        now = self.clock()
+        if now - self.shown > 0.5 or event.finished:
+            self.shown = now
+            self.bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):,.0f} tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.set_postfix_str(f"{self.tokens / max(self.clock() - self.start, 1e-9):,.0f} tok/s", refresh=False)
+        self.bar.close()
+
+
+def _say_once(message: str) -> None:
+    """Print a line to stderr the first time it comes up in this process."""
+    if message not in _said:
+        _said.add(message)
+        print(message, file=sys.stderr)
+
+
 def _given(**kwargs) -> dict:
     """The keyword arguments that were given (not None): seams reach the parts that take them only when used."""
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -83,10 +133,12 @@ def _given(**kwargs) -> dict:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", device: str | None = None, dtype: torch.dtype | str | None = None,
-                 kv_backend: str = "contiguous", max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 kv_backend: str | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
                  seed: int = 0, **options):
-        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-7). Every option is
-        checked at once by `EngineConfig` (minikv/engine/config.py), which also fills in the defaults.
+        """kv_backend: "naive" (rung 1), "contiguous" (rung 2) or "paged" (rungs 4-7); None: paged on a
+        GPU, contiguous on a CPU. Every option is checked at once by `EngineConfig`
+        (minikv/engine/config.py), which also fills in the defaults: on a GPU, max_num_seqs, the token
+        budget and the pool's size are fitted to the card and the model (printed once, and in stats()).
 
         Paged pool: block_size (tokens per block, a power of two), num_blocks or kv_cache_memory
         (bytes) for the pool, max_num_batched_tokens (token budget per step), enable_chunked_prefill,
@@ -153,7 +205,11 @@ class LLM:
         c = self.config
         cfg.fit(c.max_position_embeddings,
                 KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
-                c.sliding_window)
+                c.sliding_window, ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
+        if cfg.chosen and self.device.type == "cuda":
+            _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: "
+                      + ", ".join(f"{name}={getattr(cfg, name):,}" for name in cfg.chosen)
+                      + " (pass any of them to LLM(...) to override)")
         self.max_model_len = cfg.max_model_len
         self.attention = cfg.attention if cfg.is_paged else None
         self.block_size = cfg.block_size if cfg.is_paged else None
@@ -354,12 +410,22 @@ class LLM:
         requests too, keeping their events for the outer loop."""
         yield from self._follow(*self._submit(prompts, params))
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        use_tqdm: a progress bar on stderr (requests done, output tokens per second). None: shown for
+        PROGRESS_MIN_REQUESTS requests or more when stderr is a terminal, so notebooks, tests and logs
+        keep clean outputs; True or False decides."""
         seqs, events = self._submit(prompts, params)
-        for _ in self._follow(seqs, events):
-            pass
+        bar = Progress(seqs) if _show_progress(len(seqs), use_tqdm) else None
+        try:
+            for event in self._follow(seqs, events):
+                if bar is not None:
+                    bar.see(event)
+        finally:
+            if bar is not None:
+                bar.close()
         failed = [s for seq in seqs for s in samples_of(seq) if s.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed ({failed[0].error}); the other requests "
@@ -464,7 +530,7 @@ class LLM:
         if not seqs:
             return []
         try:
-            return sample(logits, [s.params for s in seqs], [_key(s) for s in seqs])
+            return sample(logits, [s.params for s in seqs], [0 if s.params.greedy else _key(s) for s in seqs])
         except Exception:  # noqa: BLE001  find whose row it is
             pass
         tokens: list[int | None] = []
@@ -661,7 +727,11 @@ class LLM:
 
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
-        out: dict = {"kv_backend": self.kv_backend}
+        cfg = self.engine_config
+        out: dict = {"kv_backend": self.kv_backend,
+                     "config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
+                                "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks,
+                                "chosen": dict(cfg.chosen)}}
         if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
             pool = self.backend.pool

@@ -16,8 +16,10 @@ their static buffers and replay.
 """
 from __future__ import annotations
 
+from itertools import accumulate, chain
 from typing import Callable
 
+import numpy as np
 import torch
 
 from minikv.attention.metadata import BatchInputs
@@ -25,6 +27,11 @@ from minikv.engine.batch import ScheduledBatch
 
 # the rung-4 seam: fn(block_table, positions, block_size) -> the slot of each position
 SlotMappingFn = Callable[[list[int], list[int], int], list[int]]
+
+
+def _long(xs: list[int]) -> torch.Tensor:
+    """A Python list of ints as an int64 tensor, through numpy (far faster than torch.tensor on a list)."""
+    return torch.from_numpy(np.fromiter(xs, dtype=np.int64, count=len(xs)))
 
 
 class ModelRunner:
@@ -42,28 +49,32 @@ class ModelRunner:
         self._turn = 0
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
-        """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
-        ids, pos, query_lens, seq_lens, starts, sample_rows = [], [], [], [], [0], []
-        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_new_tokens)):
-            end = start + n
-            ids += seq.token_ids[start:end]
-            pos += range(start, end)
-            query_lens.append(n)
-            seq_lens.append(end)
-            starts.append(starts[-1] + n)
-            if end == seq.num_tokens:  # every known token computed: the next one can be sampled
-                sample_rows.append(i)
-        host = {"input_ids": torch.tensor(ids), "positions": torch.tensor(pos), "query_start_loc": torch.tensor(starts),
-                "seq_lens": torch.tensor(seq_lens),
-                "logits_indices": torch.tensor([starts[i + 1] - 1 for i in sample_rows], dtype=torch.long)}
-        if self.block_size is not None:  # paged
-            width = max(len(s.block_table) for s in batch.seqs)
-            host["block_tables"] = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
-                                                 for s in batch.seqs])
+        """The step's tensors, and which sequences of the batch sample a token (rows of the logits).
+
+        Host work on every step, so lists become tensors through numpy (torch.tensor on a Python list
+        costs ~10x more), and a decode-only step skips the per-sequence slicing."""
+        seqs, starts, query_lens = batch.seqs, batch.starts, batch.num_new_tokens
+        seq_lens = [st + n for st, n in zip(starts, query_lens)]
+        sample_rows = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens]
+        cu = list(accumulate(query_lens, initial=0))
+        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start
+            ids = [s.token_ids[st] for s, st in zip(seqs, starts)]
+            pos = _long(starts)
+        else:
+            ids = list(chain.from_iterable(s.token_ids[st:end] for s, st, end in zip(seqs, starts, seq_lens)))
+            pos = torch.from_numpy(np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)]))
+        host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": _long(cu), "seq_lens": _long(seq_lens),
+                "logits_indices": _long([cu[i + 1] - 1 for i in sample_rows])}
+        if self.block_size is not None:  # paged: block tables padded with -1, built from one flat array
+            lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+            tables = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)
+            tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+                chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(lens.sum()))
+            host["block_tables"] = torch.from_numpy(tables)
             host["slot_mapping"] = self._slot_mapping(batch, host)
-        elif batch.seqs[0].cache_row is not None:  # contiguous rows
-            host["cache_rows"] = torch.tensor([s.cache_row for s in batch.seqs])
-        inputs = BatchInputs(**self._to_device(host), query_lens_list=query_lens, seq_lens_list=seq_lens,
+        elif seqs[0].cache_row is not None:  # contiguous rows
+            host["cache_rows"] = _long([s.cache_row for s in seqs])
+        inputs = BatchInputs(**self._to_device(host), query_lens_list=list(query_lens), seq_lens_list=seq_lens,
                              max_seq_len=max(seq_lens))
         return inputs, sample_rows
 
@@ -72,7 +83,10 @@ class ModelRunner:
         bs = self.block_size
         if self.slot_mapping_fn is None:  # vectorized over the whole batch
             pos, lens = host["positions"], host["query_start_loc"].diff()
-            seq = torch.repeat_interleave(torch.arange(len(batch.seqs)), lens)
+            if len(pos) == len(batch.seqs):  # one token per sequence
+                seq = torch.arange(len(batch.seqs))
+            else:
+                seq = torch.repeat_interleave(torch.arange(len(batch.seqs)), lens)
             slots = host["block_tables"][seq, pos // bs] * bs + pos % bs
             if (slots < 0).any():  # a -1 past the end of a table: the block manager gave too few blocks
                 b = int(seq[slots < 0][0])

@@ -86,44 +86,73 @@ def allowed_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return scaled.masked_fill(outside, float("-inf")), order
 
 
-CANDIDATES = 1024  # a filtered row looks for its top-k / top-p set among its this many most likely tokens
+CANDIDATES = (64, 1024)  # a filtered row looks for its top-k / top-p set among its 64, then 1,024 most likely tokens
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
     """logits: [B, vocab] -> one token id per row. keys: each row's draw key (`draw_key`); greedy rows
-    ignore theirs."""
+    ignore theirs. Which rows filter is known on the host from `params`: no device round trip to ask."""
     greedy = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return greedy.tolist()
     dev, vocab = logits.device, logits.shape[-1]
+    plain = [j for j, i in enumerate(sampled_rows) if params[i].top_k == 0 and params[i].top_p >= 1.0]
+    filt = [j for j, i in enumerate(sampled_rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
+    # [temperature, top_p, top_k] as float32 bits beside the 63-bit key: every row's settings in one copy
+    settings = torch.tensor([[params[i].temperature, params[i].top_p, params[i].top_k] for i in sampled_rows],
+                            dtype=torch.float32).view(torch.int32).to(torch.int64)
+    packed = torch.cat([settings, torch.tensor([keys[i] for i in sampled_rows], dtype=torch.int64)[:, None]], 1)
+    packed = packed.to(dev, non_blocking=dev.type == "cuda")
+    temperature, top_p, top_k = packed[:, :3].to(torch.int32).view(torch.float32).unbind(1)
+    top_k, key = top_k.long(), packed[:, 3]
     rows = torch.tensor(sampled_rows, device=dev)
-    scaled = logits.index_select(0, rows).float()
-    scaled /= torch.tensor([params[i].temperature for i in sampled_rows], device=dev)[:, None]
-    top_k = torch.tensor([params[i].top_k for i in sampled_rows], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=dev, dtype=torch.float32)
-    key = torch.tensor([keys[i] for i in sampled_rows], device=dev, dtype=torch.int64)
-    filtered = (top_k > 0) | (top_p < 1.0)
+    scaled = logits.index_select(0, rows).float() / temperature[:, None]
     choice = torch.empty(len(sampled_rows), dtype=torch.long, device=dev)
-    if not bool(filtered.all()):  # rows that filter nothing: the whole vocabulary
-        a = (~filtered).nonzero()[:, 0]
+    if plain:  # rows that filter nothing: the whole vocabulary
+        a = torch.tensor(plain, device=dev) if len(plain) < len(sampled_rows) else slice(None)
         choice[a] = gumbel_argmax(scaled[a], key[a], torch.arange(vocab, device=dev))
-    if bool(filtered.any()):
-        f = filtered.nonzero()[:, 0]
-        choice[f] = _sample_filtered(scaled[f], key[f], top_k[f], top_p[f])
+    if filt:
+        f = torch.tensor(filt, device=dev) if len(filt) < len(sampled_rows) else slice(None)
+        max_k = max(params[sampled_rows[j]].top_k for j in filt)
+        choice[f] = _sample_filtered(scaled[f], key[f], top_k[f], top_p[f], max_k)
     greedy[rows] = choice
     return greedy.tolist()
 
 
-def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                     ) -> torch.Tensor:
+def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     max_k: int) -> torch.Tensor:
     """Draws for rows with a top-k / top-p set, found among their CANDIDATES most likely tokens (a partial
-    top-k instead of sorting the vocabulary). A row whose top-p set may reach past the candidates (a
-    flat distribution) is redone exactly over the whole sorted vocabulary."""
+    top-k instead of sorting the vocabulary): 64 first, then 1,024 for the rows whose set may reach past
+    64. A row whose top-p set may reach past those too (a flat distribution) is redone exactly over the
+    whole sorted vocabulary. The noise is keyed by vocab id, not rank, so a row draws the same token
+    from any candidate list that holds its whole set: the batch it sits in changes nothing."""
     vocab = scaled.shape[-1]
-    k_cap = min(vocab, max(CANDIDATES, int(top_k.max())))
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    choice = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
+    todo: torch.Tensor | None = None  # rows still to draw (None: all)
+    for n in CANDIDATES:
+        if n < max_k and n != CANDIDATES[-1]:
+            continue
+        k_cap = min(vocab, max(n, max_k))
+        sub = (lambda t: t) if todo is None else (lambda t: t[todo])
+        got, exact = _draw_among(sub(scaled), sub(lse), sub(key), sub(top_k), sub(top_p), k_cap)
+        if todo is None:
+            choice = got
+        else:
+            choice[todo] = got
+        if bool(exact.all()):
+            return choice
+        todo = (~exact).nonzero()[:, 0] if todo is None else todo[~exact]
+    allowed, order = allowed_logits(scaled[todo], torch.ones_like(top_p[todo]), top_k[todo], top_p[todo])
+    choice[todo] = order.gather(1, gumbel_argmax(allowed, key[todo], order)[:, None])[:, 0]
+    return choice
+
+
+def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw among each row's k_cap most likely tokens; `exact` says whose whole set lay among them."""
     vals, ids = scaled.topk(k_cap, dim=-1)  # sorted, most likely first
-    probs = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))  # true probabilities
+    probs = torch.exp(vals - lse)  # true probabilities
     rank = torch.arange(k_cap, device=scaled.device)[None, :]
     outside = rank >= torch.where(top_k > 0, top_k, k_cap)[:, None]
     kept = probs.masked_fill(outside, 0.0)
@@ -132,11 +161,7 @@ def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tenso
     outside |= (kept.cumsum(-1) - kept) >= top_p[:, None]
     choice = ids.gather(1, gumbel_argmax(vals.masked_fill(outside, float("-inf")), key, ids)[:, None])[:, 0]
     exact = (top_k > 0) | (top_p >= 1.0) | (probs.sum(-1) >= top_p)
-    if not bool(exact.all()):
-        r = (~exact).nonzero()[:, 0]
-        allowed, order = allowed_logits(scaled[r], torch.ones_like(top_p[r]), top_k[r], top_p[r])
-        choice[r] = order.gather(1, gumbel_argmax(allowed, key[r], order)[:, None])[:, 0]
-    return choice
+    return choice, exact
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
