@@ -21,6 +21,10 @@ Prefix caching (rung 6, `attach_prefix_cache`): a block whose ref_count drops to
 K/V in the prefix cache (unused, evictable) instead of going back empty; an admitted sequence first
 takes the blocks of its cached prefix (`acquire_prefix`), and its newly full blocks join the cache
 after each step (`cache_blocks`). Cached blocks are never written: writes start past the prefix.
+
+Offload tiers (rung 9, `attach_offload`): a lookup continues past the pool's hit into a store of
+evicted blocks (CPU memory, disk); those blocks are copied back into free blocks at admission and
+count as cached. Evicted blocks go down to the store, newly cached ones are written through.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Callable
 
 from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_table import CachedRequest, blocks_needed
+from minikv.cache.offload import Offload
 from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
 
 # copy_on_write(block_table, ref_count, num_computed_tokens, num_tokens, block_size, allocate) -> [(src, dst)]
@@ -55,6 +60,16 @@ def copy_on_write_rule(block_table: list[int], ref_count: list[int], num_compute
     return copies
 
 
+class _Computed:
+    """A request seen with another num_computed_tokens (the cache only reads it; the caller records it)."""
+
+    def __init__(self, seq: CachedRequest, num_computed_tokens: int):
+        self.seq, self.num_computed_tokens = seq, num_computed_tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+
 class BlockManager:
     """allocator: who hands out free block ids (`BlockAllocator`; rung 4's seam).
     copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam)."""
@@ -69,6 +84,7 @@ class BlockManager:
         self.copy_on_write_fn: CopyOnWrite = copy_on_write or copy_on_write_rule
         self.ref_count = [0] * num_blocks
         self.prefix_cache: PrefixCache | None = None
+        self.offload: Offload | None = None
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
         self.reset_sharing_stats()
@@ -120,6 +136,8 @@ class BlockManager:
         seq.block_table = []
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
+        if self.offload is not None:
+            self.offload.forget(seq)
 
     def incref(self, block: int) -> None:
         if self.ref_count[block] < 1:
@@ -220,7 +238,21 @@ class BlockManager:
         """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
         if self.prefix_cache is None or seq.block_table:
             return PrefixMatch()
-        return self.prefix_cache.lookup(seq)
+        hit = self.prefix_cache.lookup(seq)
+        if self.offload is not None and self.prefix_cache.enabled:
+            hit = self.offload.extend(hit, seq)  # [len(hit.blocks), ...) from the store, if it holds them
+        return hit
+
+    def attach_offload(self, offload: Offload) -> None:
+        """Put a store of evicted blocks below the prefix cache (after `attach_prefix_cache`)."""
+        if offload.cache is not self.prefix_cache:
+            raise RuntimeError("the offload tiers must serve this block manager's prefix cache")
+        self.offload = offload
+
+    def flush_offload(self) -> None:
+        """End of a step: hand the newly cached blocks to the store's write-through."""
+        if self.offload is not None:
+            self.offload.flush()
 
     def can_admit(self, seq: CachedRequest, hit: PrefixMatch, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
@@ -239,9 +271,23 @@ class BlockManager:
         for b in hit.blocks:
             self.incref(b)
         seq.block_table = list(hit.blocks)
+        if hit.loads:
+            hit = self._load(seq, hit)
         self.prefix_cache.record(seq, hit)
         self._track_peaks()
         return hit.num_tokens
+
+    def _load(self, seq: CachedRequest, hit: PrefixMatch) -> PrefixMatch:
+        """Copy the hit's stored blocks back into new blocks of `seq` and cache them. The prefix ends
+        at the first block the store cannot give (a corrupted file, say): its block goes back."""
+        m, bs = len(hit.blocks), self.block_size
+        self.grow(seq, (m + len(hit.loads)) * bs)
+        n = self.offload.load(hit.loads, seq.block_table[m:])
+        for block in reversed(seq.block_table[m + n:]):
+            self.decref(block)
+        del seq.block_table[m + n:]
+        self.cache_blocks(_Computed(seq, (m + n) * bs))  # [0, m + n) blocks hold their K/V now
+        return PrefixMatch(list(hit.blocks), (m + n) * bs)
 
     def cache_blocks(self, seq: CachedRequest) -> None:
         """After a step: the sequence's newly full blocks join the cache. A block the cache already
@@ -252,6 +298,8 @@ class BlockManager:
             self.incref(block)
             self.decref(seq.block_table[i])
             seq.block_table[i] = block
+        if self.offload is not None:
+            self.offload.cached(seq)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after the weights change, say). Refused while any is in use."""
@@ -259,6 +307,7 @@ class BlockManager:
         if busy:
             raise RuntimeError(f"{len(busy)} blocks of the prefix cache are in use by running requests; let them "
                                "finish (or abort them) and reset again, or reset with defer=True")
+        self.flush_offload()  # queued write-through reads first: the blocks are handed back empty
         for b in self.prefix_cache.clear():
             self.allocator.inner.free(b)
 
