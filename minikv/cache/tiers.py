@@ -163,24 +163,29 @@ def encode_block(identity: str, key: bytes, value: Value) -> bytes:
     return text + b" " * (HEADER_BYTES - 1 - len(text)) + b"\n" + payload
 
 
-def decode_block(data: bytes, identity: str, key: bytes) -> Value | None:
-    """The tensors of a block file, or None if anything is off (truncated, corrupted, another key)."""
+def decode_block(data: bytes | bytearray, identity: str, key: bytes) -> Value | None:
+    """The tensors of a block file, or None if anything is off (truncated, corrupted, another key).
+    The tensors are views of `data` (no copy): pass a bytearray to get writable ones."""
     if len(data) < HEADER_BYTES or not data.startswith(MAGIC):
         return None
     try:
-        header = json.loads(data[len(MAGIC):HEADER_BYTES])
-        payload = data[HEADER_BYTES:]
+        header = json.loads(bytes(data[len(MAGIC):HEADER_BYTES]))
+        payload = memoryview(data)[HEADER_BYTES:]
         if (header["identity"], header["key"], header["payload"]) != (identity, key.hex(), len(payload)):
             return None
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
             return None
-        out, at = [], 0
+        out, at = [], HEADER_BYTES
         for dtype, shape in header["tensors"]:
             dt = getattr(torch, dtype)
             n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            out.append(torch.frombuffer(bytearray(payload[at:at + n]), dtype=torch.uint8).view(dt).reshape(shape))
+            if at + n > len(data):
+                return None
+            buf = data if isinstance(data, bytearray) else bytearray(data[at:at + n])
+            start = at if buf is data else 0
+            out.append(torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start).view(dt).reshape(shape))
             at += n
-        return tuple(out) if at == len(payload) else None
+        return tuple(out) if at == len(data) else None
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         return None
 
@@ -263,7 +268,9 @@ class DiskTier:
                 return None
             self.index.move_to_end(key)
         try:
-            data = self.path(key).read_bytes()
+            with open(self.path(key), "rb") as f:  # one copy: into a buffer the tensors then view
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except OSError:  # deleted under us (another engine's budget, a person): a miss
             with self.lock:
                 self.index.pop(key, None)
