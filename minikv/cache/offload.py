@@ -75,7 +75,7 @@ class Offload:
         """Copy the stored blocks of `keys` into pool `blocks`, in one batch. Returns how many it
         loaded: a block the store cannot give (gone, corrupted) ends the prefix there."""
         t0 = time.perf_counter()
-        locate = getattr(self.store, "locate", None)
+        locate = getattr(self.store, "locate", None) or getattr(self.store, "where", None)
         values = []
         for k in keys:
             tier = locate(k) if locate is not None else "store"
