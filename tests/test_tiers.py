@@ -242,3 +242,12 @@ def test_bad_offload_options_name_the_limit_and_the_fix(base, tmp_path, options,
 def test_offload_options_belong_to_the_paged_pool():
     with pytest.raises(ValueError, match="option of the paged pool"):
         LLM("tiny-random", kv_backend="contiguous", kv_offload_cpu_bytes=2**20)
+
+
+def test_tiers_ttft_benchmark_smoke(capsys):
+    from minikv.bench.tiers_ttft import main
+
+    assert main(["--model", "tiny-random", "--doc-len", "40", "--users", "2", "--turns", "2", "--question-len", "8",
+                 "--max-tokens", "4", "--block-size", "4", "--no-record"]) == 0
+    out = capsys.readouterr().out
+    assert '"tokens_identical_to_recompute"' in out and "warm" in out
