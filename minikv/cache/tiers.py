@@ -65,7 +65,7 @@ def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, t in named:
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")  # the buffer, no copy
     return h.hexdigest()
 
 
