@@ -38,6 +38,7 @@ class Offload:
         self.block_size = pool.block_size
         self._pending: list[tuple[int, bytes]] = []  # (pool block, store key) to write through
         self._progress: dict[int, int] = {}  # seq_id -> its blocks already offered for write-through
+        self._staging: dict[int, torch.Tensor] = {}  # pinned host buffers for loads to a GPU, reused
         cache.on_evict = self.spill
         self.reset_stats()
 
@@ -75,23 +76,55 @@ class Offload:
         """Copy the stored blocks of `keys` into pool `blocks`, in one batch. Returns how many it
         loaded: a block the store cannot give (gone, corrupted) ends the prefix there."""
         t0 = time.perf_counter()
-        locate = getattr(self.store, "locate", None) or getattr(self.store, "where", None)
         values = []
-        for k in keys:
-            tier = locate(k) if locate is not None else "store"
-            value = self.store.get(k)
+        for tier, value in self._fetch(keys):
             if value is None:
                 self.load_failures += 1
                 break
             values.append(value)
             self.tier_hits[tier] = self.tier_hits.get(tier, 0) + self.block_size
         if values:
-            stacked = [_stack([v[i] for v in values]) for i in range(len(values[0]))]
-            self.pool.write_blocks(blocks[:len(values)], *stacked)
+            self.pool.write_blocks(blocks[:len(values)], *self._stage(values))
+            if self.pool.device.type == "cuda":
+                torch.cuda.current_stream(self.pool.device).synchronize()  # the staging buffer is reused
             self.blocks_in += len(values)
             self.bytes_in += sum(value_bytes(v) for v in values)
         self.load_seconds += time.perf_counter() - t0
         return len(values)
+
+    def _fetch(self, keys: list[bytes]):
+        """(tier, value or None) of each key, in order; a store with get_many reads them at once."""
+        get_many = getattr(self.store, "get_many", None)
+        if get_many is not None:
+            yield from get_many(keys)
+            return
+        locate = getattr(self.store, "locate", None) or getattr(self.store, "where", None)
+        for k in keys:  # one at a time, stopping at the first miss: later gets would touch LRU order
+            tier = locate(k) if locate is not None else "store"
+            value = self.store.get(k)
+            yield tier, value
+            if value is None:
+                return
+
+    def _stage(self, values: list) -> list[torch.Tensor]:
+        """The blocks side by side, [num_layers, n, block_size, ...] per tensor: stacked on a CPU, in a
+        reused pinned buffer copied asynchronously to a GPU."""
+        if self.pool.device.type != "cuda":
+            return [torch.stack([v[i] for v in values], dim=1) for i in range(len(values[0]))]
+        out = []
+        for i in range(len(values[0])):
+            first = values[0][i]
+            shape = (first.shape[0], len(values)) + tuple(first.shape[1:])
+            numel = torch.Size(shape).numel()
+            buf = self._staging.get(i)
+            if buf is None or buf.numel() < numel or buf.dtype != first.dtype:
+                buf = self._staging[i] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                                                     dtype=first.dtype, pin_memory=True)
+            staged = buf[:numel].view(shape)
+            for j, v in enumerate(values):
+                staged[:, j].copy_(v[i])
+            out.append(staged.to(self.pool.device, non_blocking=True))
+        return out
 
     # ---- write-through --------------------------------------------------------------------------
     def cached(self, seq: CachedRequest) -> None:
@@ -150,8 +183,3 @@ class Offload:
         if hasattr(self.store, "stats"):
             out["tiers"] = self.store.stats()
         return out
-
-
-def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Blocks [num_layers, block_size, ...] each -> [num_layers, n, block_size, ...]."""
-    return torch.stack(parts, dim=1)

@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -230,6 +231,7 @@ class DiskTier:
         self.num_corrupt = self.num_evicted = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self.closed = False
         self._trim()
 
@@ -277,12 +279,23 @@ class DiskTier:
             return None
         value = decode_block(data, self.identity, key)
         if value is None:
-            self.num_corrupt += 1
+            with self.lock:
+                self.num_corrupt += 1
             self.drop(key)
             return None
-        self.num_reads += 1
-        self.bytes_read += len(data)
+        with self.lock:
+            self.num_reads += 1
+            self.bytes_read += len(data)
         return value
+
+    def get_many(self, keys: list[bytes]) -> list[Value | None]:
+        """`get` of each key, the files read and checked in parallel (file reads and hashing release
+        the GIL)."""
+        if len(keys) < 2:
+            return [self.get(k) for k in keys]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="minikv-disk-read")
+        return list(self._readers.map(self.get, keys))
 
     def drop(self, key: bytes) -> None:
         with self.lock:
@@ -349,6 +362,9 @@ class DiskTier:
             return
         self.flush()
         self.closed = True
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -410,6 +426,27 @@ class TieredStore:
             if value is not None:
                 return value
         return self.disk.get(key) if self.disk is not None else None
+
+    def get_many(self, keys: list[bytes]) -> list[tuple[str, Value | None]]:
+        """(tier, value or None) of each key up to the first miss: CPU hits at once, the disk's read
+        in parallel."""
+        tiers = []
+        for k in keys:
+            tier = self.locate(k)
+            if tier is None:
+                break
+            tiers.append(tier)
+        on_disk = [k for k, t in zip(keys, tiers) if t == "disk"]
+        from_disk = iter(self.disk.get_many(on_disk) if on_disk else [])
+        out = []
+        for k, t in zip(keys, tiers):
+            value = self.cpu.get(k) if t == "cpu" else next(from_disk)
+            out.append((t, value))
+            if value is None:
+                break
+        if len(out) < len(keys) and (not out or out[-1][1] is not None):
+            out.append((None, None))  # a key listed by no tier: the hit ends here
+        return out
 
     def clear_memory(self) -> None:
         if self.cpu is not None:
