@@ -254,3 +254,29 @@ def test_tiers_ttft_benchmark_smoke(capsys):
                  "--max-tokens", "4", "--block-size", "4", "--no-record"]) == 0
     out = capsys.readouterr().out
     assert '"tokens_identical_to_recompute"' in out and "warm" in out
+
+
+def test_tier_view_shows_where_each_block_lives_and_the_widget_follows_its_slider(base, tmp_path):
+    from minikv.viz.tiers import plot_tiers, run_turn, tier_lines, tiers_widget
+
+    llm = base.derive(num_blocks=12, kv_offload_cpu_bytes=4 * base.backend.pool.block_bytes,
+                      kv_offload_dir=str(tmp_path))
+    conversations, snaps = {}, []
+    for i, user in enumerate(["a", "b", "a", "c"]):
+        prompt = conversations.get(user, SYSTEM) + question(i, 1)
+        snaps.append(run_turn(llm, conversations, user, prompt, GREEDY)[0])
+    last = snaps[-1]
+    rows = {name: "".join("P" if p else "C" if c else "D" if d else "." for p, c, d in row)
+            for name, row in last.rows.items()}
+    assert all(line.strip().startswith(f"{n} [{r}]") for n, r in rows.items()
+               for line in tier_lines(last) if line.strip().startswith(f"{n} ["))
+    assert "C" in "".join(rows.values()) and 0 < last.occupancy["cpu"][0] <= last.occupancy["cpu"][1] == 4  # down a tier
+    assert all(d for row in last.rows.values() for (_, _, d) in row[:-1])  # written through: all on disk
+    assert snaps[2].hits and snaps[2].computed < len(conversations["a"])  # a came back: hits from some tier
+    plot_tiers(last)
+    view = tiers_widget(snaps)
+    slider, image = view.children[0], view.children[1]
+    first = bytes(image.value)
+    slider.value = 0
+    assert bytes(image.value) != first
+    llm.close()
