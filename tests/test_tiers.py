@@ -274,7 +274,7 @@ def test_tier_view_shows_where_each_block_lives_and_the_widget_follows_its_slide
     assert all(d for row in last.rows.values() for (_, _, d) in row[:-1])  # written through: all on disk
     assert snaps[2].hits and snaps[2].computed < len(conversations["a"])  # a came back: hits from some tier
     plot_tiers(last)
-    view = tiers_widget(snaps)
+    view = tiers_widget(snaps, step=len(snaps) - 1)
     slider, image = view.children[0], view.children[1]
     first = bytes(image.value)
     slider.value = 0
