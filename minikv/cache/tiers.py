@@ -151,17 +151,24 @@ class CpuTier:
 
 
 # ---- disk tier -----------------------------------------------------------------------------------
-def encode_block(identity: str, key: bytes, value: Value) -> bytes:
-    """A block's file: a fixed-size header (identity, key, tensors, checksum) then the tensors' bytes."""
+def block_payload(value: Value) -> tuple[list, bytes]:
+    """A block's tensors as (dtype and shape of each, their bytes): the only part that touches torch."""
     parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in value]
-    payload = b"".join(parts)
-    header = {"identity": identity, "key": key.hex(), "payload": len(payload),
-              "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in value],
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in value], b"".join(parts)
+
+
+def block_file(identity: str, key: bytes, tensors: list, payload: bytes) -> bytes:
+    """A block's file: a fixed-size header (identity, key, tensors, checksum) then the payload."""
+    header = {"identity": identity, "key": key.hex(), "payload": len(payload), "tensors": tensors,
               "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
     text = MAGIC + json.dumps(header).encode()
     if len(text) + 1 > HEADER_BYTES:
         raise ValueError(f"a block header of {len(text)} bytes does not fit {HEADER_BYTES}")
     return text + b" " * (HEADER_BYTES - 1 - len(text)) + b"\n" + payload
+
+
+def encode_block(identity: str, key: bytes, value: Value) -> bytes:
+    return block_file(identity, key, *block_payload(value))
 
 
 def decode_block(data: bytes | bytearray, identity: str, key: bytes) -> Value | None:
@@ -227,6 +234,7 @@ class DiskTier:
         for _, key, size in sorted(files):
             self.index[key] = size
         self.pending: dict[bytes, Value] = {}  # queued, not yet on disk
+        self._payloads: dict[bytes, tuple[list, bytes]] = {}  # the same blocks as bytes, for the writer
         self.num_writes = self.bytes_written = self.num_reads = self.bytes_read = 0
         self.num_corrupt = self.num_evicted = 0
         self._queue: queue.Queue = queue.Queue()
@@ -256,7 +264,11 @@ class DiskTier:
         with self.lock:
             if key in self.index or key in self.pending:
                 return
-            self.pending[key] = tuple(t.detach().to("cpu") for t in value)
+            value = tuple(t.detach().to("cpu") for t in value)
+            self.pending[key] = value
+            # torch work stays on the caller's thread: a thread that ran torch ops and then exits can
+            # leave the process's OpenMP threads slow (seen: every later forward pass 25x slower)
+            self._payloads[key] = block_payload(value)
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="minikv-disk-writer", daemon=True)
             self._thread.start()
@@ -317,10 +329,10 @@ class DiskTier:
 
     def _write(self, key: bytes) -> None:
         with self.lock:
-            value = self.pending.get(key)
-        if value is None:
+            payload = self._payloads.get(key)
+        if payload is None:
             return
-        data = encode_block(self.identity, key, value)
+        data = block_file(self.identity, key, *payload)
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -330,9 +342,11 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             with self.lock:
                 self.pending.pop(key, None)
+                self._payloads.pop(key, None)
             return
         with self.lock:
             self.pending.pop(key, None)
+            self._payloads.pop(key, None)
             self.index[key] = len(data)
             self.num_writes += 1
             self.bytes_written += len(data)
