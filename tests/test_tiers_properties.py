@@ -107,10 +107,11 @@ class TieredStoreMachine(RuleBasedStateMachine):
         else:
             raw[20:30] = b"x" * 10
         path.write_bytes(bytes(raw))
+        damaged = decode_block(bytes(raw), IDENTITY, key) is None  # a second flip of one bit repairs a file
         corrupt_before = self.disk.num_corrupt
         in_cpu = key in self.store.cpu
         got = self.store.get(key)
-        if in_cpu:
+        if in_cpu or not damaged:
             assert same(got, value_of(key))
         else:
             assert got is None, "a damaged file was loaded"
