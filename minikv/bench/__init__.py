@@ -2,6 +2,7 @@
 
     cache_speedup     CPU, SmolLM2: no cache vs the contiguous KV cache vs transformers
     prefix_ttft       time to first token with prefix caching off, hash chain, radix tree
+    tiers_ttft        time to first token of a chat whose history no longer fits: offload tiers off, CPU, disk
     throughput        the nano-vllm offline workload: minikv's engines vs transformers'
     decode_attention  GPU: the Triton paged decode kernel vs SDPA and the torch reference
     serve             online serving: Poisson load of streaming clients against `minikv serve`

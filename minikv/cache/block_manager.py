@@ -28,6 +28,10 @@ become NO_BLOCK (-1), so a table keeps its shape and a long sequence holds a bou
 blocks. Every loop over a table skips NO_BLOCK. A given-back block that the prefix cache holds stays
 there, unused and evictable: its K/V still belong to its prefix (the hash chain's rule; the radix
 tree, which evicts leaves only, is refused with a window by the engine's configuration).
+
+Offload tiers (rung 9, `attach_offload`): a lookup continues past the pool's hit into a store of
+evicted blocks (CPU memory, disk); those blocks are copied back into free blocks at admission and
+count as cached. Evicted blocks go down to the store, newly cached ones are written through.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from typing import Callable
 
 from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_table import CachedRequest, blocks_needed
+from minikv.cache.offload import Offload
 from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
 from minikv.cache.window import NO_BLOCK, WindowFreeRule, checked_frees, window_free_rule
 
@@ -63,6 +68,16 @@ def copy_on_write_rule(block_table: list[int], ref_count: list[int], num_compute
     return copies
 
 
+class _Computed:
+    """A request seen with another num_computed_tokens (the cache only reads it; the caller records it)."""
+
+    def __init__(self, seq: CachedRequest, num_computed_tokens: int):
+        self.seq, self.num_computed_tokens = seq, num_computed_tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+
 class BlockManager:
     """allocator: who hands out free block ids (`BlockAllocator`; rung 4's seam).
     copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam).
@@ -83,6 +98,7 @@ class BlockManager:
         self.free_rule: WindowFreeRule = free_rule or window_free_rule
         self.num_window_freed = 0  # table entries given back by the window since start
         self.prefix_cache: PrefixCache | None = None
+        self.offload: Offload | None = None
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
         self.reset_sharing_stats()
@@ -140,6 +156,8 @@ class BlockManager:
         seq.block_table = []
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
+        if self.offload is not None:
+            self.offload.forget(seq)
 
     def incref(self, block: int) -> None:
         if self.ref_count[block] < 1:
@@ -255,7 +273,21 @@ class BlockManager:
         """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
         if self.prefix_cache is None or seq.block_table:
             return PrefixMatch()
-        return self.prefix_cache.lookup(seq)
+        hit = self.prefix_cache.lookup(seq)
+        if self.offload is not None and self.prefix_cache.enabled:
+            hit = self.offload.extend(hit, seq)  # [len(hit.blocks), ...) from the store, if it holds them
+        return hit
+
+    def attach_offload(self, offload: Offload) -> None:
+        """Put a store of evicted blocks below the prefix cache (after `attach_prefix_cache`)."""
+        if offload.cache is not self.prefix_cache:
+            raise RuntimeError("the offload tiers must serve this block manager's prefix cache")
+        self.offload = offload
+
+    def flush_offload(self) -> None:
+        """End of a step: hand the newly cached blocks to the store's write-through."""
+        if self.offload is not None:
+            self.offload.flush()
 
     def can_admit(self, seq: CachedRequest, hit: PrefixMatch, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
@@ -274,9 +306,23 @@ class BlockManager:
         for b in hit.blocks:
             self.incref(b)
         seq.block_table = list(hit.blocks)
+        if hit.loads:
+            hit = self._load(seq, hit)
         self.prefix_cache.record(seq, hit)
         self._track_peaks()
         return hit.num_tokens
+
+    def _load(self, seq: CachedRequest, hit: PrefixMatch) -> PrefixMatch:
+        """Copy the hit's stored blocks back into new blocks of `seq` and cache them. The prefix ends
+        at the first block the store cannot give (a corrupted file, say): its block goes back."""
+        m, bs = len(hit.blocks), self.block_size
+        self.grow(seq, (m + len(hit.loads)) * bs)
+        n = self.offload.load(hit.loads, seq.block_table[m:])
+        for block in reversed(seq.block_table[m + n:]):
+            self.decref(block)
+        del seq.block_table[m + n:]
+        self.cache_blocks(_Computed(seq, (m + n) * bs))  # [0, m + n) blocks hold their K/V now
+        return PrefixMatch(list(hit.blocks), (m + n) * bs)
 
     def cache_blocks(self, seq: CachedRequest) -> None:
         """After a step: the sequence's newly full blocks join the cache. A block the cache already
@@ -287,6 +333,8 @@ class BlockManager:
             self.incref(block)
             self.decref(seq.block_table[i])
             seq.block_table[i] = block
+        if self.offload is not None:
+            self.offload.cached(seq)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after the weights change, say). Refused while any is in use."""
@@ -294,6 +342,7 @@ class BlockManager:
         if busy:
             raise RuntimeError(f"{len(busy)} blocks of the prefix cache are in use by running requests; let them "
                                "finish (or abort them) and reset again, or reset with defer=True")
+        self.flush_offload()  # queued write-through reads first: the blocks are handed back empty
         for b in self.prefix_cache.clear():
             self.allocator.inner.free(b)
 

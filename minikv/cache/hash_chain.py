@@ -50,11 +50,12 @@ def extra_keys(block_index: int, cache_salt: str | None = None) -> tuple:
 
 
 def block_hashes(token_ids: TokenIds, block_size: int, cache_salt: str | None = None,
-                 hash_fn: HashFn = hash_block) -> list[BlockHash]:
-    """Keys of every full block of `token_ids`, chained from the first."""
+                 hash_fn: HashFn = hash_block, parent: BlockHash | None = None) -> list[BlockHash]:
+    """Keys of every full block of `token_ids`, chained from the first (or from `parent`, the key of
+    the block before them: then pass no cache_salt, the parent carries it)."""
     keys: list[BlockHash] = []
     for i in range(len(token_ids) // block_size):
-        parent = keys[-1] if keys else None
+        parent = keys[-1] if keys else parent
         keys.append(hash_fn(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_keys(i, cache_salt)))
     return keys
 
@@ -113,6 +114,11 @@ class HashChainCache(PrefixCache):
         for b in blocks:
             self.by_block[b].last_used = now
 
+    def key_of(self, block: int) -> BlockHash | None:
+        """The chain key a cached block is stored under (None: not cached)."""
+        entry = self.by_block.get(block)
+        return entry.key if entry is not None else None
+
     # ---- filling --------------------------------------------------------------------------------
     def insert(self, seq: CachedRequest) -> dict[int, int]:
         if not self.enabled:
@@ -163,13 +169,16 @@ class HashChainCache(PrefixCache):
         return len(self.free_queue)
 
     def evict(self, num_blocks: int) -> list[int]:
-        out = []
+        out, keys = [], []
         while len(out) < num_blocks and len(self.free_queue):
             block = self.free_queue.pop()
             entry = self.by_block.pop(block)
             del self.table[entry.key]  # later blocks of the chain stay, unreachable until it returns
             out.append(block)
+            keys.append((block, entry.key))
         self.num_evicted += len(out)
+        if self.on_evict is not None and keys:
+            self.on_evict(keys)  # a store below the pool takes their bytes before they are reused
         return out
 
     def cached_blocks(self) -> list[int]:

@@ -44,8 +44,9 @@ EVICTION_POLICIES = ("lru", "fifo")
 class PrefixMatch:
     """The longest cached prefix of a token list, in whole blocks."""
 
-    blocks: list[int] = field(default_factory=list)  # physical blocks holding tokens [0, num_tokens)
-    num_tokens: int = 0  # len(blocks) * block_size
+    blocks: list[int] = field(default_factory=list)  # physical blocks holding tokens [0, len(blocks) * block_size)
+    num_tokens: int = 0  # (len(blocks) + len(loads)) * block_size
+    loads: list[bytes] = field(default_factory=list)  # store keys of the blocks after them, to copy back (rung 9)
 
 
 class EvictionQueue:
@@ -109,6 +110,7 @@ class PrefixCache(ABC):
         self.clock = 0  # logical time: LRU and FIFO order, deterministic
         self.queries = self.hits = 0  # tokens looked up / tokens served from the cache
         self.num_evicted = self.num_resets = 0
+        self.on_evict = None  # fn([(block, key)]) told before evicted blocks are reused (offload tiers)
 
     def bind(self, ref_count: list[int]) -> None:
         self.ref_count = ref_count

@@ -122,7 +122,18 @@ SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
                      "kv_backend='paged' and kv_cache_dtype='int8' or 'fp8'"),
     "pick_next": ("rung 10", lambda c: c.is_paged and c.schedule_policy == "vtc",
                   "kv_backend='paged', schedule_policy='vtc' (it orders the waiting requests of the fair scheduler)"),
+    "kv_offload_store": ("rung 9", lambda c: c.is_paged and _is_hash_chain(c.prefix_caching),
+                         "kv_backend='paged', prefix_caching='hash'"),
 }
+
+
+def _is_hash_chain(p: Any) -> bool:
+    """prefix_caching names the hash chain (the offload tiers key blocks by its chain keys)."""
+    return p == "hash" or getattr(p, "design", None) == "hash"
+
+
+def _is_store(x: Any) -> bool:
+    return all(callable(getattr(x, m, None)) for m in ("put", "get", "__contains__"))
 
 
 def _is_int(x: Any) -> bool:
@@ -230,6 +241,11 @@ class EngineConfig:
     pick_next: Callable | None = None
     # filled by fit(): each size it chose itself -> why (printed once on a GPU, and in LLM.stats())
     chosen: dict = field(default_factory=dict, repr=False)
+    # offload tiers below the prefix cache (rung 9)
+    kv_offload_cpu_bytes: int | None = None
+    kv_offload_dir: Any = None
+    kv_offload_disk_bytes: int | None = None
+    kv_offload_store: Any = None  # the rung-9 seam: a BlockStore (put, get, in) or a function making one
 
     @property
     def is_paged(self) -> bool:
@@ -253,6 +269,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True, False or None (on where supported), got {self.cuda_graphs!r}")
         self._check_paged_options()
         self._check_prefix_options()
+        self._check_offload_options()
         self._check_seams()
         self._check_window()
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
@@ -345,12 +362,33 @@ class EngineConfig:
             raise ValueError(f"the prefix cache was built for block_size {p.block_size}, the engine uses "
                              f"{self.block_size}; build it with the engine's block_size")
 
+    @property
+    def offloads(self) -> bool:
+        return self.kv_offload_cpu_bytes is not None or self.kv_offload_dir is not None
+
+    def _check_offload_options(self) -> None:
+        for name in ("kv_offload_cpu_bytes", "kv_offload_dir", "kv_offload_disk_bytes"):
+            self._paged_only(name, getattr(self, name) is not None)
+        _check_int("kv_offload_cpu_bytes", self.kv_offload_cpu_bytes, 1, "give a number of bytes, e.g. 2**30 for 1 GiB")
+        _check_int("kv_offload_disk_bytes", self.kv_offload_disk_bytes, 1, "give a number of bytes, e.g. 8 * 2**30")
+        d = self.kv_offload_dir
+        if d is not None and not isinstance(d, (str, os.PathLike)):
+            raise ValueError(f"kv_offload_dir must be a directory path (str or os.PathLike), got {d!r}")
+        if self.kv_offload_disk_bytes is not None and d is None:
+            raise ValueError("kv_offload_disk_bytes sizes the disk tier; give kv_offload_dir=PATH too")
+        if self.offloads and not _is_hash_chain(self.prefix_caching):
+            raise ValueError(f"the KV offload tiers keep blocks the prefix cache evicts, keyed by its hash chain; "
+                             f"use prefix_caching='hash' (got {self.prefix_caching!r})")
+        if self.offloads and self.kv_offload_store is not None:
+            raise ValueError("give kv_offload_store (your own store) or kv_offload_cpu_bytes / kv_offload_dir "
+                             "(the engine's tiers), not both")
+
     def _check_seams(self) -> None:
         for name, (rung, fits, use) in SEAMS.items():
             fn = getattr(self, name)
             if fn is None:
                 continue
-            if not callable(fn):
+            if not callable(fn) and not (name == "kv_offload_store" and _is_store(fn)):
                 raise ValueError(f"{name} must be a function (the {rung} seam), got {type(fn).__name__} {fn!r}")
             if not fits(self):
                 raise ValueError(f"{name} plugs into {rung}; build the LLM with {use} to use it")
@@ -484,3 +522,19 @@ class EngineConfig:
                 "max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=True")
         if self.swap_blocks is None:
             self.swap_blocks = self.num_blocks
+        self._fit_offload(bytes_per_block)
+
+    def _fit_offload(self, bytes_per_block: int) -> None:
+        from minikv.cache.tiers import DEFAULT_DISK_BYTES, file_bytes
+
+        if self.kv_offload_cpu_bytes is not None and self.kv_offload_cpu_bytes < bytes_per_block:
+            raise ValueError(f"kv_offload_cpu_bytes={self.kv_offload_cpu_bytes:,} holds no block of "
+                             f"{bytes_per_block:,} bytes (block_size {self.block_size}); give at least "
+                             f"{bytes_per_block:,}")
+        if self.kv_offload_dir is not None:
+            if self.kv_offload_disk_bytes is None:
+                self.kv_offload_disk_bytes = DEFAULT_DISK_BYTES
+            if self.kv_offload_disk_bytes < file_bytes(bytes_per_block):
+                raise ValueError(f"kv_offload_disk_bytes={self.kv_offload_disk_bytes:,} holds no block file of "
+                                 f"{file_bytes(bytes_per_block):,} bytes (block_size {self.block_size}); give at "
+                                 f"least {file_bytes(bytes_per_block):,}")

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import sys
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Iterator
 
@@ -23,11 +24,13 @@ from minikv.attention.paged import PagedBackend
 from minikv.attention.seams import CausalAttentionSeam, DecodeStepSeam
 from minikv.cache.block_manager import BlockManager
 from minikv.cache.block_table import blocks_needed
+from minikv.cache.offload import Offload
 from minikv.cache.pool import KVPool, RowPool
 
 from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
+from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, fingerprint_tensors, store_identity
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ModelShape
 from minikv.engine.cuda_graph import DecodeGraphs
@@ -45,6 +48,7 @@ from minikv.engine.simple_scheduler import SimpleScheduler
 from minikv.model.loader import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its weights' sha256
 
 
 def pair_requests(prompts, params) -> tuple[list[Prompt], list[SamplingParams]]:
@@ -156,6 +160,12 @@ class LLM:
         service so far goes first, minikv/engine/fair.py). Requests with different `cache_salt` never
         share blocks.
 
+        Offload tiers (rung 9, prefix_caching="hash"): kv_offload_cpu_bytes (blocks evicted from the pool
+        wait in CPU memory, LRU within this budget), kv_offload_dir (and kv_offload_disk_bytes, default
+        1 GiB): blocks are also written to files there as they are cached, and a later engine of the
+        same model finds them. A lookup that misses the pool copies stored blocks back. Call `close()`
+        (or use `with LLM(...) as llm:`) to finish the disk writes. See minikv/cache/tiers.py.
+
         Named seams, where your own code runs inside the engine (each exercise plugs into one):
             causal_attention=fn   rung 1  attention of one whole sequence (kv_backend="naive")
             decode_step=fn        rung 2  one decode step on a contiguous cache row (kv_backend="contiguous")
@@ -166,6 +176,7 @@ class LLM:
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
             window_free_rule=fn   rung 8  which blocks a sliding window gives back (needs sliding_window)
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
+            kv_offload_store=obj  rung 9  keeps the blocks the pool evicts (put, get, in)
             pick_next=fn          rung 10 which waiting request the fair scheduler admits next
         Views and checkers watch the engine through `add_observer`.
 
@@ -219,6 +230,8 @@ class LLM:
         self._generator = torch.Generator().manual_seed(cfg.seed)
         self.prefix_cache: PrefixCache | None = None
         self.block_manager: BlockManager | None = None
+        self.offload_store = None  # rung 9: where blocks the pool evicts go (CPU memory, disk, or yours)
+        self._closed = False
         self._last: list[Sequence] = []  # the requests of the last generate / stream / beam_search (stats)
         self._observers: list = []
         self._lock = threading.RLock()  # one step at a time, whichever thread or loop drives the engine
@@ -265,6 +278,7 @@ class LLM:
         pool = KVPool(c.num_layers, cfg.num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim, self.dtype,
                       self.device, cfg.kv_layout, cfg.kv_dtype, cfg.kv_quantizer)
         self.backend = backend_cls(pool, cfg.sliding_window, cfg.sink_tokens, **extra)
+        self.offload_store = self._new_offload_store(cfg, pool)
         self.block_manager, self.prefix_cache = self._new_block_manager(cfg)
         swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -296,7 +310,51 @@ class LLM:
                 design = type(design)(design.block_size, design.eviction)
             cache = make_prefix_cache(design, cfg.block_size, cfg.eviction)
             bm.attach_prefix_cache(cache)
+            if self.offload_store is not None:
+                bm.attach_offload(Offload(self.backend.pool, cache, self.offload_store, self._offload_identity))
         return bm, cache
+
+    def _new_offload_store(self, cfg: EngineConfig, pool: KVPool):
+        """The store below the prefix cache (rung 9): the engine's CPU / disk tiers, a learner's store
+        (the kv_offload_store seam), or None."""
+        if not cfg.offloads and cfg.kv_offload_store is None:
+            return None
+        self._offload_identity = store_identity(self._weights_fingerprint(), self.dtype, pool)
+        if cfg.kv_offload_store is not None:
+            store = cfg.kv_offload_store
+            return store if hasattr(store, "put") else store()
+        return TieredStore(self._new_cpu_tier(cfg, pool), self._new_disk_tier(cfg, pool))
+
+    def _new_cpu_tier(self, cfg: EngineConfig, pool: KVPool) -> CpuTier | None:
+        if cfg.kv_offload_cpu_bytes is None:
+            return None
+        return CpuTier(cfg.kv_offload_cpu_bytes, pool.block_bytes, pin=self.device.type == "cuda")
+
+    def _new_disk_tier(self, cfg: EngineConfig, pool: KVPool) -> DiskTier | None:
+        if cfg.kv_offload_dir is None:
+            return None
+        disk = DiskTier(cfg.kv_offload_dir, self._offload_identity, cfg.kv_offload_disk_bytes, pool.block_bytes)
+        weakref.finalize(self, disk.close)  # an engine dropped without close() still finishes its writes
+        return disk
+
+    def _weights_fingerprint(self, fresh: bool = False) -> str:
+        """sha256 of every weight (once per loaded model; again after a reset, the weights may have changed)."""
+        if fresh or self.model not in _FINGERPRINTS:
+            _FINGERPRINTS[self.model] = fingerprint_tensors(self.model.state_dict().items())
+        return _FINGERPRINTS[self.model]
+
+    def close(self) -> None:
+        """Finish the offload tiers' disk writes and stop the writer thread. The engine takes no new
+        requests afterwards. `with LLM(...) as llm:` calls it on leaving."""
+        if isinstance(self.offload_store, TieredStore):
+            self.offload_store.close()
+        self._closed = True
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def is_paged(self) -> bool:
@@ -358,6 +416,8 @@ class LLM:
 
     # ---- running -------------------------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        if self._closed:
+            raise RuntimeError("this LLM was closed (close() or the end of its `with` block); build a new one")
         ids, text, salt = self.encode(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (or a list of them, one per prompt), "
@@ -688,7 +748,25 @@ class LLM:
             return False
         self.block_manager.reset_prefix_cache()
         self._reset_pending = False
+        if self.offload_store is not None:
+            self._reset_offload()
         return True
+
+    def _reset_offload(self) -> None:
+        """After a reset: the CPU tier is emptied, and the weights fingerprinted again. Changed weights
+        give a new identity, so every stored key changes: the old files are never hit again."""
+        cfg, pool = self.engine_config, self.backend.pool
+        identity = store_identity(self._weights_fingerprint(fresh=True), self.dtype, pool)
+        store = self.offload_store
+        if isinstance(store, TieredStore):
+            store.clear_memory()
+            if store.disk is not None and identity != self._offload_identity:
+                store.disk.close()
+                self._offload_identity = identity
+                store.disk = self._new_disk_tier(cfg, pool)
+        self._offload_identity = identity
+        self.block_manager.offload.identity = identity
+        self.block_manager.offload.reset_stats()
 
     def _holds_blocks(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.swapped)
@@ -761,6 +839,11 @@ class LLM:
         ]
         if self.prefix_cache is not None:  # queries and hits count tokens, summed over admissions
             out["prefix_cache"] = self.prefix_cache.stats()
+            offload = self.block_manager.offload
+            if offload is not None:  # rung 9: where the hits came from, what moved
+                pc, off = out["prefix_cache"], offload.stats()
+                pc["hits_by_tier"] = {"pool": pc["hits"] - sum(off["hits_by_tier"].values()), **off["hits_by_tier"]}
+                pc["offload"] = off
         return out
 
     def output(self, seq: Sequence) -> RequestOutput:

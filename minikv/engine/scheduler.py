@@ -283,6 +283,7 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token
             self.waiting.remove(seq)                            # before it found a seat: holds no block
             self._trace(seq, "finish")
+        self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
