@@ -88,6 +88,20 @@ def test_task_9_outputs_identical_with_tiers_on_and_off_through_eviction_reload_
             assert again.stats()["prefix_cache"]["hits_by_tier"].get("disk", 0) > 0
 
 
+@pytest.mark.parametrize("changes", [{"kv_cache_dtype": "int8"}, {"sliding_window": 12, "sink_tokens": 4}],
+                         ids=["int8-pool", "sliding-window"])
+def test_tiers_keep_outputs_identical_on_a_quantized_pool_and_under_a_sliding_window(base, tmp_path, changes):
+    """Blocks that go down a tier and come back carry everything the pool holds for them (an int8 pool's
+    scales too), and a window's given-back blocks never confuse the store."""
+    off = base.derive(preemption="recompute", **changes)
+    want = chat(off, GREEDY)
+    with checked(base.derive(preemption="recompute", kv_offload_cpu_bytes=2**20, kv_offload_dir=str(tmp_path / "kv"),
+                             **changes)) as llm:
+        assert chat(llm, GREEDY) == want
+        pc = llm.stats()["prefix_cache"]
+    assert sum(v for k, v in pc["hits_by_tier"].items() if k != "pool") > 0, pc["hits_by_tier"]
+
+
 def test_close_writes_every_queued_block_and_the_engine_then_refuses_requests(base, tmp_path):
     llm = base.derive(kv_offload_dir=str(tmp_path))
     chat(llm, GREEDY, users=2, turns=1)
@@ -133,7 +147,7 @@ def test_the_same_model_and_format_hits_the_warm_directory(base, tmp_path):
     assert run_warm(base, tmp_path)["hits_by_tier"]["disk"] == 4 * BS
 
 
-@pytest.mark.parametrize("change", ["weights", "dtype", "kv_layout", "block_size", "cache_salt"])
+@pytest.mark.parametrize("change", ["weights", "dtype", "kv_layout", "block_size", "cache_salt", "kv_cache_dtype"])
 def test_another_model_format_or_tenant_never_hits(base, tmp_path, change):
     prompt = {"prompt_token_ids": SYSTEM + question(0, 0)}
     first = {"dtype": LLM("tiny-random", **POOL, kv_offload_dir=str(tmp_path))}.get(change)
@@ -148,7 +162,8 @@ def test_another_model_format_or_tenant_never_hits(base, tmp_path, change):
         second, prompt = base.derive(kv_offload_dir=str(tmp_path)), {**prompt, "cache_salt": "tenant-b"}
     else:
         second = base.derive(kv_offload_dir=str(tmp_path), **{"kv_layout": {"kv_layout": "hnd"},
-                                                                  "block_size": {"block_size": 8}}[change])
+                                                                  "block_size": {"block_size": 8},
+                                                                  "kv_cache_dtype": {"kv_cache_dtype": "int8"}}[change])
     with second:
         second.generate(prompt, GREEDY)
         pc = second.stats()["prefix_cache"]
