@@ -138,6 +138,13 @@ def test_a_small_pool_caps_the_sequences_so_each_can_hold_a_thousand_tokens():
     assert cfg.max_num_seqs == 100
 
 
+def test_a_pool_given_in_blocks_keeps_the_cards_seat_default():
+    """num_blocks is the owner's choice (often small on purpose, to watch preemption): the seats are not cut
+    to fit it, the scheduler preempts instead."""
+    cfg = _fit(H100, num_blocks=20, block_size=4, max_model_len=80)
+    assert cfg.num_blocks == 20 and cfg.max_num_seqs == 512
+
+
 def test_the_scratch_reserve_grows_with_the_budget_and_the_vocabulary():
     small = step_scratch_bytes(QWEN_05B, 512, 8)
     assert step_scratch_bytes(QWEN_05B, 16384, 8) - small == (16384 - 512) * (6 * 896 + 3 * 4864) * 2

@@ -83,8 +83,8 @@ def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_s
 
 
 def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None
-                 ) -> dict[str, int]:
+                 max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None,
+                 cap_seqs: bool = True) -> dict[str, int]:
     """max_num_seqs, max_num_batched_tokens and num_blocks for a paged engine on this card, each only
     where not given (None). As vLLM and nano-vllm do: hundreds of sequences, a budget in the thousands,
     and the pool takes what the weights and a step's scratch leave of the free memory.
@@ -92,7 +92,8 @@ def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, bloc
         large card (>= 70 GiB):  512 sequences, 16,384 tokens per step
         smaller card:            256 sequences,  8,192 tokens per step
         then: the budget at least max_model_len (a whole prompt fits one step) and max_num_seqs;
-              max_num_seqs at most the pool's tokens / min(max_model_len, 1,024)"""
+              max_num_seqs at most the pool's tokens / min(max_model_len, 1,024), unless cap_seqs is
+              False (a pool given in blocks: its owner sized it, often small on purpose, to see preemption)"""
     size = "large" if info.total_memory >= LARGE_GPU_MEMORY else "small"
     seqs = max_num_seqs if max_num_seqs is not None else GPU_MAX_NUM_SEQS[size]
     budget = max_num_batched_tokens
@@ -102,7 +103,7 @@ def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, bloc
     if pool_bytes is None:
         pool_bytes = int(info.free_memory * DEFAULT_GPU_KV_FRACTION) - step_scratch_bytes(shape, budget, seqs)
     out["num_blocks"] = max(0, pool_bytes // bytes_per_block)
-    if max_num_seqs is None:
+    if max_num_seqs is None and cap_seqs:
         capacity = out["num_blocks"] * block_size
         out["max_num_seqs"] = max(1, min(seqs, capacity // min(max_model_len, MIN_TOKENS_PER_SEQ)))
     return out
@@ -471,7 +472,7 @@ class EngineConfig:
             shape = shape if shape is not None else ModelShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
             picked = gpu_defaults(info, shape, bytes_per_block, self.block_size, self.max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, self.kv_cache_memory if self.num_blocks is None else
-                                  self.num_blocks * bytes_per_block)
+                                  self.num_blocks * bytes_per_block, cap_seqs=self.num_blocks is None)
             why = f"fitted to {info.name} ({info.total_memory / 2**30:.0f} GiB, {info.free_memory / 2**30:.0f} free)"
             for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
                 if getattr(self, name) is None and not (name == "num_blocks" and self.kv_cache_memory is not None):
