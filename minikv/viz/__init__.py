@@ -6,6 +6,7 @@
     timeline   a request's life per step: waiting, prefill, decode, preempted, swapped (05)
     prefix     the hash chain and the radix tree, growing and evicted; time to first token (06)
     decode     which split of the paged decode kernel reads which block (08)
+    questions  the question bank, one topic at a time, answers folded (12)
     view       the fallback a saved notebook shows for a widget: a sentence, its answer, its picture
 
 Every widget takes what it draws as arguments when it is built and reads nothing else: no notebook

@@ -132,12 +132,13 @@ def budget_calculator(model: str = "Llama-3-8B", context: int = 32768, users: in
     ctx = w.SelectionSlider(options=[(f"{c // 1024}k", c) for c in CONTEXTS], value=context, description="context")
     n = w.IntSlider(value=users, min=1, max=256, description="users", continuous_update=False)
     dtype = w.ToggleButtons(options=[("bf16", "bf16"), ("int8 / fp8 + scales", "8bit")], value="bf16")
-    window = w.Dropdown(options=[("no window", None), ("window 4096 + 4 sinks", 4096), ("window 8192 + 4 sinks", 8192)],
-                        value=None, description="window")
+    # "no window" is 0, not None: a None value leaves the dropdown with no option selected
+    window = w.Dropdown(options=[("no window", 0), ("window 4096 + 4 sinks", 4096), ("window 8192 + 4 sinks", 8192)],
+                        value=0, description="window")
     out = w.HTML()
 
     def lines() -> list[str]:
-        return budget_lines(pick.value, ctx.value, n.value, dtype.value, window.value)
+        return budget_lines(pick.value, ctx.value, n.value, dtype.value, window.value or None)
 
     def update(_=None):
         out.value = "<pre>" + "\n".join(lines()) + "</pre>"
