@@ -247,7 +247,8 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
 def test_overload_gets_429_for_the_flooding_tenant_and_503_for_all_instead_of_an_unbounded_queue():
     llm = engine(max_num_seqs=1)
     with Server(llm, served_name=MODEL, max_waiting=2, max_waiting_per_tenant=1) as s:
-        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True}
+        # long answers (the most max_model_len allows), so that A's first still runs while the others arrive
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             def post(key: str, stream: bool):
                 kw = dict(json={**body, "stream": stream}, headers={"Authorization": f"Bearer {key}"})
