@@ -19,6 +19,7 @@ from minikv.attention.metadata import AttentionMetadata  # noqa: E402
 from minikv.cache.pool import new_pool  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
 from minikv.kernels import decode_attention as dec  # noqa: E402
+from minikv.checks.decode_kernel import scattered_block_tables  # noqa: E402
 import triton  # noqa: E402, I001  (after minikv.kernels: on a CPU it picks the interpreter)
 import triton.language as tl  # noqa: E402
 
@@ -29,14 +30,7 @@ SCALE = HEAD_DIM**-0.5
 def scattered_pool(seq_lens, block_size, num_kv_heads, dtype, seed=0, spare_blocks=5):
     """A pool with random K/V and one shuffled block table per sequence (-1 padded)."""
     g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.long)
-    used = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = order[used:used + n]
-        used += n
+    num_blocks, tables = scattered_block_tables(seq_lens, block_size, spare_blocks, g)
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)

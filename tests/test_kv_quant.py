@@ -7,7 +7,6 @@ block manager's invariants through prefix caching, swap, forks and beams, holds 
 blocks of a 16-bit pool in the same memory, and SmolLM2's greedy tokens stay those of the
 full-precision pool for most of a short run.
 """
-import math
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from minikv.attention.metadata import AttentionMetadata
 from minikv.cache.pool import KVPool, new_pool
 from minikv.cache.quant import QMAX, dequantize_block, quantize_block
 from minikv.cache.swap import SwapSpace
+from minikv.checks.decode_kernel import scattered_block_tables
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 FP8 = torch.float8_e4m3fn
@@ -76,14 +76,7 @@ def test_store_kernel_quantizes_each_token_to_the_bit_like_quantize_block(dtype,
 def quantized_pool(seq_lens, block_size, num_kv_heads, dtype, seed):
     """Random K/V quantized into a pool whose blocks are shuffled among the sequences (-1 padded tables)."""
     g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(need) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.long)
-    used = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = order[used:used + n]
-        used += n
+    num_blocks, tables = scattered_block_tables(seq_lens, block_size, 3, g)
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     k, ks = quantize_block(with_outliers(shape, g), dtype)
     v, vs = quantize_block(torch.randn(shape, generator=g), dtype)

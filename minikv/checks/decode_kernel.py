@@ -164,16 +164,23 @@ def check_online_softmax_block(fn, seed: int = 0) -> None:
 
 # ---- stage 2: the whole kernel -------------------------------------------------------------------
 
-def _paged_case(seq_lens, group, num_kv_heads, head_dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil(s / BLOCK) for s in seq_lens]
-    num_blocks = sum(need) + 4
+def scattered_block_tables(seq_lens, block_size: int, spare_blocks: int, g: torch.Generator):
+    """A pool of sum(blocks needed) + spare_blocks blocks handed out in a shuffled order: (num_blocks,
+    tables [num_seqs, most blocks needed], -1 padded). The blocks of a sequence are never contiguous."""
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(need) + spare_blocks
     order = torch.randperm(num_blocks, generator=g)
     tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.long)
     used = 0
     for b, n in enumerate(need):
         tables[b, :n] = order[used:used + n]
         used += n
+    return num_blocks, tables
+
+
+def _paged_case(seq_lens, group, num_kv_heads, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, tables = scattered_block_tables(seq_lens, BLOCK, 4, g)
     k_cache = torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim, generator=g)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=g)
