@@ -21,9 +21,10 @@ Two forwards compute the same thing. The torch one, written op by op, is the ref
     gate_proj, up_proj       2 matmuls             one matmul on the merged [gate; up] weight
     silu(gate) * up          2 ops                 silu_and_mul         1 kernel
 
-The merged weights are not copies: q/k/v_proj.weight (and gate/up_proj.weight) become row slices of
-one matrix (`merge_linears`), so the memory is not doubled and the Hugging Face names still load,
-save and tie as before.
+The merged weights are not copies: q/k/v_proj.weight (and gate/up_proj.weight) are row slices of
+one matrix (`merge_linears`, done when the model is built and after every move), so the memory is
+not doubled, the torch path reads the same numbers, and the Hugging Face names still load, save and
+tie as before.
 """
 from __future__ import annotations
 
@@ -200,20 +201,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # kept in fp32 and out of the state dict: model.to(bfloat16) must not round the frequencies
         self._inv_freq = rope_inv_freq(cfg)
-        self._fused_ops = False
-
-    @property
-    def fused_ops(self) -> bool:
-        """True: layers run the fused Triton kernels and merged matmuls; False: the torch reference."""
-        return self._fused_ops
-
-    @fused_ops.setter
-    def fused_ops(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise ValueError(f"fused_ops must be True or False, got {on!r}")
-        if on and not self._fused_ops:
-            self._merge_projections()
-        self._fused_ops = on  # turned off, the weights stay merged: the torch path reads the same views
+        # one switch between the two forwards (the engine sets it: LLM(fused_ops=...)). The merged weights
+        # exist either way: flipping the switch moves no memory, so CUDA graphs recorded before stay valid.
+        self.fused_ops = False
+        self._merge_projections()
 
     def _merge_projections(self) -> None:
         for layer in self.model.layers:
@@ -223,8 +214,7 @@ class LlamaForCausalLM(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """.to(), .half(), .cuda() ... give every parameter its own memory: merge the projections again."""
         super()._apply(fn, recurse)
-        if getattr(self, "_fused_ops", False):
-            self._merge_projections()
+        self._merge_projections()
         return self
 
     def forward(
@@ -237,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        if self._fused_ops:
+        if self.fused_ops:
             return self._forward_fused(input_ids, positions, meta, backend, logits_indices)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
