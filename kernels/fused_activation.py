@@ -18,7 +18,7 @@ import triton.language as tl
 from minikv.kernels.interpreter import interpreted
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every batch size
 def _silu_and_mul_kernel(
     gate_up_ptr,  # [T, 2 * INTER], row stride stride_g
     out_ptr,  # [T, INTER], contiguous

@@ -52,7 +52,7 @@ def _rotate_heads(src_ptr, dst_ptr, t, stride_src, first_head, cos, sin,
     tl.store(dst + HALF, x2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every batch size
 def _rotary_qkv_kernel(
     qkv_ptr,  # [T, (H + 2 KV) * D], row stride stride_qkv
     positions_ptr,  # [T] int
