@@ -16,6 +16,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minikv import LLM, SamplingParams  # noqa: E402
+from minikv.attention.metadata import AttentionMetadata  # noqa: E402
+from minikv.attention.naive import NaiveBackend  # noqa: E402
 from minikv.engine.config import EngineConfig  # noqa: E402
 from minikv.kernels import fused_add_rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
 from minikv.model.config import ModelConfig  # noqa: E402
@@ -115,12 +117,29 @@ def greedy_tokens(model, fused_ops: bool, prompts, max_tokens: int = 4, **option
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kv_backend", ["contiguous", "paged"])
-def test_tiny_random_greedy_tokens_equal_with_fused_ops(kv_backend):
+@pytest.mark.parametrize("options", [dict(kv_backend="contiguous"), dict(kv_backend="paged", attention="torch"),
+                                     dict(kv_backend="paged", attention="triton")], ids=["contiguous", "paged", "triton"])
+def test_tiny_random_greedy_tokens_equal_with_fused_ops(options):
     prompts = [[5, 17, 42, 7, 99, 3, 8], [11, 12, 13]]
     loaded = load_model("tiny-random")
-    unfused = greedy_tokens(loaded, False, prompts, kv_backend=kv_backend)
-    assert greedy_tokens(loaded, True, prompts, kv_backend=kv_backend) == unfused
+    unfused = greedy_tokens(loaded, False, prompts, **options)
+    assert greedy_tokens(loaded, True, prompts, **options) == unfused
+
+
+def test_float16_model_logits_close_with_fused_ops():
+    loaded = load_model("tiny-random", dtype=torch.float16)
+    lens = [9, 4]  # two ragged prompts in one flattened batch
+    ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = AttentionMetadata.build(lens, lens)
+    model, logits = loaded.model, {}
+    for fused in (False, True):
+        model.fused_ops = fused
+        with torch.inference_mode():
+            logits[fused] = model(ids, positions, meta, NaiveBackend())
+    scale = logits[False].abs().max()
+    assert (logits[True] - logits[False]).abs().max() <= 1e-2 * scale
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
 
 
 def test_qwen2_checkpoint_with_bias_and_tied_embeddings_greedy_tokens_equal_with_fused_ops(tmp_path):
