@@ -104,6 +104,9 @@ def test_merged_projections_are_views_that_load_save_tie_and_survive_a_dtype_mov
     torch.testing.assert_close(attn.qkv_bias, torch.cat([fresh[f"model.layers.0.self_attn.{p}_proj.bias"]
                                                          for p in "qkv"]), atol=0, rtol=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = attn.qkv_weight
+    model.to(torch.float32)  # no move: the merged weights stay where they are (a CUDA graph may hold them)
+    assert attn.qkv_weight is before
     model.half()  # a dtype move gives each parameter its own memory: the model merges again
     assert attn.qkv_weight.dtype == torch.float16
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()

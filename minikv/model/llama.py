@@ -86,7 +86,7 @@ def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
 
     The parameters keep their names, so state_dict() and load_state_dict() (which copies into the
     views) see nothing new. A move to another device or dtype gives each parameter its own memory
-    again: merge again after it (LlamaForCausalLM does, in `_apply`)."""
+    again: merge again after it (LlamaForCausalLM does, in `_apply`, where `still_merged` says)."""
     with torch.no_grad():
         weight = torch.cat([lin.weight.detach() for lin in linears])
         has_bias = [lin.bias is not None for lin in linears]
@@ -101,6 +101,13 @@ def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
             lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
         start += lin.out_features
     return weight, bias
+
+
+def still_merged(merged: torch.Tensor | None, *linears: nn.Linear) -> bool:
+    """True when every linear's weight still lies in `merged`'s memory (not moved since `merge_linears`).
+    Merging again then would only move the weights under a CUDA graph that recorded their addresses."""
+    return merged is not None and all(
+        lin.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr() for lin in linears)
 
 
 class Attention(nn.Module):
@@ -125,7 +132,8 @@ class Attention(nn.Module):
 
     def merge_projections(self) -> None:
         """q, k and v projections as one matmul (qkv_weight [(H + 2 KV) * head_dim, hidden]; Qwen2's biases too)."""
-        self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        if not still_merged(getattr(self, "qkv_weight", None), self.q_proj, self.k_proj, self.v_proj):
+            self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward_fused(self, x, positions, inv_freq, meta: AttentionMetadata, backend) -> torch.Tensor:
         from minikv.kernels import rotary_qkv
@@ -148,7 +156,8 @@ class MLP(nn.Module):
 
     def merge_projections(self) -> None:
         """gate and up projections as one matmul (gate_up_weight [2 * intermediate, hidden])."""
-        self.gate_up_weight, _ = merge_linears(self.gate_proj, self.up_proj)
+        if not still_merged(getattr(self, "gate_up_weight", None), self.gate_proj, self.up_proj):
+            self.gate_up_weight, _ = merge_linears(self.gate_proj, self.up_proj)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         from minikv.kernels import silu_and_mul
@@ -212,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.merge_projections()
 
     def _apply(self, fn, recurse: bool = True):
-        """.to(), .half(), .cuda() ... give every parameter its own memory: merge the projections again."""
+        """.to(), .half(), .cuda() ... give every moved parameter its own memory: merge those projections again."""
         super()._apply(fn, recurse)
         self._merge_projections()
         return self
