@@ -152,10 +152,11 @@ class LLM:
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
-        and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py). fused_ops: the
-        model's fused Triton kernels (residual add + RMSNorm, rotary embedding, SiLU-and-mul) and merged
-        q/k/v and gate/up matmuls (default on a GPU; off on a CPU, where the torch model is the reference;
-        see minikv/model/llama.py).
+        and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
+
+        Model: fused_ops (each layer's residual adds, RMSNorms, rotary embedding and SiLU-and-mul as
+        Triton kernels, q/k/v and gate/up as one matmul each; default on a GPU, off on a CPU, where the
+        torch model is the reference; see minikv/model/llama.py).
 
         Prefix caching (rung 6, paged): prefix_caching None, "hash" (vLLM's hashed block chain), "radix"
         (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs",
