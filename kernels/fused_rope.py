@@ -70,9 +70,9 @@ def _rotary_qkv_kernel(
     d = tl.arange(0, HALF_PAD)[None, None, :]
     pos = tl.load(positions_ptr + t, mask=t_mask, other=0).to(tl.float32)
     angle = pos * tl.load(inv_freq_ptr + d, mask=d < HALF, other=0.0)  # [ROWS, 1, HALF_PAD]
-    # into [-pi, pi] before cos and sin, whose fast GPU versions lose accuracy on large angles (a position
-    # of 30,000 is 30,000 radians in the first pair). 2 pi = 6.28125 + a small rest: k * 6.28125 is exact
-    # in float32 for k < 2^16 (positions up to ~400,000), so only the small rest's rounding remains.
+    # into [-pi, pi] first: a position of 30,000 is 30,000 radians in the first pair, where cos and sin
+    # need a long argument reduction (or, approximated, lose accuracy). 2 pi = 6.28125 + a small rest:
+    # k * 6.28125 is exact in float32 for k < 2^16 (positions up to ~400,000); only the rest's rounding remains.
     k = tl.floor(angle * 0.15915494309189535 + 0.5)  # the nearest multiple of 2 pi
     angle = (angle - k * 6.28125) - k * 0.0019353071795864769
     cos, sin = tl.cos(angle), tl.sin(angle)
