@@ -83,10 +83,10 @@ def test_fused_kernels_name_the_shape_they_need():
         silu_and_mul(torch.zeros(2, 7))
 
 
-def small_qwen2(tie: bool = True) -> ModelConfig:
+def small_qwen2() -> ModelConfig:
     """Qwen2's features at a small size: q/k/v biases, tied embeddings, GQA, head_dim 64."""
     return ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=320, num_layers=2, num_heads=6,
-                       num_kv_heads=2, head_dim=64, rope_theta=1e6, tie_word_embeddings=tie, qkv_bias=True,
+                       num_kv_heads=2, head_dim=64, rope_theta=1e6, tie_word_embeddings=True, qkv_bias=True,
                        model_type="qwen2")
 
 
