@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before minikv.kernels defines the kernels
 
+import copy  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -112,6 +113,9 @@ def test_merged_projections_are_views_that_load_save_tie_and_survive_a_dtype_mov
     assert attn.qkv_weight.dtype == torch.float16
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    twin = copy.deepcopy(model).model.layers[0].mlp  # so does a copy
+    assert twin.up_proj.weight.untyped_storage().data_ptr() == twin.gate_up_weight.untyped_storage().data_ptr()
+    torch.testing.assert_close(twin.gate_up_weight, mlp.gate_up_weight, atol=0, rtol=0)
 
 
 def greedy_tokens(model, fused_ops: bool, prompts, max_tokens: int = 4, **options) -> list[list[int]]:

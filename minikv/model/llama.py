@@ -226,6 +226,11 @@ class LlamaForCausalLM(nn.Module):
         self._merge_projections()
         return self
 
+    def __setstate__(self, state) -> None:
+        """copy.deepcopy and unpickling copy each parameter on its own: merge the copies again."""
+        super().__setstate__(state)
+        self._merge_projections()
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
