@@ -200,6 +200,7 @@ def time_engine_step(loaded: LoadedModel, fused: bool, args) -> dict:
     """Decode steps of --num-seqs sequences once every prompt is in: step wall time, graph replay time."""
     llm = LLM(loaded, device="cuda", dtype=BF16, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len,
               kv_cache_memory=args.kv_cache_gib * 2**30, max_num_batched_tokens=16384, fused_ops=fused)
+    assert llm.model.fused_ops is fused and llm.runner.decode_graphs is not None
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.skip + args.steps + 8, temperature=0.0, ignore_eos=True)
     seqs = [llm.add_request(torch.randint(0, 10000, (args.prompt_len,), generator=g).tolist(), params)
