@@ -257,6 +257,10 @@ def main(argv=None) -> int:
                              "first_divergence_median": statistics.median(late) if late else None,
                              "graph_replay_speedup": speedup}
 
+    out = Path(args.out)
+    out = out if out.suffix == ".json" else out / "fused_ops_gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
     print(f"\n{record['env'].get('device', 'cuda')}: Qwen2.5-0.5B shapes, bf16")
     print("\ncorrectness (bf16, max |x - the same op in float32|):")
     for r in record["kernel_checks"]:
@@ -279,10 +283,6 @@ def main(argv=None) -> int:
           f"{same}/{args.num_seqs}" + (f", the others first differ at output token {statistics.median(late):.0f} "
                                          "(median; bf16 rounds differently in the fused kernels)" if late else ""))
 
-    out = Path(args.out)
-    out = out if out.suffix == ".json" else out / "fused_ops_gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {out}")
     ok = all(r["ok"] for r in record["kernel_checks"]) and m["ok"]
     return 0 if ok else 1
