@@ -21,8 +21,8 @@ cos/sin tables are built. Each head's two halves rotate as pairs (Hugging Face's
     out[i + half]     = x[i + half] cos(angle_i) + x[i] sin(angle_i)
 
 Where torch rounds cos and sin to the model's dtype and each product on its way, the kernel keeps
-float32 until the single rounding of the result: in float32 the two agree to the last bits, in
-16-bit types the kernel is the more exact of the two.
+float32 until the single rounding of the result: in float32 the two agree to a few units in the
+last place, in 16-bit types the kernel is the more exact of the two.
 """
 from __future__ import annotations
 
