@@ -33,6 +33,7 @@ import torch
 
 PHASES = ("schedule", "prepare", "forward", "sample", "rest")
 KERNEL_FAMILIES = (  # substring of the kernel name -> family (first match wins)
+    ("_add_rms_norm", "fused (triton)"), ("_rotary_qkv", "fused (triton)"), ("_silu_and_mul", "fused (triton)"),
     ("gemm", "matmul"), ("gemv", "matmul"), ("cutlass", "matmul"), ("nvjet", "matmul"), ("sm90", "matmul"),
     ("xmma", "matmul"), ("_merge", "attention merge"), ("decode", "attention"), ("prefill", "attention"),
     ("store_kv", "kv store"), ("argmax", "sampling"), ("topk", "sampling"), ("sort", "sampling"),

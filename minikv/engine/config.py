@@ -222,6 +222,7 @@ class EngineConfig:
     kv_layout: str | None = None
     cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"  # what the pool stores: "auto" (the model's dtype), "int8" or "fp8" (e4m3)
+    fused_ops: bool | None = None  # the model's fused Triton kernels and merged matmuls; None: on a GPU only
     # prefix caching (rung 6)
     prefix_caching: Any = None
     eviction: str = "lru"
@@ -276,6 +277,13 @@ class EngineConfig:
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
+        if self.fused_ops is None:
+            self.fused_ops = self.device.type == "cuda"
+        if not isinstance(self.fused_ops, bool):
+            raise ValueError(f"fused_ops must be True, False or None (on a GPU only), got {self.fused_ops!r}")
+        if self.fused_ops and self.device.type != "cuda" and self.dtype == torch.bfloat16:
+            raise ValueError("fused_ops runs Triton kernels, in the interpreter on a CPU, whose bfloat16 arithmetic "
+                             "is wrong; use dtype float32 or float16 there, or fused_ops=False")
         if self.kv_quantizer is not None and self.cuda_graphs:
             raise ValueError("kv_quantizer runs your torch function at every store, which a CUDA graph cannot "
                              "replay; set cuda_graphs=False to use it")

@@ -154,6 +154,10 @@ class LLM:
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
         and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
 
+        Model: fused_ops (each layer's residual adds, RMSNorms, rotary embedding and SiLU-and-mul as
+        Triton kernels, q/k/v and gate/up as one matmul each; default on a GPU, off on a CPU, where the
+        torch model is the reference; see minikv/model/llama.py).
+
         Prefix caching (rung 6, paged): prefix_caching None, "hash" (vLLM's hashed block chain), "radix"
         (SGLang's radix tree) or a PrefixCache; eviction "lru" or "fifo"; schedule_policy "fcfs",
         "lpm" (longest cached prefix first) or "vtc" (fair between tenants: the tenant with the least
@@ -213,6 +217,7 @@ class LLM:
             loaded = load_model(model, self.device, self.dtype)
         self.loaded = loaded
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model.fused_ops = cfg.fused_ops  # before any CUDA graph records the model
         c = self.config
         cfg.fit(c.max_position_embeddings,
                 KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),

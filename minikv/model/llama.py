@@ -9,6 +9,22 @@ The model works on ONE flattened batch of tokens (all sequences of the step laid
 
 Parameter names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so a
 checkpoint's state dict loads as it is. Llama, Mistral and Qwen2 differ only in config values.
+
+Two forwards compute the same thing. The torch one, written op by op, is the reference. With
+`model.fused_ops = True` (the engine's default on a GPU) each layer runs the fused path instead:
+
+    torch (reference)                              fused (minikv/kernels/fused_*.py)
+    RMSNorm                  ~8 elementwise ops    fused_add_rms_norm   add + norm, 1 kernel
+    q_proj, k_proj, v_proj   3 matmuls             one matmul on the merged [q; k; v] weight
+    apply_rope on q and k    ~12 ops + cos/sin     rotary_qkv           split + rotate, 1 kernel
+    residual add + RMSNorm   ~9 ops                fused_add_rms_norm   1 kernel
+    gate_proj, up_proj       2 matmuls             one matmul on the merged [gate; up] weight
+    silu(gate) * up          2 ops                 silu_and_mul         1 kernel
+
+The merged weights are not copies: q/k/v_proj.weight (and gate/up_proj.weight) are row slices of
+one matrix (`merge_linears`, done when the model is built and after every move), so the memory is
+not doubled, the torch path reads the same numbers, and the Hugging Face names still load, save and
+tie as before.
 """
 from __future__ import annotations
 
@@ -59,6 +75,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
+def merge_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack the linears' weights (and biases) into one matrix, and make each linear's own parameters
+    row slices of it: one matmul then computes all their outputs side by side.
+
+        merged weight [sum of out_features, in_features]
+            rows [0, n0)            linears[0].weight   (a view: same memory)
+            rows [n0, n0 + n1)      linears[1].weight
+            ...
+
+    The parameters keep their names, so state_dict() and load_state_dict() (which copies into the
+    views) see nothing new. A move to another device or dtype gives each parameter its own memory
+    again: merge again after it (LlamaForCausalLM does, in `_apply`, where `still_merged` says)."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        has_bias = [lin.bias is not None for lin in linears]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("merge_linears needs a bias on every linear or on none")
+        bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
+        start += lin.out_features
+    return weight, bias
+
+
+def still_merged(merged: torch.Tensor | None, *linears: nn.Linear) -> bool:
+    """True when every linear's weight still lies in `merged`'s memory (not moved since `merge_linears`).
+    Merging again then would only move the weights under a CUDA graph that recorded their addresses."""
+    return merged is not None and all(
+        lin.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr() for lin in linears)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -79,6 +130,19 @@ class Attention(nn.Module):
         out = backend.forward(self.layer_idx, q, k, v, meta, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(T, -1))
 
+    def merge_projections(self) -> None:
+        """q, k and v projections as one matmul (qkv_weight [(H + 2 KV) * head_dim, hidden]; Qwen2's biases too)."""
+        if not still_merged(getattr(self, "qkv_weight", None), self.q_proj, self.k_proj, self.v_proj):
+            self.qkv_weight, self.qkv_bias = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward_fused(self, x, positions, inv_freq, meta: AttentionMetadata, backend) -> torch.Tensor:
+        from minikv.kernels import rotary_qkv
+
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KV) * head_dim]
+        q, k, v = rotary_qkv(qkv, positions, inv_freq, self.num_heads, self.num_kv_heads)
+        out = backend.forward(self.layer_idx, q, k, v, meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -89,6 +153,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+    def merge_projections(self) -> None:
+        """gate and up projections as one matmul (gate_up_weight [2 * intermediate, hidden])."""
+        if not still_merged(getattr(self, "gate_up_weight", None), self.gate_proj, self.up_proj):
+            self.gate_up_weight, _ = merge_linears(self.gate_proj, self.up_proj)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from minikv.kernels import silu_and_mul
+
+        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))
 
 
 class DecoderLayer(nn.Module):
@@ -102,6 +176,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, residual, positions, inv_freq, meta, backend):
+        """The same layer with the residual add left to the next norm (vLLM's layout): takes the previous
+        layer's output and the residual stream before it (None in the first layer: x is the stream),
+        returns this layer's output and the stream before it. The sum of the two is `forward`'s x."""
+        from minikv.kernels import fused_add_rms_norm
+
+        h, residual = fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn.forward_fused(h, positions, inv_freq, meta, backend)
+        h, residual = fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                         self.post_attention_layernorm.eps)
+        return self.mlp.forward_fused(h), residual
 
 
 class Decoder(nn.Module):
@@ -124,6 +210,26 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # kept in fp32 and out of the state dict: model.to(bfloat16) must not round the frequencies
         self._inv_freq = rope_inv_freq(cfg)
+        # one switch between the two forwards (the engine sets it: LLM(fused_ops=...)). The merged weights
+        # exist either way: flipping the switch moves no memory, so CUDA graphs recorded before stay valid.
+        self.fused_ops = False
+        self._merge_projections()
+
+    def _merge_projections(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.merge_projections()
+            layer.mlp.merge_projections()
+
+    def _apply(self, fn, recurse: bool = True):
+        """.to(), .half(), .cuda() ... give every moved parameter its own memory: merge those projections again."""
+        super()._apply(fn, recurse)
+        self._merge_projections()
+        return self
+
+    def __setstate__(self, state) -> None:
+        """copy.deepcopy and unpickling copy each parameter on its own: merge the copies again."""
+        super().__setstate__(state)
+        self._merge_projections()
 
     def forward(
         self,
@@ -135,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
+        if self.fused_ops:
+            return self._forward_fused(input_ids, positions, meta, backend, logits_indices)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.model.embed_tokens(input_ids)
@@ -144,3 +252,16 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()
+
+    def _forward_fused(self, input_ids, positions, meta, backend, logits_indices) -> torch.Tensor:
+        """`forward` through the fused kernels: the residual stream travels beside each layer's output
+        and is added in the next layer's first norm (or the final norm)."""
+        from minikv.kernels import fused_add_rms_norm
+
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer.forward_fused(x, residual, positions, self._inv_freq, meta, backend)
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = fused_add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
+        return self.lm_head(x).float()
