@@ -182,13 +182,16 @@ def block_bytes_lines(block, dtype_name: str) -> list[str]:
     from minikv.cache.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
-    q, scale = quantize_block(block, dtype)
-    err = (dequantize_block(q, scale) - block.float()).abs()
+    q, scale, zero = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale, zero) - block.float()).abs()
     T, H, D = block.shape
-    payload, scales, bf16 = q.numel() * q.element_size(), scale.numel() * 4, block.numel() * 2
+    payload, bf16 = q.numel() * q.element_size(), block.numel() * 2
+    scales = scale.numel() * 4 * (1 if zero is None else 2)
+    what = "scales (one float32 per token and head)" if zero is None else \
+        "scales and zero points (two float32 per token and head)"
     return [f"one block of one layer: {T} tokens x {H} kv heads x {D} values",
-            f"  bf16: {bf16:,} B    {dtype_name}: {payload:,} B payload + {scales:,} B scales "
-            f"(one float32 per token and head) = {payload + scales:,} B ({bf16 / (payload + scales):.2f}x less)",
+            f"  bf16: {bf16:,} B    {dtype_name}: {payload:,} B payload + {scales:,} B {what} "
+            f"= {payload + scales:,} B ({bf16 / (payload + scales):.2f}x less)",
             f"  error per element: max {err.max().item():.4f}, mean {err.mean().item():.5f}; "
             f"relative to the block's values: {(err.norm() / block.float().norm()).item():.4f}"]
 
@@ -201,15 +204,16 @@ def plot_block_error(block, dtype_name: str, head: int = 0, ax=None):
     from minikv.cache.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
-    q, scale = quantize_block(block, dtype)
-    err = (dequantize_block(q, scale) - block.float()).abs()[:, head]
+    q, scale, zero = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale, zero) - block.float()).abs()[:, head]
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 2.4))
     im = ax.imshow(err, aspect="auto", cmap="viridis")
     ax.set_xlabel("channel (head_dim)")
     ax.set_ylabel("token in block")
-    ax.set_title(f"{dtype_name}: |error| of each element, kv head {head} (scale per row: absmax / "
-                 f"{'127' if dtype_name == 'int8' else '448'})", fontsize=9)
+    ax.set_title(f"{dtype_name}: |error| of each element, kv head {head} ("
+                 + ("per row: [min, max] onto [-127, 127]" if dtype_name == "int8" else "scale per row: absmax / 448")
+                 + ")", fontsize=9)
     ax.figure.colorbar(im, ax=ax)
     return ax.figure
 
