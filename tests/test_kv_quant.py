@@ -3,10 +3,10 @@ a float32 zero point: x ~ q * scale + zero).
 
 The Triton kernels (interpreter on the CPU) equal the torch reference on int8 and fp8 pools: the store
 kernel quantizes to the bit like `quantize_block`, the decode and prefill kernels equal attention over
-the dequantized K/V on ragged lengths, three block sizes and a head_dim that is not a power of two. In the engine, a quantized pool keeps the
-block manager's invariants through prefix caching, swap, forks and beams, holds about twice the
-blocks of a 16-bit pool in the same memory, and SmolLM2's greedy tokens stay those of the
-full-precision pool for most of a short run.
+the dequantized K/V on ragged lengths, three block sizes and a head_dim that is not a power of two.
+In the engine, a quantized pool keeps the block manager's invariants through prefix caching, swap,
+forks and beams, holds about twice the blocks of a 16-bit pool in the same memory, and SmolLM2's
+greedy tokens stay those of the full-precision pool for most of a short run.
 """
 
 import pytest
