@@ -5,12 +5,13 @@ long contexts, and engine throughput at equal pool memory when the pool is the l
     python benchmarks/kv_quant_gpu.py --smoke                                       tiny shapes (CPU too)
 
 One process, one card, the bf16 baseline beside each quantized run:
-  1. correctness (before any timing): the store kernel against quantize_block (bf16 K/V in), the
-     decode and prefill kernels on int8 and fp8 pools against an fp32 reference over the
-     dequantized K/V, ragged lengths
+  1. correctness (before any timing): the store kernel against quantize_block (bf16 K/V in: int8's
+     values, scales and zero points, fp8's values and scales), the decode and prefill kernels on int8
+     and fp8 pools against an fp32 reference over the dequantized K/V (q * scale + zero), ragged
+     lengths, blocks of 16 and 128
   2. decode attention, Qwen2.5-0.5B's attention shape (14 query / 2 KV heads, head_dim 64), the
      engine's head-major pool, block 16: CUDA-graph median time (L2 flushed by reading), the bytes
-     the step must read (K, V, scales, the block table) and the bandwidth they imply
+     the step must read (K, V, scales, int8's zero points, the block table) and the bandwidth they imply
   3. the engine (random bf16 Qwen2.5-0.5B-shaped weights, Triton attention, CUDA graphs) on one
      fixed pool memory: requests whose K/V outgrow a bf16 pool; the 8-bit pool holds ~1.9x the
      tokens, so more sequences run at once. Output tokens per second, the most sequences running at
@@ -53,11 +54,17 @@ def pool(B, L, block_size, device, seed):
 
 
 def quantized(cache, dtype):
-    """cache quantized like the store kernel: (values in cache's head-major layout, scales [blocks, slots, KVH])."""
-    q, s = quantize_block(cache, dtype)
+    """cache quantized like the store kernel: (values in cache's head-major layout, scales [blocks, slots, KVH],
+    zero points of the same shape (int8) or None (fp8))."""
+    q, s, z = quantize_block(cache, dtype)
     stored = torch.empty_like(cache.transpose(1, 2), dtype=dtype).transpose(1, 2)
     stored.copy_(q)
-    return stored, s
+    return stored, s, z
+
+
+def quant_kwargs(ks, vs, kz, vz) -> dict:
+    """The kernels' keyword arguments for a pool's scales and zero points (empty for a bf16 pool)."""
+    return {} if ks is None else {"k_scale": ks, "v_scale": vs, "k_zero": kz, "v_zero": vz}
 
 
 def reference(q, k, v, tables, seq_lens, scale):
@@ -85,34 +92,38 @@ def correctness(device, smoke) -> dict:
     slots = torch.randperm(nb * bs, generator=g)[:T].to(device)
     for name, dt in QDTYPES.items():
         kc = torch.zeros(nb, bs, KVH, D, dtype=dt, device=device)
-        vc, ks, vs = torch.zeros_like(kc), torch.zeros(nb, bs, KVH, device=device), torch.zeros(nb, bs, KVH, device=device)
-        store_kvcache(k, v, kc, vc, slots, ks, vs)
-        wq, ws = quantize_block(k, dt)
+        vc = torch.zeros_like(kc)
+        ks, vs, kz, vz = torch.zeros(4, nb, bs, KVH, device=device).unbind(0)
+        if dt != torch.int8:  # fp8 pools keep no zero points
+            kz = vz = None
+        store_kvcache(k, v, kc, vc, slots, ks, vs, kz, vz)
+        wq, ws, wz = quantize_block(k, dt)
         got = kc[slots // bs, slots % bs]
         out[f"store_{name}"] = {
             "values_bit_equal": (got.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item(),
             "values_within_one_level": ((got.float() - wq.float()).abs() <= (1 if dt == torch.int8 else
                                                                               wq.float().abs() / 8)).float().mean().item(),
-            "scale_rel_err": rel_err(ks[slots // bs, slots % bs], ws)}
+            "scale_rel_err": rel_err(ks[slots // bs, slots % bs], ws),
+            "zero_rel_err": rel_err(kz[slots // bs, slots % bs], wz) if wz is not None else 0.0}
     # decode and prefill on quantized pools, ragged
     lens = [1, 17, 300, 1000, 4097] if not smoke else [1, 17, 40]
     for name, dt in QDTYPES.items():
         for block_size in (16, 128):
             kb, vb, tables = pool(len(lens), max(lens), block_size, device, seed=block_size)
-            (kq, ks), (vq, vs) = quantized(kb, dt), quantized(vb, dt)
+            (kq, ks, kz), (vq, vs, vz) = quantized(kb, dt), quantized(vb, dt)
+            params = quant_kwargs(ks, vs, kz, vz)
             seq_lens = torch.tensor(lens, device=device, dtype=torch.int32)
             q = torch.randn(len(lens), H, D, generator=g).to(device, DT)
-            kd, vd = dequantize_block(kq, ks), dequantize_block(vq, vs)
+            kd, vd = dequantize_block(kq, ks, kz), dequantize_block(vq, vs, vz)
             ref = reference(q, kd, vd, tables, seq_lens, scale)
             err = {f"decode_splits_{n}": rel_err(paged_decode_attention(q, kq, vq, tables, seq_lens, scale,
-                                                                        num_splits=n, k_scale=ks, v_scale=vs), ref)
+                                                                        num_splits=n, **params), ref)
                    for n in (1, 4)}
             # prefill: the last 5 tokens of each sequence as new rows (shorter ones whole)
             qlens = [min(5, s) for s in lens]
             starts = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), device=device, dtype=torch.int32)
             qp = torch.randn(sum(qlens), H, D, generator=g).to(device, DT)
-            got = paged_prefill_attention(qp, kq, vq, tables, starts, seq_lens, scale, max(qlens), k_scale=ks,
-                                          v_scale=vs)
+            got = paged_prefill_attention(qp, kq, vq, tables, starts, seq_lens, scale, max(qlens), **params)
             refs = []
             for b, (s, ql) in enumerate(zip(lens, qlens)):
                 for i in range(ql):
@@ -121,7 +132,8 @@ def correctness(device, smoke) -> dict:
             err["prefill"] = rel_err(got, torch.stack(refs))
             out[f"attention_{name}_block{block_size}"] = err
     out["passed"] = all(v < TOL for key, e in out.items() if key.startswith("attention") for v in e.values()) and all(
-        e["values_within_one_level"] == 1.0 and e["scale_rel_err"] < 1e-6 for key, e in out.items()
+        e["values_within_one_level"] == 1.0 and e["scale_rel_err"] < 1e-6 and e["zero_rel_err"] < 1e-6
+        for key, e in out.items()
         if key.startswith("store"))
     return out
 
@@ -136,17 +148,17 @@ def decode_timing(device, clock, smoke) -> list[dict]:
         q = torch.randn(B, H, D, device=device, dtype=DT)
         out = torch.empty_like(q)
         table_bytes = tables.numel() * tables.element_size()
-        variants = {"bf16": (kb, vb, None, None)}
+        variants = {"bf16": (kb, vb, {})}
         for name, dt in QDTYPES.items():
-            (kq, ks), (vq, vs) = quantized(kb, dt), quantized(vb, dt)
-            variants[name] = (kq, vq, ks, vs)
+            (kq, ks, kz), (vq, vs, vz) = quantized(kb, dt), quantized(vb, dt)
+            variants[name] = (kq, vq, quant_kwargs(ks, vs, kz, vz))
         base = None
-        for name, (k, v, ks, vs) in variants.items():
-            def step(k=k, v=v, ks=ks, vs=vs):
-                paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=L, out=out, k_scale=ks,
-                                       v_scale=vs)
+        for name, (k, v, params) in variants.items():
+            def step(k=k, v=v, params=params):
+                paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=L, out=out, **params)
             us = kernel_time(clock, step)
-            kv_bytes = 2 * B * L * KVH * D * k.element_size() + (2 * B * L * KVH * 4 if ks is not None else 0)
+            per_row = 4 * sum(params.get(key) is not None for key in ("k_scale", "k_zero"))  # scale (+ zero)
+            kv_bytes = 2 * B * L * KVH * (D * k.element_size() + per_row)
             nbytes = kv_bytes + table_bytes + 2 * q.numel() * q.element_size()
             base = base or (us, nbytes)
             rows.append({"batch": B, "context": L, "kv_cache_dtype": name, "us": us, "bytes_read": nbytes,
@@ -171,16 +183,16 @@ def sweep(device, clock, smoke) -> list[dict]:
         seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
         q = torch.randn(B, H, D, device=device, dtype=DT)
         out = torch.empty_like(q)
-        variants = {"bf16": (kb, vb, None, None)}
+        variants = {"bf16": (kb, vb, {})}
         for name, dt in QDTYPES.items():
-            (kq, ks), (vq, vs) = quantized(kb, dt), quantized(vb, dt)
-            variants[name] = (kq, vq, ks, vs)
+            (kq, ks, kz), (vq, vs, vz) = quantized(kb, dt), quantized(vb, dt)
+            variants[name] = (kq, vq, quant_kwargs(ks, vs, kz, vz))
         splits = dec.default_num_splits(B, KVH, L, device)
-        for name, (k, v, ks, vs) in variants.items():
+        for name, (k, v, params) in variants.items():
             for bn, w, st in configs:
-                def step(k=k, v=v, ks=ks, vs=vs, bn=bn, w=w, st=st):
-                    paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=L, out=out, k_scale=ks,
-                                           v_scale=vs, num_splits=splits, block_n=bn, num_warps=w, num_stages=st)
+                def step(k=k, v=v, params=params, bn=bn, w=w, st=st):
+                    paged_decode_attention(q, k, v, tables, seq_lens, scale, max_seq_len=L, out=out, num_splits=splits,
+                                           block_n=bn, num_warps=w, num_stages=st, **params)
                 rows.append({"batch": B, "context": L, "kv_cache_dtype": name, "block_n": bn, "num_warps": w,
                              "num_stages": st, "us": kernel_time(clock, step)})
             best = min((r for r in rows if (r["batch"], r["context"], r["kv_cache_dtype"]) == (B, L, name)),

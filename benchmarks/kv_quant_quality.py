@@ -14,11 +14,16 @@ Three measures, each against the full-precision pool, same weights, same process
               KL(full || quantized) mean and max, max |logit difference|, top-1 agreement
   perplexity  exp(mean negative log-likelihood) of the same text's tokens, each pool
 
-Granularity: the engine keeps one scale per token and KV head. The per-block alternative (one scale
-per block and KV head, shared by its block_size tokens) is measured under teacher forcing too,
-through the kv_quantizer seam: the text is stored in one step from position 0, so each group of
-block_size rows the quantizer sees is one block (scales are repeated per token, so the pool's
-format does not change).
+Granularity: the engine keeps a scale per token and KV head (and for int8 a zero point: each row's
+[min, max] onto [-127, 127]; benchmarks/kv_quant_schemes.py compares the candidate formats). The
+per-block alternative (one scale and zero per block and KV head, shared by its block_size tokens) is
+measured under teacher forcing too, through the kv_quantizer seam: the text is stored in one step
+from position 0, so each group of block_size rows the quantizer sees is one block (scales are
+repeated per token, so the pool's format does not change).
+
+For context, a 16-bit pool against the same float32 pool: a float32 pool whose store rounds K/V to
+float16 holds exactly what a float16 pool would, so its greedy agreement is what rounding to 16 bits
+alone costs on these prompts (a near tie flips on any noise).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from minikv import LLM, SamplingParams
 from minikv.attention.metadata import PagedMetadata
 from minikv.bench import REPO, environment, first_divergence
 from minikv.bench.cache_speedup import write_record
-from minikv.cache.quant import QMAX
+from minikv.cache.quant import QMAX, has_zero_point
 
 TEXT = REPO / "benchmarks" / "data" / "pride_and_prejudice_ch1.txt"
 PROMPTS = [
@@ -57,19 +62,34 @@ BLOCK_SIZE = 16
 
 
 def per_block_quantizer(block_size: int):
-    """A kv_quantizer with one scale per (block, KV head): rows [i*block_size, (i+1)*block_size) share it.
-    Correct only for a store that starts at a block's first slot (the teacher-forcing pass here)."""
-    def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kv_quantizer with one scale (and int8 zero point) per (block, KV head): rows [i*block_size,
+    (i+1)*block_size) share them. Correct only for a store that starts at a block's first slot (the
+    teacher-forcing pass here)."""
+    def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         T, H, D = x.shape
+        qmax = QMAX[dtype]
         pad = -T % block_size
-        xp = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(-1, block_size, H, D)  # [blocks, block_size, H, D]
-        absmax = xp.abs().amax(dim=(1, 3), keepdim=True)  # [blocks, 1, H, 1]
-        scale = (absmax / QMAX[dtype]).expand(-1, block_size, -1, -1)[..., 0].reshape(-1, H)[:T]  # [T, H]
+        xp = F.pad(x.float(), (0, 0, 0, 0, 0, pad), value=float("nan")).view(-1, block_size, H, D)
+        per_token = lambda t: t.expand(-1, block_size, -1, -1)[..., 0].reshape(-1, H)[:T]  # noqa: E731  [T, H]
+        if has_zero_point(dtype):  # the block's [min, max] (padding rows left out)
+            hi = xp.nan_to_num(nan=-float("inf")).amax(dim=(1, 3), keepdim=True)
+            lo = xp.nan_to_num(nan=float("inf")).amin(dim=(1, 3), keepdim=True)
+            scale, zero = per_token((hi - lo) / 2 / qmax), per_token((hi + lo) / 2)
+        else:
+            scale, zero = per_token(xp.nan_to_num(nan=0).abs().amax(dim=(1, 3), keepdim=True) / qmax), None
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        y = x.float() * inv[..., None]
-        q = (torch.floor(y + 0.5) if dtype == torch.int8 else y).clamp(-QMAX[dtype], QMAX[dtype]).to(dtype)
-        return q, scale
+        y = (x.float() - (0 if zero is None else zero[..., None])) * inv[..., None]
+        q = (torch.floor(y + 0.5) if dtype == torch.int8 else y).clamp(-qmax, qmax).to(dtype)
+        return q, scale, zero
     return quantize
+
+
+def float16_pool(llm: LLM):
+    """Make llm's float32 pool store K/V rounded to float16 (what a float16 pool holds); returns the undo."""
+    pool = llm.backend.pool
+    store = pool.store
+    pool.store = lambda layer, k, v, slots: store(layer, k.half().float(), v.half().float(), slots)
+    return lambda: setattr(pool, "store", store)
 
 
 def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -117,6 +137,20 @@ def main() -> None:
     ppl_full = math.exp(F.cross_entropy(logits_full[:-1], torch.tensor(ids[1:])).item())
     decode = (lambda toks: full.tokenizer.decode(toks)) if full.tokenizer is not None else str  # noqa: E731
     results, texts = {}, {"full": [decode(t) for t in want[:3]]}
+    undo = float16_pool(full)
+    try:
+        got16 = [o.token_ids for o in full.generate(prompts, params)]
+        teacher16 = teacher_forcing(logits_full, all_logits(full, ids), ids)
+    finally:
+        undo()
+    before16 = [max_tokens if f is None else f for f in map(first_divergence, got16, want)]
+    float16_reference = {"bytes_per_token": full.stats()["bytes_per_token"] // 2,
+                         "greedy": {"tokens_before_first_difference": before16,
+                                    "identical_runs": sum(b == max_tokens for b in before16),
+                                    "agreement": sum(before16) / (len(prompts) * max_tokens)},
+                         "teacher_forcing": teacher16}
+    print(f"float16 pool (context): greedy agreement {float16_reference['greedy']['agreement']:.1%} {before16}; "
+          f"KL mean {teacher16['kl_mean']:.2e}")
     for kv in ("int8", "fp8"):
         llm = full.derive(kv_cache_dtype=kv)
         got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -154,10 +188,13 @@ def main() -> None:
                      "prompts": prompts, "max_tokens": max_tokens, "greedy": True,
                      "text": str(TEXT.relative_to(REPO)), "text_tokens": len(ids),
                      "text_source": "Jane Austen, Pride and Prejudice (1813), chapter 1; public domain",
-                     "scale_granularity": "one float32 scale per token and KV head (engine); per block and KV head "
+                     "scale_granularity": "int8: a float32 scale and zero point per token and KV head (the row's "
+                                          "[min, max] onto [-127, 127]); fp8: a float32 scale per token and KV head "
+                                          "(absmax / 448) (engine); per block and KV head "
                                           "(teacher_forcing_per_block_scales, through the kv_quantizer seam)"},
         "full_precision": {"kv_cache_dtype": full_stats["kv_cache_dtype"],
                            "bytes_per_token": full_stats["bytes_per_token"], "perplexity": ppl_full},
+        "float16_reference": float16_reference,
         "results": results, "sample_texts": texts, "seconds": time.perf_counter() - t0,
     }
     print(f"full precision perplexity {ppl_full:.3f}; {record['seconds']:.0f} s")
@@ -165,10 +202,12 @@ def main() -> None:
         return
     i8, f8 = results["int8"], results["fp8"]
     line = (f"- {record['date']} · kv_quant_quality · {record['device']}, {record['torch_threads']} torch threads · "
-            f"torch {record['torch']} · {args.model} float32 weights, block {BLOCK_SIZE}, scale per token and KV head · "
+            f"torch {record['torch']} · {args.model} float32 weights, block {BLOCK_SIZE}, int8 scale + zero point / "
+            f"fp8 scale per token and KV head · "
             f"greedy agreement over {len(prompts)} prompts × {max_tokens} tokens (tokens before the first difference): "
             f"**int8 {i8['greedy']['agreement']:.1%}** ({i8['greedy']['identical_runs']}/{len(prompts)} identical), "
-            f"**fp8 {f8['greedy']['agreement']:.1%}** ({f8['greedy']['identical_runs']}/{len(prompts)} identical); "
+            f"**fp8 {f8['greedy']['agreement']:.1%}** ({f8['greedy']['identical_runs']}/{len(prompts)} identical), "
+            f"a float16 pool {float16_reference['greedy']['agreement']:.1%} for context; "
             f"top-2 logit gap of the full pool where a run parts: int8 "
             f"{i8['greedy']['full_precision_top2_logit_gap_at_first_difference']}, fp8 "
             f"{f8['greedy']['full_precision_top2_logit_gap_at_first_difference']}; "
@@ -182,7 +221,8 @@ def main() -> None:
             f"{f8['teacher_forcing_per_block_scales']['kl_mean']:.1e}, perplexity "
             f"{i8['teacher_forcing_per_block_scales']['perplexity']:.3f} / "
             f"{f8['teacher_forcing_per_block_scales']['perplexity']:.3f}; bytes per token "
-            f"{full_stats['bytes_per_token']:,} (float32) vs {i8['bytes_per_token']:,} · commit {record['commit']} · "
+            f"{full_stats['bytes_per_token']:,} (float32) vs {i8['bytes_per_token']:,} (int8) / {f8['bytes_per_token']:,} "
+            f"(fp8) · commit {record['commit']} · "
             f"[{Path(args.out).name}]({Path(args.out).name})\n")
     write_record(record, Path(args.out), line, "kv_quant_quality")
 

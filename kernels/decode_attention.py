@@ -79,6 +79,7 @@ def _decode_split_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], any strides (token- or head-major storage)
     v_cache_ptr,  # same layout and strides as k_cache
     k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 when QUANT (else unused)
+    k_zero_ptr, v_zero_ptr,  # the same shape, fp32 zero points when HAS_ZERO (int8; else unused)
     block_tables_ptr,  # [B, table_width] physical block ids (-1 = none, never read)
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, num_heads, head_dim]   written directly when SINGLE_SPLIT
@@ -114,6 +115,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,  # the merge is launched as a programmatic dependent (GPU, compute capability >= 9)
     INNER_LOOP: tl.constexpr,  # the @triton.jit function that folds one tile in (online_softmax_block's signature)
     QUANT: tl.constexpr,  # the pool holds int8/fp8 values and scales: dequantize each tile as it is read
+    HAS_ZERO: tl.constexpr,  # int8: x = q * scale + zero (fp8: q * scale)
     SPLIT_PER_SEQ: tl.constexpr = False,  # ranges cut from this sequence's own length (loaded first)
 ):
     if USE_PDL:  # the merge's programs may start now and wait (gdc_wait) for this grid's results
@@ -168,8 +170,10 @@ def _decode_split_kernel(
             row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
             kv_mask = valid[:, None] & d_ok[None, :]
             srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
-            v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
+                             QUANT, HAS_ZERO).to(q.dtype)
+            v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
+                             QUANT, HAS_ZERO).to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
@@ -186,8 +190,10 @@ def _decode_split_kernel(
             row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
             kv_mask = valid[:, None] & d_ok[None, :]
             srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
-            v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+            k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
+                             QUANT, HAS_ZERO).to(q.dtype)
+            v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
+                             QUANT, HAS_ZERO).to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
@@ -318,6 +324,8 @@ def paged_decode_attention(
     merge=None,  # a torch function (part_out [B, H, S, D], part_lse [B, H, S]) -> [B, H, D]: replaces the merge kernel
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
     v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: an int8 pool's zero points
+    v_zero: torch.Tensor | None = None,
     split_per_seq: bool = False,  # each sequence's span cut num_splits ways on the device, not the longest
     #   one (max_seq_len) on the host: for CUDA graphs, whose max_seq_len is only a bound
 ) -> torch.Tensor:
@@ -340,7 +348,8 @@ def paged_decode_attention(
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"need one row per sequence ({B})")
     inner_loop = check_inner_loop(inner_loop)
-    k_scale, v_scale, stride_sb, stride_ss, stride_sh, quant = quant_args(k_scale, v_scale, k_cache)
+    k_scale, v_scale, k_zero, v_zero, stride_sb, stride_ss, stride_sh, quant, has_zero = quant_args(
+        k_scale, v_scale, k_cache, k_zero, v_zero)
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
@@ -371,7 +380,8 @@ def paged_decode_attention(
     split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
     table_entries, chunk_n = table_chunk(block_size, block_n)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_out, part_lse, trace_arg,
+        q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, block_tables, seq_lens, out, part_out, part_lse,
+        trace_arg,
         scale * math.log2(math.e), window, sinks, num_splits, split_len, block_tables.shape[1],
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -383,7 +393,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=table_entries,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=trace is not None, USE_PDL=pdl,
-        INNER_LOOP=inner_loop, QUANT=quant, SPLIT_PER_SEQ=split_per_seq, **launch,
+        INNER_LOOP=inner_loop, QUANT=quant, HAS_ZERO=has_zero, SPLIT_PER_SEQ=split_per_seq, **launch,
     )
     if num_splits > 1 and merge is not None:
         merged = merge(part_out[..., :head_dim], part_lse)

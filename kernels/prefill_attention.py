@@ -34,6 +34,7 @@ def _prefill_kernel(
     q_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 when QUANT (else unused)
+    k_zero_ptr, v_zero_ptr,  # the same shape, fp32 zero points when HAS_ZERO (int8; else unused)
     block_tables_ptr,  # [B, max_blocks]
     query_start_loc_ptr,  # [B+1]
     seq_lens_ptr,  # [B]
@@ -55,6 +56,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr,
     QUANT: tl.constexpr,  # int8/fp8 values with scales: dequantize each tile as it is read
+    HAS_ZERO: tl.constexpr,  # int8: x = q * scale + zero (fp8: q * scale)
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -95,8 +97,10 @@ def _prefill_kernel(
         row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & d_ok[None, :]
         srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-        k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
-        v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
+                         QUANT, HAS_ZERO).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
+                         QUANT, HAS_ZERO).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -113,8 +117,10 @@ def _prefill_kernel(
         row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = valid[:, None] & d_ok[None, :]
         srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-        k = load_kv_tile(k_cache_ptr, k_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
-        v = load_kv_tile(v_cache_ptr, v_scale_ptr, row, srow, d, kv_mask, valid, QUANT).to(q.dtype)
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
+                         QUANT, HAS_ZERO).to(q.dtype)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
+                         QUANT, HAS_ZERO).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -154,6 +160,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim] to write into (else a new tensor)
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: a quantized pool's scales
     v_scale: torch.Tensor | None = None,
+    k_zero: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32: an int8 pool's zero points
+    v_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of the new tokens over their paged context: [T, num_heads, head_dim]."""
     T, num_heads, head_dim = q.shape
@@ -165,7 +173,8 @@ def paged_prefill_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
-    k_scale, v_scale, stride_sb, stride_ss, stride_sh, quant = quant_args(k_scale, v_scale, k_cache)
+    k_scale, v_scale, k_zero, v_zero, stride_sb, stride_ss, stride_sh, quant, has_zero = quant_args(
+        k_scale, v_scale, k_cache, k_zero, v_zero)
     B = seq_lens.shape[0]
     if query_start_loc.shape[0] != B + 1 or block_tables.shape[0] != B:
         raise ValueError(f"query_start_loc needs B+1 = {B + 1} entries and block_tables B rows")
@@ -182,7 +191,7 @@ def paged_prefill_attention(
                                 "num_stages": num_stages or PREFILL_CONFIG["num_stages"]}
     grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e), sliding_window or 0, sink_tokens if sliding_window else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -192,6 +201,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, SLIDING=bool(sliding_window),
-        QUANT=quant, **launch,
+        QUANT=quant, HAS_ZERO=has_zero, **launch,
     )
     return out

@@ -2,35 +2,48 @@
 
     pool       [num_blocks, block_size, num_kv_heads, head_dim]  int8 / fp8 (or the model's dtype)
     its scales [num_blocks, block_size, num_kv_heads]            float32, one per token and KV head
-    tile       [BLOCK_N, HEAD_PAD] = pool row * its scale        (minikv/cache/quant.py's dequantize_block)
+    its zeros  [num_blocks, block_size, num_kv_heads]            float32, int8 only (the same indexing)
+    tile       [BLOCK_N, HEAD_PAD] = pool row * its scale (+ its zero)   (minikv/cache/quant.py's dequantize_block)
 
-Only 8-bit values and one scale per row cross the memory bus; the multiply happens where the
-values land, so a decode step reads about half the bytes of a 16-bit pool.
+Only 8-bit values and one scale (and zero point) per row cross the memory bus; the multiply-add
+happens where the values land, so a decode step reads about half the bytes of a 16-bit pool.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, scale_ptr, row, scale_row, d, mask, valid, QUANT: tl.constexpr):
-    """cache[row + d] for the masked rows; times scale[scale_row] (float32) when QUANT.
+def load_kv_tile(cache_ptr, scale_ptr, zero_ptr, row, scale_row, d, mask, valid, QUANT: tl.constexpr,
+                 HAS_ZERO: tl.constexpr):
+    """cache[row + d] for the masked rows; times scale[scale_row] (float32) when QUANT, plus
+    zero[scale_row] when HAS_ZERO (0 outside the mask, so padded channels stay 0).
 
     row, scale_row, valid [BLOCK_N]  d [HEAD_PAD]  mask [BLOCK_N, HEAD_PAD]"""
     x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
     if QUANT:
         s = tl.load(scale_ptr + scale_row, mask=valid, other=0.0)
         x = x.to(tl.float32) * s[:, None]
+        if HAS_ZERO:
+            z = tl.load(zero_ptr + scale_row, mask=valid, other=0.0)
+            x = tl.where(mask, x + z[:, None], 0.0)
     return x
 
 
-def quant_args(k_scale, v_scale, k_cache):
-    """(k_scale, v_scale, block stride, slot stride, head stride, QUANT) for a kernel launch; the
-    caches stand in for the scale pointers of a pool that is not quantized (never read then)."""
+def quant_args(k_scale, v_scale, k_cache, k_zero=None, v_zero=None):
+    """(k_scale, v_scale, k_zero, v_zero, block stride, slot stride, head stride, QUANT, HAS_ZERO) for a
+    kernel launch; the caches stand in for the pointers a pool does not have (never read then)."""
     if k_scale is None:
-        return k_cache, k_cache, 0, 0, 0, False
+        if k_zero is not None or v_zero is not None:
+            raise ValueError("zero points come with scales: pass k_scale and v_scale too")
+        return k_cache, k_cache, k_cache, k_cache, 0, 0, 0, False, False
     if v_scale is None or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride():
         raise ValueError("a quantized pool needs K and V scales of one shape and layout")
     if tuple(k_scale.shape) != tuple(k_cache.shape[:3]):
         raise ValueError(f"scales {tuple(k_scale.shape)} must be [num_blocks, block_size, num_kv_heads] "
                          f"= {tuple(k_cache.shape[:3])}")
-    return (k_scale, v_scale, *k_scale.stride(), True)
+    if (k_zero is None) != (v_zero is None) or (k_zero is not None and any(
+            z.shape != k_scale.shape or z.stride() != k_scale.stride() for z in (k_zero, v_zero))):
+        raise ValueError("zero points (int8 pools) need K and V both, shaped and laid out like the scales")
+    has_zero = k_zero is not None
+    return (k_scale, v_scale, k_zero if has_zero else k_scale, v_zero if has_zero else v_scale,
+            *k_scale.stride(), True, has_zero)

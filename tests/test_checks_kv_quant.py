@@ -14,66 +14,90 @@ from minikv.checks.report import CheckFailed
 
 def quantize_block(x, dtype):
     qmax = QMAX[dtype]
-    absmax = x.float().abs().amax(dim=-1)
-    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
-    y = x.float() * inv[..., None]
+    x = x.float()
     if dtype == torch.int8:
-        y = torch.floor(y + 0.5)
-    return y.clamp(-qmax, qmax).to(dtype), absmax / qmax
+        hi, lo = x.amax(dim=-1), x.amin(dim=-1)
+        half, zero = (hi - lo) / 2, (hi + lo) / 2
+        inv = torch.where(half > 0, qmax / half, torch.zeros_like(half))
+        return torch.floor((x - zero[..., None]) * inv[..., None] + 0.5).clamp(-qmax, qmax).to(dtype), half / qmax, zero
+    absmax = x.abs().amax(dim=-1)
+    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    return (x * inv[..., None]).clamp(-qmax, qmax).to(dtype), absmax / qmax, None
 
 
-def dequantize_block(q, scale):
-    return q.float() * scale[..., None]
+def dequantize_block(q, scale, zero):
+    x = q.float() * scale[..., None]
+    return x if zero is None else x + zero[..., None]
+
+
+def symmetric_int8(x, dtype):  # the grid spans [-absmax, absmax]: half its levels unused on a row of one sign
+    qmax = QMAX[dtype]
+    s = x.abs().amax(dim=-1) / qmax
+    return torch.floor(x / torch.where(s > 0, s, 1)[..., None] + 0.5).to(dtype), s, torch.zeros_like(s)
+
+
+def a_pair(x, dtype):  # (q, scale): no zero point
+    return quantize_block(x, dtype)[:2]
 
 
 def per_block_scale(x, dtype):  # one scale for the whole block
-    q, _ = quantize_block(x, dtype)
-    return q, x.abs().amax() / QMAX[dtype]
+    q, _, zero = quantize_block(x, dtype)
+    return q, x.abs().amax() / QMAX[dtype], zero
 
 
 def max_not_absmax(x, dtype):
     qmax = QMAX[dtype]
     m = x.float().amax(dim=-1).clamp(min=1e-8)
-    return (x / m[..., None] * qmax).round().clamp(-qmax, qmax).to(dtype), m / qmax
+    return (x / m[..., None] * qmax).clamp(-qmax, qmax).to(dtype), m / qmax, None
 
 
 def truncates(x, dtype):
-    qmax = QMAX[dtype]
-    s = x.abs().amax(dim=-1) / qmax
-    return (x / torch.where(s > 0, s, 1)[..., None]).to(dtype), s  # int8 conversion truncates toward zero
+    q, scale, zero = quantize_block(x, dtype)
+    inv = torch.where(scale > 0, 1 / scale, 0)
+    return ((x - zero[..., None]) * inv[..., None]).to(dtype), scale, zero  # int8 conversion truncates toward zero
 
 
 def divides_by_zero(x, dtype):
     s = x.abs().amax(dim=-1) / QMAX[dtype]
-    return (x / s[..., None]).to(dtype), s  # (fp8: the conversion rounds)
+    return (x / s[..., None]).to(dtype), s, None  # (fp8: the conversion rounds)
 
 
-def spare_range(x, dtype):  # the largest value lands on 100, not 127: 27 levels unused
-    s = x.abs().amax(dim=-1) / 100
-    return torch.floor(x / torch.where(s > 0, s, 1)[..., None] + 0.5).to(dtype), s
+def spare_range(x, dtype):  # the largest value lands on 300, not 448: levels unused
+    s = x.abs().amax(dim=-1) / 300
+    return (x / torch.where(s > 0, s, 1)[..., None]).to(dtype), s, None
+
+
+def fp8_zero_point(x, dtype):  # shifts fp8 rows too
+    q, scale, _ = quantize_block(x, dtype)
+    return q, scale, torch.zeros_like(scale)
 
 
 def test_the_reference_answers_pass(capsys):
     check_quantize_block(quantize_block)
     check_dequantize_block(dequantize_block)
-    assert "all 12 cases passed" in capsys.readouterr().out
+    assert "all 14 cases passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("wrong, dtype, says", [
+    (symmetric_int8, "int8", r"not \[-absmax, absmax\]"),
+    (a_pair, "int8", r"expected a triple \(q, scale, zero\)"),
     (per_block_scale, "int8", "one scale per token and KV head"),
-    (max_not_absmax, "int8", "absmax, not max"),
-    (truncates, "int8", "round to the nearest level"),
+    (max_not_absmax, "fp8", "absmax, not max"),
+    (truncates, "int8", "never truncate"),
     (divides_by_zero, "fp8", "divide by the scale only where it is > 0"),  # 0/0 = NaN, which e4m3 keeps
-    (spare_range, "int8", "a larger scale leaves levels unused"),
+    (spare_range, "fp8", "a larger scale leaves levels unused"),
+    (fp8_zero_point, "fp8", "fp8 is symmetric around 0"),
 ])
 def test_common_mistakes_are_caught_and_named(wrong, dtype, says):
     with pytest.raises(CheckFailed, match=says):
         check_quantize_block(wrong, dtypes=(dtype,))
 
 
-def test_a_dequantize_without_the_scale_axis_is_named():
+def test_a_dequantize_without_the_scale_axis_or_the_zero_point_is_named():
     with pytest.raises(CheckFailed, match=r"scale\[\.\.\., None\]"):
-        check_dequantize_block(lambda q, s: q.float() * s.mean())
+        check_dequantize_block(lambda q, s, z: q.float() * s.mean())
+    with pytest.raises(CheckFailed, match="add zero only when it is not None"):
+        check_dequantize_block(lambda q, s, z: q.float() * s[..., None])
 
 
 def test_the_learners_quantizer_fills_the_engines_pool_through_the_seam(capsys):
@@ -82,9 +106,9 @@ def test_the_learners_quantizer_fills_the_engines_pool_through_the_seam(capsys):
     agree = check_kv_quant_in_engine(llm, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7]], max_tokens=4)
     assert "gives the engine's own tokens" in capsys.readouterr().out and len(agree["yours"]) == 2
 
-    def wide_scale(x, dtype):  # dequantizes to 1.5x the values it was given
-        q, scale = quantize_block(x, dtype)
-        return q, scale * 1.5
+    def wide_scale(x, dtype):  # dequantizes to 1.5x the values' spread
+        q, scale, zero = quantize_block(x, dtype)
+        return q, scale * 1.5, zero
 
     with pytest.raises(CheckFailed, match="differs from the engine's own int8 pool"):
         check_kv_quant_in_engine(llm.derive(kv_quantizer=wide_scale), [[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7]],

@@ -219,24 +219,26 @@ def test_kernels_on_a_quantized_pool_with_window_sinks_and_given_back_blocks_equ
     bs, window, sinks = 8, 16, 3
     seq_lens = [5, 40, 77]
     k_cache, v_cache, tables = scattered_pool(seq_lens, bs, 2, torch.float32, seed=3)
-    (kq, ks), (vq, vs) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
-    k_deq, v_deq = dequantize_block(kq, ks), dequantize_block(vq, vs)
+    (kq, ks, kz), (vq, vs, vz) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
+    k_deq, v_deq = dequantize_block(kq, ks, kz), dequantize_block(vq, vs, vz)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens)
     q = torch.randn(len(seq_lens), 4, HEAD_DIM)
     freed = give_back_dead_blocks(tables, meta, window, sinks, bs)
     out = paged_decode_attention(q, kq, vq, freed, meta.seq_lens, SCALE, num_splits=2, sliding_window=window,
-                                 sink_tokens=sinks, k_scale=ks, v_scale=vs, out=poisoned(q.shape, q.dtype))
+                                 sink_tokens=sinks, k_scale=ks, v_scale=vs, k_zero=kz, v_zero=vz,
+                                 out=poisoned(q.shape, q.dtype))
     assert_close(out, loop_reference(q, k_deq, v_deq, tables, meta, window, sinks).float(), 2e-5, "decode, int8")
     query_lens, seq_lens = [12, 1], [60, 33]
     k_cache, v_cache, tables = scattered_pool(seq_lens, bs, 2, torch.float32, seed=4)
-    (kq, ks), (vq, vs) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
+    (kq, ks, kz), (vq, vs, vz) = quantize_block(k_cache, torch.int8), quantize_block(v_cache, torch.int8)
     meta = AttentionMetadata.build(query_lens, seq_lens)
     q = torch.randn(sum(query_lens), 4, HEAD_DIM)
     freed = give_back_dead_blocks(tables, meta, window, sinks, bs)
     out = paged_prefill_attention(q, kq, vq, freed, meta.query_start_loc, meta.seq_lens, SCALE, meta.max_query_len,
-                                  sliding_window=window, sink_tokens=sinks, k_scale=ks, v_scale=vs, block_m=16,
+                                  sliding_window=window, sink_tokens=sinks, k_scale=ks, v_scale=vs, k_zero=kz,
+                                  v_zero=vz, block_m=16,
                                   block_n=16, out=poisoned(q.shape, q.dtype))
-    want = loop_reference(q, dequantize_block(kq, ks), dequantize_block(vq, vs), tables, meta, window, sinks)
+    want = loop_reference(q, dequantize_block(kq, ks, kz), dequantize_block(vq, vs, vz), tables, meta, window, sinks)
     assert_close(out, want.float(), 2e-5, "prefill, int8")
 
 

@@ -12,8 +12,8 @@ is taken block by block as a sequence grows.
 This torch version is the reference the Triton kernels are checked against: it writes the new K/V
 through the slot mapping, gathers each sequence's blocks into a padded [B, L] view and runs one
 masked attention over the whole flattened batch (prefill and decode mixed, no loop over sequences).
-On a quantized pool (minikv/cache/quant.py) the store quantizes and the gather dequantizes: the
-attention itself runs on K/V in the model's dtype.
+On a quantized pool (minikv/cache/quant.py) the store quantizes and the gather dequantizes
+(q * scale + zero): the attention itself runs on K/V in the model's dtype.
 """
 from __future__ import annotations
 
@@ -53,7 +53,12 @@ class PagedBackend:
             k_scale, v_scale = self.pool.layer_scales(layer)
             ks = k_scale[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
             vs = v_scale[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
-            keys, values = dequantize_block(keys, ks, self.pool.dtype), dequantize_block(values, vs, self.pool.dtype)
+            kz, vz = self.pool.layer_zeros(layer)  # int8's zero points (None on fp8), read the same way
+            if kz is not None:
+                kz = kz[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
+                vz = vz[tables].reshape(B, nb * self.pool.block_size, -1)[:, :L]
+            keys = dequantize_block(keys, ks, kz, self.pool.dtype)
+            values = dequantize_block(values, vs, vz, self.pool.dtype)
         return keys, values
 
     def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:

@@ -66,17 +66,20 @@ class TritonPagedBackend(PagedBackend):
             self.pool.store(layer, k[keep], v[keep], slot_mapping[keep])
             return
         k_scale, v_scale = self.pool.layer_scales(layer)  # None unless the pool is quantized
-        store_kvcache(k, v, *self.pool.layer(layer), slot_mapping, k_scale, v_scale)  # slot -1: nothing stored
+        k_zero, v_zero = self.pool.layer_zeros(layer)  # None unless it is int8
+        store_kvcache(k, v, *self.pool.layer(layer), slot_mapping, k_scale, v_scale, k_zero, v_zero)  # slot -1: skipped
 
     def forward(self, layer, q, k, v, meta: PagedMetadata, scale: float) -> torch.Tensor:
         self.store(layer, k, v, meta.slot_mapping)
         k_cache, v_cache = self.pool.layer(layer)
         k_scale, v_scale = self.pool.layer_scales(layer)  # None unless the pool is quantized
+        k_zero, v_zero = self.pool.layer_zeros(layer)  # None unless it is int8
         if meta.is_decode_only:  # one token per sequence: q [B, num_heads, head_dim]
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           num_splits=self.decode_num_splits, sliding_window=self.sliding_window,
                                           sink_tokens=self.sink_tokens, max_seq_len=meta.max_seq_len,
                                           inner_loop=self.decode_inner_loop, k_scale=k_scale, v_scale=v_scale,
+                                          k_zero=k_zero, v_zero=v_zero,
                                           split_per_seq=(meta.seq_lens_list is None if self.decode_split_per_seq
                                                          is None else self.decode_split_per_seq))
         if self.prefill_impl == "torch":
@@ -84,4 +87,5 @@ class TritonPagedBackend(PagedBackend):
             return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                        scale, meta.max_query_len, sliding_window=self.sliding_window,
-                                       sink_tokens=self.sink_tokens, k_scale=k_scale, v_scale=v_scale)
+                                       sink_tokens=self.sink_tokens, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
+                                       v_zero=v_zero)

@@ -19,19 +19,21 @@ scheduler and the block manager decide who owns which part; nobody else holds th
              kernel reading one KV head streams whole blocks instead of rows num_kv_heads apart
 
 A quantized KVPool (cache_dtype int8 or float8_e4m3fn, see minikv/cache/quant.py) stores 8-bit
-K/V and one float32 scale per token and KV head beside them, token-major whatever the layout:
+K/V and one float32 scale per token and KV head beside them, and for int8 one float32 zero point
+too (x ~ q * scale + zero), token-major whatever the layout:
         k_scale: [num_layers, num_blocks, block_size, num_kv_heads]              (v_scale the same)
+        k_zero:  [num_layers, num_blocks, block_size, num_kv_heads]  int8 only   (v_zero the same)
 `store` quantizes, the attention backends dequantize what they read.
 
 Whole blocks move through `copy_blocks` (copy-on-write), `read_blocks` / `write_blocks` (swap to the
-CPU and back, and any other tier that keeps blocks elsewhere); on a quantized pool the scales move
-with them.
+CPU and back, and any other tier that keeps blocks elsewhere); on a quantized pool the scales and
+zero points move with them (every tensor of `planes`).
 """
 from __future__ import annotations
 
 import torch
 
-from minikv.cache.quant import QMAX, Quantizer, quantize_block
+from minikv.cache.quant import QMAX, Quantizer, has_zero_point, quantize_block
 
 KV_LAYOUTS = ("nhd", "hnd")
 
@@ -66,11 +68,14 @@ class KVPool:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device, self.kv_layout = dtype, self.k_cache.device, kv_layout
         self.cache_dtype = cache_dtype
-        self.k_scale = self.v_scale = None
+        self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
+        shape = (num_layers, num_blocks, block_size, num_kv_heads)
         if self.quantized:
-            shape = (num_layers, num_blocks, block_size, num_kv_heads)
             self.k_scale = torch.zeros(shape, dtype=torch.float32, device=self.device)
             self.v_scale = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        if self.has_zero_point:
+            self.k_zero = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.v_zero = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.quantizer = quantizer or quantize_block
 
     @property
@@ -78,26 +83,34 @@ class KVPool:
         return self.cache_dtype in QMAX
 
     @property
+    def has_zero_point(self) -> bool:
+        return has_zero_point(self.cache_dtype)
+
+    @property
     def planes(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor indexed [layer, block, ...]: (k, v), and (k_scale, v_scale) after them when quantized."""
-        return (self.k_cache, self.v_cache) if not self.quantized else (
-            self.k_cache, self.v_cache, self.k_scale, self.v_scale)
+        """Every tensor indexed [layer, block, ...]: (k, v), then (k_scale, v_scale) when quantized, then
+        (k_zero, v_zero) when int8."""
+        extra = (self.k_scale, self.v_scale) if self.quantized else ()
+        extra += (self.k_zero, self.v_zero) if self.has_zero_point else ()
+        return (self.k_cache, self.v_cache, *extra)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one block over all layers, scales included (static: sizes a pool before it exists)."""
-        per_row = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype in QMAX else 0)
+        """K and V of one block over all layers, scales and zero points included (static: sizes a pool
+        before it exists)."""
+        per_row = (head_dim * torch.empty((), dtype=dtype).element_size() + (4 if dtype in QMAX else 0)
+                   + (4 if has_zero_point(dtype) else 0))
         return 2 * num_layers * block_size * num_kv_heads * per_row
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one of this pool's blocks over all layers (scales included)."""
+        """K and V of one of this pool's blocks over all layers (scales and zero points included)."""
         return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                     self.cache_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers (scales included)."""
+        """K and V of one token over all layers (scales and zero points included)."""
         return self.block_bytes // self.block_size
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,19 +123,44 @@ class KVPool:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
+    def layer_zeros(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One layer's K and V zero points [num_blocks, block_size, num_kv_heads] (None, None but on int8)."""
+        if not self.has_zero_point:
+            return None, None
+        return self.k_zero[layer], self.v_zero[layer]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write K/V [T, num_kv_heads, head_dim] of one layer into their slots (every slot >= 0),
-        quantized with their scales on a quantized pool."""
+        quantized with their scales (and zero points) on a quantized pool."""
         block, offset = slot_mapping // self.block_size, slot_mapping % self.block_size
         if self.quantized:
-            (k, ks), (v, vs) = self.quantizer(k, self.cache_dtype), self.quantizer(v, self.cache_dtype)
+            (k, ks, kz), (v, vs, vz) = self._quantize(k), self._quantize(v)
             self.k_scale[layer][block, offset] = ks.float()
             self.v_scale[layer][block, offset] = vs.float()
+            if self.has_zero_point:
+                self.k_zero[layer][block, offset] = kz.float()
+                self.v_zero[layer][block, offset] = vz.float()
         self.k_cache[layer][block, offset] = k
         self.v_cache[layer][block, offset] = v
 
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The quantizer's (q, scale, zero) for x [T, num_kv_heads, head_dim], its shapes checked."""
+        out = self.quantizer(x, self.cache_dtype)
+        rows = tuple(x.shape[:-1])
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ValueError(f"a kv_quantizer returns (q, scale, zero); got {type(out).__name__} of "
+                             f"{len(out) if isinstance(out, tuple) else 1}")
+        q, scale, zero = out
+        if tuple(scale.shape) != rows or (zero is None) == self.has_zero_point or (
+                zero is not None and tuple(zero.shape) != rows):
+            raise ValueError(f"a kv_quantizer gives one scale per token and KV head {rows}, and "
+                             f"{'a zero point of the same shape' if self.has_zero_point else 'zero None'} on a "
+                             f"{self.cache_dtype} pool; got scale {tuple(scale.shape)}, zero "
+                             f"{None if zero is None else tuple(zero.shape)}")
+        return q, scale, zero
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst gets block src's K and V (and scales) in every layer."""
+        """Copy-on-write: block dst gets block src's K and V (and scales, zero points) in every layer."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
@@ -132,8 +170,9 @@ class KVPool:
 
     def read_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, ...]:
         """Copies of these blocks' K and V: [num_layers, len(blocks), block_size, num_kv_heads, head_dim]
-        each, token-major whatever the pool's layout; a quantized pool adds its K and V scales
-        [num_layers, len(blocks), block_size, num_kv_heads] (the order of `planes`)."""
+        each, token-major whatever the pool's layout; a quantized pool adds its K and V scales (and an
+        int8 pool its K and V zero points) [num_layers, len(blocks), block_size, num_kv_heads], in the
+        order of `planes`."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return tuple(plane[:, index].contiguous() for plane in self.planes)
 
@@ -141,7 +180,8 @@ class KVPool:
         """Put tensors shaped as `read_blocks` returns them (any device) into these blocks."""
         expected = [(self.num_layers, len(blocks), *p.shape[2:]) for p in self.planes]
         if len(planes) != len(expected) or any(tuple(p.shape) != e for p, e in zip(planes, expected)):
-            names = "K, V, K scales and V scales" if self.quantized else "K and V"
+            names = ("K, V, K scales, V scales, K zero points and V zero points" if self.has_zero_point
+                     else "K, V, K scales and V scales" if self.quantized else "K and V")
             raise ValueError(f"write_blocks of {len(blocks)} blocks needs {names} shaped {expected}, "
                              f"got {[tuple(p.shape) for p in planes]}")
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)

@@ -3,8 +3,8 @@
     device KVPool  block          --swap out-->  cpu blocks  k_swap[:, cpu_block]
                    (read_blocks)  <--swap in---  (write_blocks)
 Costs bytes over the host link instead of FLOPs; pays off when re-prefilling is expensive.
-A quantized pool's blocks travel as they are stored (8-bit values and their scales): nothing is
-re-quantized, and about half the bytes of a 16-bit pool cross the link.
+A quantized pool's blocks travel as they are stored (8-bit values, their scales and int8's zero
+points): nothing is re-quantized, and about half the bytes of a 16-bit pool cross the link.
 """
 from __future__ import annotations
 

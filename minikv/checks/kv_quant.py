@@ -1,18 +1,21 @@
-"""Checker for exercise 09a: quantize one block of K or V to 8 bits with its scales, and back.
+"""Checker for exercise 09a: quantize one block of K or V to 8 bits with its scales (and int8's zero
+points), and back.
 
-    quantize_block(x, dtype) -> (q, scale)
+    quantize_block(x, dtype) -> (q, scale, zero)
         x      [block_size, num_kv_heads, head_dim] float (any leading shape works: [..., head_dim])
         dtype  torch.int8 or torch.float8_e4m3fn
         q      same shape as x, in dtype; scale [block_size, num_kv_heads] float32, one per token and head
-        scale = absmax of the row / qmax (127 for int8, 448 for fp8), so x ~ q * scale
-    dequantize_block(q, scale) -> q * scale as float32
+        int8:  the row's [min, max] onto [-127, 127]: zero = (max + min) / 2, scale = (max - min) / 2 / 127,
+               x ~ q * scale + zero (zero [block_size, num_kv_heads] float32)
+        fp8:   symmetric: scale = absmax of the row / 448, x ~ q * scale, zero None
+    dequantize_block(q, scale, zero) -> q * scale (+ zero) as float32
 
 Three stages, each stopping at the first problem with a message that says where:
   1. quantize_block on random blocks and on the blocks that break naive quantizers (an outlier
-     channel, a row of zeros, a row whose largest value is negative, huge and tiny magnitudes):
-     shapes and dtypes, the scale (absmax / qmax: not larger, which wastes levels, not smaller, which
-     clips), and the round-trip error (half a step of the grid at most)
-  2. dequantize_block against q * scale
+     channel, a row of zeros, a row whose largest value is negative, a row of one sign, huge and tiny
+     magnitudes): shapes and dtypes, the scale and zero point (not a wider range, which wastes
+     levels, not a narrower one, which clips), and the round-trip error (half a step of the grid at most)
+  2. dequantize_block against q * scale + zero
   3. (check_kv_quant_in_engine) SmolLM2 on an int8 pool whose K/V are stored by your quantize_block
      (`LLM(..., kv_cache_dtype="int8", kv_quantizer=quantize_block)`): the same greedy tokens as the
      engine's own quantizer
@@ -40,16 +43,18 @@ def blocks(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     zeros[3, 1] = 0  # a row of zeros: its scale is 0 and must not give NaN
     negative = r()
     negative[:, :, 7] = -25  # the largest magnitude of every row is negative
+    one_sign = r().abs() + 3  # every value in [3, 7]: a grid symmetric around 0 wastes half its levels
     mixed = r() * torch.logspace(-3, 3, BLOCK[0])[:, None, None]  # tokens of very different sizes
     return [("a random block", r()), ("a random block with large values", r(300)),
             ("an outlier channel (channel 5 is 40x the others)", outlier), ("a row of zeros (token 3, head 1)", zeros),
-            ("rows whose largest magnitude is negative", negative), ("tokens from 1e-3 to 1e3", mixed)]
+            ("rows whose largest magnitude is negative", negative), ("rows of one sign (values in [3, 7])", one_sign),
+            ("tokens from 1e-3 to 1e3", mixed)]
 
 
-def _bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _bound(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The largest round-trip error a correct 8-bit value may have, per element."""
-    if dtype == torch.int8:  # a uniform grid, step = scale: half a step
-        return (scale[..., None] / 2 * (1 + 1e-5) + 1e-12).expand_as(x)
+    if dtype == torch.int8:  # a uniform grid, step = scale: half a step (and the rounding of the zero point)
+        return (scale[..., None] / 2 * (1 + 1e-5) + zero.abs()[..., None] * 1e-6 + 1e-12).expand_as(x)
     # e4m3: 3 mantissa bits, half an ulp is at most 1/16 of the value; below 2^-6 (subnormals) the step is 2^-9
     return torch.maximum(x.abs() / 16, scale[..., None] * 2.0**-10) * (1 + 1e-5) + 1e-12
 
@@ -63,50 +68,79 @@ def _call(case: str, fn, *args):
         fail(case, f"{fn.__name__} raised {type(e).__name__}", str(e))
 
 
+def _is_row_tensor(t, x: torch.Tensor) -> bool:
+    return isinstance(t, torch.Tensor) and t.shape == x.shape[:-1] and t.dtype == torch.float32
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 def check_quantize_block(quantize_block, dtypes=("int8", "fp8")) -> None:
     n = 0
     for name in dtypes:
         dtype, qmax = DTYPES[name], QMAX[DTYPES[name]]
+        int8 = dtype == torch.int8
         for lesson, x in blocks():
             case = f"{name}, {lesson}: x {list(x.shape)} [block_size, num_kv_heads, head_dim]"
             out = _call(case, quantize_block, x.clone(), dtype)
-            if not (isinstance(out, tuple) and len(out) == 2):
-                fail(case, f"quantize_block returned {type(out).__name__}", "expected a pair (q, scale)")
-            q, scale = out
+            if not (isinstance(out, tuple) and len(out) == 3):
+                fail(case, f"quantize_block returned {type(out).__name__}"
+                           + (f" of {len(out)}" if isinstance(out, tuple) else ""),
+                     "expected a triple (q, scale, zero): zero is the zero point for int8, None for fp8")
+            q, scale, zero = out
             if not isinstance(q, torch.Tensor) or q.shape != x.shape or q.dtype != dtype:
-                fail(case, f"q is {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}",
+                fail(case, f"q is {_describe(q)}",
                      f"expected {dtype} {tuple(x.shape)}: one 8-bit value per element of x",
                      "convert at the end: .to(dtype) (for int8, after rounding and clamping)")
-            if not isinstance(scale, torch.Tensor) or scale.shape != x.shape[:-1] or scale.dtype != torch.float32:
-                fail(case, f"scale is {getattr(scale, 'dtype', type(scale).__name__)} "
-                           f"{tuple(getattr(scale, 'shape', ()))}",
+            if not _is_row_tensor(scale, x):
+                fail(case, f"scale is {_describe(scale)}",
                      f"expected float32 {tuple(x.shape[:-1])}: one scale per token and KV head",
-                     "reduce over the last dimension only: x.abs().amax(dim=-1)")
-            want_scale = x.abs().amax(-1) / qmax
-            bad = first_difference(want_scale, scale, ("token", "head"), atol=0, rtol=1e-5)
-            if bad:
-                big = (scale > want_scale * (1 + 1e-5)).any()
-                fail(case, "the scales differ from absmax / qmax", bad,
-                     f"the largest magnitude of a row must land on +-{qmax:g}: "
-                     + ("a larger scale leaves levels unused" if big else "a smaller scale clips the largest values")
-                     + " (absmax, not max: the largest value may be negative)")
-            got = q.float() * scale[..., None]
+                     "reduce over the last dimension only: x.amax(dim=-1), x.amin(dim=-1), x.abs().amax(dim=-1)")
+            if int8 and not _is_row_tensor(zero, x):
+                fail(case, f"zero is {_describe(zero)}",
+                     f"expected float32 {tuple(x.shape[:-1])}: one zero point per token and KV head, the middle "
+                     "of the row's range", "zero = (x.amax(dim=-1) + x.amin(dim=-1)) / 2")
+            if not int8 and zero is not None:
+                fail(case, f"zero is {_describe(zero)}", "expected None: fp8 is symmetric around 0",
+                     "e4m3's levels are densest near 0; shifting a row would move its small values where the "
+                     "steps are coarse. Return (q, scale, None)")
+            xf = x.float()
+            if int8:
+                hi, lo = xf.amax(-1), xf.amin(-1)
+                for what, want, got in [("zero points", (hi + lo) / 2, zero), ("scales", (hi - lo) / 2 / qmax, scale)]:
+                    bad = first_difference(want, got, ("token", "head"), atol=1e-12, rtol=1e-5)
+                    if bad:
+                        fail(case, f"the {what} differ from the row's " + (
+                            "middle (max + min) / 2" if what == "zero points" else "half range (max - min) / 2 / 127"),
+                             bad, "int8 maps the row's [min, max] onto [-127, 127], not [-absmax, absmax]: "
+                                  "zero = (max + min) / 2, scale = (max - min) / 2 / 127 (max and min, not absmax)")
+            else:
+                want_scale = xf.abs().amax(-1) / qmax
+                bad = first_difference(want_scale, scale, ("token", "head"), atol=0, rtol=1e-5)
+                if bad:
+                    big = (scale > want_scale * (1 + 1e-5)).any()
+                    why = "a larger scale leaves levels unused" if big else "a smaller scale clips the largest values"
+                    fail(case, "the scales differ from absmax / qmax", bad,
+                         f"the largest magnitude of a row must land on +-{qmax:g}: {why} "
+                         "(absmax, not max: the largest value may be negative)")
+            got = q.float() * scale[..., None] + (zero[..., None] if int8 else 0)
             if not torch.isfinite(got).all():
-                fail(case, "q * scale has NaN or inf", "a row of zeros has absmax 0: its scale is 0 and q must be 0",
+                fail(case, "q * scale has NaN or inf", "a row of zeros (or any constant row) has scale 0: q must be 0",
                      "divide by the scale only where it is > 0 (torch.where)")
-            err, bound = (got - x).abs(), _bound(x, scale, dtype)
+            err, bound = (got - xf).abs(), _bound(xf, scale, zero, dtype)
             over = err > bound
             if over.any():
                 i = [int(v) for v in torch.nonzero(over)[0]]
-                fail(case, "the round trip q * scale is too far from x",
-                     f"at token {i[0]}, head {i[1]}, dim {i[2]}: x = {x[tuple(i)].item():.6g}, q * scale = "
+                fail(case, "the round trip q * scale" + (" + zero" if int8 else "") + " is too far from x",
+                     f"at token {i[0]}, head {i[1]}, dim {i[2]}: x = {x[tuple(i)].item():.6g}, dequantized "
                      f"{got[tuple(i)].item():.6g}, error {err[tuple(i)].item():.3g} > {bound[tuple(i)].item():.3g} "
                      f"({int(over.sum())} of {over.numel()} values)",
-                     "round to the nearest level (int8: torch.floor(y + 0.5) or torch.round), never truncate"
-                     if dtype == torch.int8 else "clamp x / scale to [-448, 448], then .to(torch.float8_e4m3fn)")
+                     "round (x - zero) / scale to the nearest level (torch.floor(y + 0.5)), never truncate"
+                     if int8 else "clamp x / scale to [-448, 448], then .to(torch.float8_e4m3fn)")
             n += 1
-    passed(n, f"quantize_block gives one scale per token and KV head, and q * scale within half a step "
-              f"({', '.join(dtypes)})")
+    passed(n, f"quantize_block gives a scale (int8: and a zero point) per token and KV head, and a round trip "
+              f"within half a step ({', '.join(dtypes)})")
 
 
 def check_dequantize_block(dequantize_block) -> None:
@@ -114,16 +148,18 @@ def check_dequantize_block(dequantize_block) -> None:
     for name, dtype in DTYPES.items():
         for lesson, x in blocks(seed=1):
             case = f"{name}, {lesson}"
-            q, scale = reference_quantize(x, dtype)
-            got = _call(case, dequantize_block, q, scale)
-            bad = first_difference(reference_dequantize(q, scale), got, ("token", "head", "dim"), atol=0, rtol=1e-6)
+            q, scale, zero = reference_quantize(x, dtype)
+            got = _call(case, dequantize_block, q, scale, zero)
+            bad = first_difference(reference_dequantize(q, scale, zero), got, ("token", "head", "dim"), atol=0,
+                                   rtol=1e-6)
             if bad:
-                fail(case, "dequantize_block(q, scale) differs from q * scale", bad,
-                     "convert q to float32 first, and give scale a last dimension: scale[..., None]")
+                fail(case, "dequantize_block(q, scale, zero) differs from q * scale + zero", bad,
+                     "convert q to float32 first, give scale and zero a last dimension (scale[..., None]), "
+                     "and add zero only when it is not None (fp8)")
             if got.dtype != torch.float32:
                 fail(case, f"got {got.dtype}", "expected float32")
             n += 1
-    passed(n, "dequantize_block gives q * scale in float32")
+    passed(n, "dequantize_block gives q * scale + zero in float32")
 
 
 def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> dict:
@@ -155,8 +191,8 @@ def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> d
             i = first_divergence(got, want)
             fail(f"prompt {prompt!r}", f"greedy token {i} differs from the engine's own {cfg.kv_cache_dtype} pool",
                  f"expected {want}\ngot      {got}",
-                 "does check 1 pass? The engine dequantizes q * scale: the scale must be absmax / qmax of "
-                 "each row you are given")
+                 "does check 1 pass? The engine dequantizes q * scale + zero: scale and zero must come from "
+                 "the row you are given (int8: its max and min; fp8: its absmax)")
     agree = {"yours": [], "engine": []}
     for got, want, ref in zip(mine, engine, full):
         for key, toks in (("yours", got), ("engine", want)):

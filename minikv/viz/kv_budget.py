@@ -10,8 +10,9 @@ What one token costs, per layer, by attention type:
           and output weights) plus one small RoPE key shared by all heads:
                                                  kv_lora_rank + qk_rope_head_dim
 
-times the layers and the bytes per value (2 in bf16; 1 in int8/fp8, plus the scales: one float32
-per token and KV head here, as minikv's quantized pool stores them). A sliding window of W with S
+times the layers and the bytes per value (2 in bf16; 1 in 8 bits, plus what each stored vector
+needs to be read back: a float32 scale and a float32 zero point per token and KV head, as minikv's
+int8 pool stores them; its fp8 pool keeps the scale only, 4 bytes less). A sliding window of W with S
 sinks holds at most S + W tokens per sequence, whatever its length.
 
 The shapes below are copied by hand from each model's published config.json (Hugging Face hub, as
@@ -26,7 +27,7 @@ from minikv.viz.view import view
 GIB = 1024**3
 GPU_GIB = 80  # one H100 (80 GB card; about 79 GiB usable), for scale
 CONTEXTS = (8192, 16384, 32768, 65536, 131072)
-SCALE_BYTES = 4  # one float32 scale per (token, KV head) in a quantized pool
+SCALE_BYTES = 8  # a float32 scale and zero point per (token, KV head) in an int8 pool (fp8: the scale, 4)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     def bytes_per_token(self, dtype: str = "bf16") -> float:
-        """bf16: 2 bytes a value; int8/fp8: 1 byte a value plus a float32 scale per vector it stores."""
+        """bf16: 2 bytes a value; 8 bits: 1 byte a value plus a float32 scale and zero point per vector it
+        stores (the int8 pool's format; fp8 needs 4 bytes less per vector)."""
         if dtype == "bf16":
             return 2 * self.values_per_token()
         vectors = self.num_layers if self.latent_dim else 2 * self.num_layers * self.num_kv_heads
@@ -111,7 +113,7 @@ def budget_lines(model: str, context: int, users: int, dtype: str = "bf16", wind
         shape = f"{m.num_layers} layers x {m.latent_dim} latent values"
     else:
         shape = f"2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim}"
-    unit = "2 B" if dtype == "bf16" else "1 B + scales"
+    unit = "2 B" if dtype == "bf16" else "1 B + scale and zero point"
     lines = [f"{m.name} ({m.attention}, {m.num_heads} query heads{'; ' + m.note if m.note else ''})",
              f"per token: {shape} values x {unit} = {format_bytes(per_token)}",
              f"one user, {context:,} tokens{'' if window is None else f' (window {window:,} + 4 sinks)'}: "
@@ -131,7 +133,7 @@ def budget_calculator(model: str = "Llama-3-8B", context: int = 32768, users: in
     pick = w.Dropdown(options=list(MODELS), value=model, description="model")
     ctx = w.SelectionSlider(options=[(f"{c // 1024}k", c) for c in CONTEXTS], value=context, description="context")
     n = w.IntSlider(value=users, min=1, max=256, description="users", continuous_update=False)
-    dtype = w.ToggleButtons(options=[("bf16", "bf16"), ("int8 / fp8 + scales", "8bit")], value="bf16")
+    dtype = w.ToggleButtons(options=[("bf16", "bf16"), ("int8 + scales, zeros", "8bit")], value="bf16")
     # "no window" is 0, not None: a None value leaves the dropdown with no option selected
     window = w.Dropdown(options=[("no window", 0), ("window 4096 + 4 sinks", 4096), ("window 8192 + 4 sinks", 8192)],
                         value=0, description="window")
@@ -182,13 +184,16 @@ def block_bytes_lines(block, dtype_name: str) -> list[str]:
     from minikv.cache.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
-    q, scale = quantize_block(block, dtype)
-    err = (dequantize_block(q, scale) - block.float()).abs()
+    q, scale, zero = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale, zero) - block.float()).abs()
     T, H, D = block.shape
-    payload, scales, bf16 = q.numel() * q.element_size(), scale.numel() * 4, block.numel() * 2
+    payload, bf16 = q.numel() * q.element_size(), block.numel() * 2
+    scales = scale.numel() * 4 * (1 if zero is None else 2)
+    what = "scales (one float32 per token and head)" if zero is None else \
+        "scales and zero points (two float32 per token and head)"
     return [f"one block of one layer: {T} tokens x {H} kv heads x {D} values",
-            f"  bf16: {bf16:,} B    {dtype_name}: {payload:,} B payload + {scales:,} B scales "
-            f"(one float32 per token and head) = {payload + scales:,} B ({bf16 / (payload + scales):.2f}x less)",
+            f"  bf16: {bf16:,} B    {dtype_name}: {payload:,} B payload + {scales:,} B {what} "
+            f"= {payload + scales:,} B ({bf16 / (payload + scales):.2f}x less)",
             f"  error per element: max {err.max().item():.4f}, mean {err.mean().item():.5f}; "
             f"relative to the block's values: {(err.norm() / block.float().norm()).item():.4f}"]
 
@@ -201,15 +206,16 @@ def plot_block_error(block, dtype_name: str, head: int = 0, ax=None):
     from minikv.cache.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
-    q, scale = quantize_block(block, dtype)
-    err = (dequantize_block(q, scale) - block.float()).abs()[:, head]
+    q, scale, zero = quantize_block(block, dtype)
+    err = (dequantize_block(q, scale, zero) - block.float()).abs()[:, head]
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 2.4))
     im = ax.imshow(err, aspect="auto", cmap="viridis")
     ax.set_xlabel("channel (head_dim)")
     ax.set_ylabel("token in block")
-    ax.set_title(f"{dtype_name}: |error| of each element, kv head {head} (scale per row: absmax / "
-                 f"{'127' if dtype_name == 'int8' else '448'})", fontsize=9)
+    ax.set_title(f"{dtype_name}: |error| of each element, kv head {head} ("
+                 + ("per row: [min, max] onto [-127, 127]" if dtype_name == "int8" else "scale per row: absmax / 448")
+                 + ")", fontsize=9)
     ax.figure.colorbar(im, ax=ax)
     return ax.figure
 
