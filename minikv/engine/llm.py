@@ -152,7 +152,7 @@ class LLM:
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
-        and KV head, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
+        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
 
         Model: fused_ops (each layer's residual adds, RMSNorms, rotary embedding and SiLU-and-mul as
         Triton kernels, q/k/v and gate/up as one matmul each; default on a GPU, off on a CPU, where the
