@@ -1,5 +1,6 @@
 """Rung 9, the tiered prefix store: evicted blocks spill to CPU memory and disk, come back on a hit,
 survive a restart, and the outputs stay exactly those of the engine without tiers."""
+import threading
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,92 @@ def test_a_block_is_written_through_once_computed_not_only_when_evicted(base, tm
         llm.offload_store.flush()
         assert llm.stats()["prefix_cache"]["evicted_blocks"] == 0
         assert len(list(llm.offload_store.disk.dir.glob("*.kv"))) == (len(SYSTEM) + 5 + 8 - 1) // BS
+
+
+# ---- loads from disk run beside the other requests --------------------------------------------------
+DOC = {"prompt_token_ids": SYSTEM + question(0, 0)}  # 17 tokens: 4 full blocks written through
+TALKER = {"prompt_token_ids": question(5, 1) * 2}
+LONG = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def warm_directory(base: LLM, path: Path) -> list[int]:
+    """A first engine computes DOC and writes its blocks to `path`; returns its tokens."""
+    with base.derive(num_blocks=64, kv_offload_dir=str(path)) as first:
+        return first.generate(DOC, GREEDY)[0].token_ids
+
+
+def gate_reads(llm: LLM, fail: bool = False) -> threading.Event:
+    """Every disk read of `llm` waits until the returned event is set (or raises, with `fail`)."""
+    gate, disk = threading.Event(), llm.offload_store.disk
+    read = disk.read
+
+    def gated(key):
+        if fail:
+            raise OSError("the disk went away")
+        gate.wait(timeout=20)
+        return read(key)
+
+    disk.read = gated
+    return gate
+
+
+def test_a_running_decode_keeps_getting_tokens_while_another_requests_prefix_loads_from_disk(base, tmp_path):
+    want_doc = warm_directory(base, tmp_path)
+    want_talk = base.generate(TALKER, LONG)[0].token_ids
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm)
+        talk = llm.add_request(TALKER, LONG)
+        llm.step()  # its prompt: the first token
+        reader = llm.add_request(DOC, GREEDY)
+        for step in range(4):  # DOC's reads are held: TALKER decodes on, one token a step
+            llm.step()
+            assert len(talk.output_token_ids) == 2 + step and reader in llm.scheduler.loading
+        offload = llm.stats()["prefix_cache"]["offload"]
+        assert offload["loading"] == 1 and offload["async_loads"] == 1 and not reader.output_token_ids
+        gate.set()
+        while llm.has_unfinished():
+            llm.step()
+        pc = llm.stats()["prefix_cache"]
+        assert llm.block_manager.num_refs == 0 and pc["offload"]["loading"] == 0  # all back after the drain
+    assert talk.output_token_ids == want_talk and reader.output_token_ids == want_doc
+    assert pc["hits_by_tier"]["disk"] == 4 * BS and pc["offload"]["load_failures"] == 0
+
+
+def test_a_request_aborted_while_its_prefix_loads_gives_every_block_back(base, tmp_path):
+    want_doc = warm_directory(base, tmp_path)
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm)
+        talk = llm.add_request(TALKER, LONG)
+        llm.step()
+        reader = llm.add_request(DOC, GREEDY)
+        llm.step()
+        assert reader in llm.scheduler.loading and llm.block_manager.num_refs > len(talk.block_table)
+        llm.abort(reader)
+        assert llm.block_manager.num_refs == len(talk.block_table) and not llm.scheduler.loading
+        assert llm.stats()["prefix_cache"]["offload"]["loading"] == 0
+        gate.set()  # its reads finish unseen
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.block_manager.num_refs == 0
+        assert llm.generate(DOC, GREEDY)[0].token_ids == want_doc  # and the next request loads it whole
+        assert llm.stats()["prefix_cache"]["hits_by_tier"]["disk"] == 4 * BS
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(base, tmp_path, monkeypatch, how):
+    from minikv.cache import offload
+
+    want_doc = warm_directory(base, tmp_path)
+    monkeypatch.setattr(offload, "READ_TIMEOUT_S", 0.5)
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm, fail=how == "raises")
+        try:
+            assert llm.generate(DOC, GREEDY)[0].token_ids == want_doc
+        finally:
+            gate.set()
+        pc = llm.stats()["prefix_cache"]
+    assert pc["offload"]["load_failures"] == 1 and pc["offload"]["blocks_in"] == 0 and pc["hits"] == 0
+    assert pc["offload"]["loading"] == 0 and llm.block_manager.num_refs == 0
 
 
 # ---- keys: another model, another format, another tenant never hits -------------------------------

@@ -769,7 +769,7 @@ class LLM:
         self.block_manager.offload.reset_stats()
 
     def _holds_blocks(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.swapped)
+        return bool(self.scheduler.running or self.scheduler.swapped or self.scheduler.loading)
 
     def pin_prefix(self, prompt: Prompt) -> int:
         """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.
