@@ -47,6 +47,8 @@ from typing import Iterable, Protocol
 
 import torch
 
+from minikv.cache.pool import runs
+
 FORMAT = "minikv-kv-1"  # bump when the file layout or the key's recipe changes
 MAGIC = b"MINIKV-KV1\n"
 HEADER_BYTES = 512  # the JSON header is padded to this size; the payload follows
@@ -110,6 +112,8 @@ class CpuTier:
     A slab per tensor, laid out like the pool's planes so that a batch moves with one indexed copy:
 
         slab[i]: [num_layers, capacity, block_size, ...]   slab[i][:, slot] holds value[i] of one block
+
+    Free slots are handed out in order, so a batch of blocks usually lands in one run of slots.
     """
 
     def __init__(self, budget: int, block_bytes: int, pin: bool = False):
@@ -120,7 +124,7 @@ class CpuTier:
         self.budget, self.block_bytes, self.pin = budget, block_bytes, pin
         self.slab: list[torch.Tensor] = []  # allocated at the first put, shaped by the values
         self.slot_of: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
-        self.free_slots = list(range(self.capacity - 1, -1, -1))
+        self.free_slots = list(range(self.capacity - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.slot_of
@@ -138,7 +142,8 @@ class CpuTier:
 
     def put_many(self, keys: list[bytes], planes: tuple) -> list[tuple[bytes, Value]]:
         """Keep the blocks of `planes` ([num_layers, len(keys), ...] each) under `keys`, the last the most
-        recent: one indexed copy per tensor. Returns the blocks pushed out (least recent first), copied
+        recent: one copy per tensor for each run of consecutive free slots (a fresh tier hands out one
+        run; an indexed copy, index_copy_, is many times slower than these memcpys on the host). Returns the blocks pushed out (least recent first), copied
         out of their slots before the slots are reused. A batch larger than the tier keeps its tail."""
         if not self.slab:
             self.slab = [torch.empty((t.shape[0], self.capacity) + tuple(t.shape[2:]), dtype=t.dtype,
@@ -163,11 +168,9 @@ class CpuTier:
         if pushed:  # their bytes leave before new ones land in the same slots
             gone = self.gather([slot for _, slot in pushed], by_slot=True)
             out += [(old, tuple(t[:, i] for t in gone)) for i, (old, _) in enumerate(pushed)]
-        if slots:
-            at = torch.tensor(slots, dtype=torch.long)
-            take = None if new == list(range(len(keys))) else torch.tensor(new, dtype=torch.long)
+        for (slot, j, n) in runs(slots, new):  # one copy per tensor per run of consecutive slots
             for s, t in zip(self.slab, planes):
-                s.index_copy_(1, at, (t if take is None else t.index_select(1, take)).to(s.dtype))
+                s[:, slot:slot + n].copy_(t[:, j:j + n])
         return out
 
     def get(self, key: bytes) -> Value | None:
