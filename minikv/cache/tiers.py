@@ -24,11 +24,15 @@ A value is what `KVPool.read_blocks` returns for one block: a tuple of tensors, 
 [num_layers, block_size, ...]. The store treats it as opaque bytes. Blocks move in batches, shaped
 as `read_blocks` returns many: [num_layers, n, block_size, ...] per tensor ("planes"):
 
-    spill   pool planes --one gather--> [L, n, ...] --one device-to-host copy--> pinned staging
-            --one indexed copy per tensor--> CPU slab [L, capacity, ...] at the n slots
-    load    CPU slab --one index_select per tensor--> pinned staging [L, n, ...]
-            (disk blocks: read and checked by reader threads, copied in on the engine thread)
+    spill   pool planes --one index_select--> [L, n, ...] --one device-to-host copy--> pinned
+            staging --one copy per run of consecutive slots--> CPU slab [L, capacity, ...]
+            (free slots are handed out in order: a batch usually lands in one run)
+    load    CPU slab --one index_select per tensor--> staging [L, n, ...] (pinned on a GPU)
+            (disk blocks: read and checked by reader threads, copied in on the engine's thread)
             --one host-to-device copy--> pool.write_blocks
+
+On the host, an indexed write (index_copy_, x[:, idx] = y) has no memcpy path and runs many times
+slower than plain copies; index_select has one. Hence gathers by index, writes by runs.
 
 Disk reads run on reader threads that only move and hash bytes (`DiskTier.read_async`): turning
 bytes into tensors is left to the engine's thread, so a read never holds up torch work.
