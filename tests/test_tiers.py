@@ -209,6 +209,38 @@ def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(b
     assert pc["offload"]["loading"] == 0 and llm.block_manager.num_refs == 0
 
 
+def test_a_load_mixing_cpu_and_disk_blocks_puts_each_block_in_its_place_and_stops_at_a_bad_file(tmp_path):
+    """Blocks 0 and 2 in the CPU tier, 1 and 3 on disk only: one load, each block where it belongs; then
+    block 1's file damaged: block 0 alone comes back."""
+    from minikv.cache.hash_chain import HashChainCache
+    from minikv.cache.offload import Offload
+    from minikv.cache.pool import KVPool
+    from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, file_bytes
+
+    pool = KVPool(2, 8, BS, 2, 8, torch.float32, "cpu")
+    for plane in pool.planes:
+        plane.copy_(torch.randn(plane.shape, generator=torch.Generator().manual_seed(1)))
+    identity = "ab" * 32
+    store = TieredStore(CpuTier(4 * pool.block_bytes, pool.block_bytes),
+                        DiskTier(tmp_path, identity, 8 * file_bytes(pool.block_bytes), pool.block_bytes))
+    offload = Offload(pool, HashChainCache(BS), store, identity)
+    keys = [offload.key(bytes([j]) * 32) for j in range(4)]
+    want = pool.read_blocks([0, 1, 2, 3])
+    store.put_many([keys[0], keys[2]], tuple(t[:, [0, 2]] for t in want))
+    store.persist_many([keys[1], keys[3]], tuple(t[:, [1, 3]] for t in want))
+    store.flush()
+    assert [store.locate(k) for k in keys] == ["cpu", "disk", "cpu", "disk"]
+    assert offload.load(keys, [4, 5, 6, 7]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(pool.read_blocks([4, 5, 6, 7]), want))
+    assert offload.stats()["hits_by_tier"] == {"cpu": 2 * BS, "disk": 2 * BS} and offload.stats()["loading"] == 0
+
+    path = store.disk.path(keys[1])
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert offload.load(keys, [7, 6, 5, 4]) == 1 and offload.load_failures == 1
+    assert all(torch.equal(a[:, 0], b[:, 0]) for a, b in zip(pool.read_blocks([7]), want))
+    store.close()
+
+
 # ---- keys: another model, another format, another tenant never hits -------------------------------
 def run_warm(base: LLM, tmp_path: Path, **changes) -> dict:
     """Fill the directory with one engine, then run the same prompt on an engine with `changes`."""

@@ -35,14 +35,14 @@ import torch
 
 from minikv.cache.block_table import CachedRequest
 from minikv.cache.hash_chain import HashChainCache, block_hashes
-from minikv.cache.pool import KVPool
+from minikv.cache.pool import KVPool, runs
 from minikv.cache.prefix_cache import PrefixMatch
-from minikv.cache.tiers import BlockStore, payload_tensors, store_key
+from minikv.cache.tiers import BlockStore, TieredStore, payload_tensors, store_key
 
 READ_TIMEOUT_S = 30.0  # a disk read slower than this is given up: its block (and the rest) is computed
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: one object per load
 class PendingLoad:
     """A load in flight: block j of `keys` goes into pool block `blocks[j]`.
 
@@ -55,8 +55,8 @@ class PendingLoad:
     tiers: list[str]
     staged: tuple
     wanted: int  # blocks the lookup found: fewer in `keys` means the store lost some since
+    started: float  # perf_counter() when the load began
     reads: dict = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
 
     @property
     def ready(self) -> bool:
@@ -75,7 +75,8 @@ class Offload:
         self._pending: list[tuple[int, bytes]] = []  # (pool block, store key) to write through
         self._progress: dict[int, int] = {}  # seq_id -> its blocks already offered for write-through
         self._spill_buffers: tuple = ()  # pinned host planes a spill from a GPU lands in, reused
-        self.inflight: set[int] = set()  # loads started and not finished or cancelled
+        self._spare: tuple = ()  # flat staging buffers of a finished load, for the next one
+        self.inflight: set[PendingLoad] = set()  # loads started and not finished or cancelled
         cache.on_evict = self.spill
         self.reset_stats()
 
@@ -113,8 +114,7 @@ class Offload:
 
     def reads_disk(self, keys: list[bytes]) -> bool:
         """Would loading these keys read files (then the engine loads them beside its other work)?"""
-        disk = getattr(self.store, "disk", None)
-        return disk is not None and hasattr(self.store, "locate") and any(self.store.locate(k) == "disk" for k in keys)
+        return isinstance(self.store, TieredStore) and any(self.store.locate(k) == "disk" for k in keys)
 
     def load(self, keys: list[bytes], blocks: list[int]) -> int:
         """Copy the stored blocks of `keys` into pool `blocks`, in one batch, waiting for any read.
@@ -128,8 +128,8 @@ class Offload:
     def start_load(self, keys: list[bytes], blocks: list[int]) -> PendingLoad:
         """Gather the CPU tier's blocks into a staging buffer now and queue the disk's reads. The pool
         blocks must stay reserved for the load until `finish_load` or `cancel`."""
-        t0 = time.perf_counter()
-        if hasattr(self.store, "locate") and hasattr(self.store, "cpu"):
+        started = time.perf_counter()
+        if isinstance(self.store, TieredStore):
             tiers = []
             for k in keys:
                 tier = self.store.locate(k)
@@ -137,15 +137,15 @@ class Offload:
                     break
                 tiers.append(tier)
             pending = PendingLoad(keys[:len(tiers)], blocks[:len(tiers)], tiers, self._staging(len(tiers)), len(keys),
-                                  started=t0)
+                                  started=started)
             on_cpu = [j for j, t in enumerate(tiers) if t == "cpu"]
             if len(on_cpu) == len(tiers) and tiers:  # the common case: one index_select per tensor, in place
                 self.store.cpu.gather(pending.keys, out=list(pending.staged))
-            elif on_cpu:
+            elif on_cpu:  # CPU and disk blocks interleaved: one gather, then a copy per run of positions
                 got = self.store.cpu.gather([keys[j] for j in on_cpu])
-                at = torch.tensor(on_cpu, dtype=torch.long)
-                for staged, g in zip(pending.staged, got):
-                    staged.index_copy_(1, at, g)
+                for j, i, n in runs(on_cpu, range(len(on_cpu))):
+                    for staged, g in zip(pending.staged, got):
+                        staged[:, j:j + n].copy_(g[:, i:i + n])
             for j, t in enumerate(tiers):
                 if t == "disk":
                     pending.reads[j] = self.store.disk.read_async(keys[j])
@@ -162,10 +162,10 @@ class Offload:
             for i, plane in enumerate(staged):
                 for j, v in enumerate(values):
                     plane[:, j].copy_(v[i])
-            pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=t0)
+            pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=started)
         if pending.reads:
             self.num_async_loads += 1
-        self.inflight.add(id(pending))
+        self.inflight.add(pending)
         return pending
 
     def wait(self, pending: PendingLoad) -> None:
@@ -179,7 +179,7 @@ class Offload:
     def finish_load(self, pending: PendingLoad) -> tuple[int, dict[str, int]]:
         """Put the load's blocks into the pool in one copy, up to the first that failed. Returns
         (blocks loaded, tokens per tier) for `count_hits` when the request is admitted on them."""
-        self.inflight.discard(id(pending))
+        self.inflight.discard(pending)
         n = len(pending.keys)
         for j in sorted(pending.reads):
             future = pending.reads[j]
@@ -202,6 +202,7 @@ class Offload:
             self.blocks_in += n
             self.bytes_in += sum(p.numel() * p.element_size() for p in planes)
         self.load_seconds += time.perf_counter() - pending.started
+        self._recycle(pending)
         tier_tokens: dict[str, int] = {}
         for t in pending.tiers[:n]:
             tier_tokens[t] = tier_tokens.get(t, 0) + self.block_size
@@ -209,7 +210,8 @@ class Offload:
 
     def cancel(self, pending: PendingLoad) -> None:
         """The request went away while loading: its reads finish unseen (they only fill their own bytes)."""
-        self.inflight.discard(id(pending))
+        self.inflight.discard(pending)
+        self._recycle(pending)
 
     def count_hits(self, tier_tokens: dict[str, int]) -> None:
         for tier, tokens in tier_tokens.items():
@@ -217,10 +219,21 @@ class Offload:
 
     def _staging(self, n: int) -> tuple:
         """Empty planes [num_layers, n, ...] like the pool's, pinned when the pool is on a GPU (so the
-        copy up is asynchronous; torch's pinned allocator reuses them once the copy is done)."""
-        pin = self.pool.device.type == "cuda"
-        return tuple(torch.empty((p.shape[0], n) + tuple(p.shape[2:]), dtype=p.dtype, pin_memory=pin)
-                     for p in self.pool.planes)
+        copy up is asynchronous). Views of the spare buffers when they are free and large enough (a
+        fresh large buffer costs a page fault per page), else new ones."""
+        planes = self.pool.planes
+        sizes = [n * p.shape[0] * p[0, 0].numel() for p in planes]  # n blocks, every layer
+        spare, self._spare = self._spare, ()
+        if not spare or any(b.numel() < k for b, k in zip(spare, sizes)):
+            pin = self.pool.device.type == "cuda"
+            spare = tuple(torch.empty(k, dtype=p.dtype, pin_memory=pin) for k, p in zip(sizes, planes))
+        return tuple(b[:k].view((p.shape[0], n) + tuple(p.shape[2:])) for b, k, p in zip(spare, sizes, planes))
+
+    def _recycle(self, pending: PendingLoad) -> None:
+        """The load's staging buffers are free again (its copy is done, or it was cancelled)."""
+        bases = tuple(p._base if p._base is not None else p for p in pending.staged)
+        if not self._spare or bases[0].numel() > self._spare[0].numel():
+            self._spare = bases
 
     # ---- write-through --------------------------------------------------------------------------
     def cached(self, seq: CachedRequest) -> None:
