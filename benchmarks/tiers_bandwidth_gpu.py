@@ -214,7 +214,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    rows = [run_case(s, device, dtype, int(n), args.reps) for s in args.shapes.split(",") for n in args.blocks.split(",")]
+    rows = [run_case(s, device, dtype, int(n), args.reps)
+            for s in args.shapes.split(",") for n in args.blocks.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"{name}, {args.dtype}, medians of {args.reps}; GB/s of the blocks' bytes (round trips exact: "
           f"{all(r['round_trip_exact'] for r in rows)})")
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
           f"{'load new':>8} {'old':>6} {'raw':>6} {'x':>5}")
     for r in rows:
         g = r["GBps"]
-        print(f"{r['shape']:>9} {r['blocks']:>6} {r['bytes'] / 2**20:>7.1f} | {g['spill_new']:>9.2f} {g['spill_old']:>6.2f} "
+        print(f"{r['shape']:>9} {r['blocks']:>6} {r['bytes'] / 2**20:>7.1f} | "
+              f"{g['spill_new']:>9.2f} {g['spill_old']:>6.2f} "
               f"{g['spill_raw']:>6.2f} {r['speedup_spill']:>5.1f} | {g['load_new']:>8.2f} {g['load_old']:>6.2f} "
               f"{g['load_raw']:>6.2f} {r['speedup_load']:>5.1f}")
     record = {"device": name, "torch": torch.__version__, "dtype": args.dtype, "reps": args.reps,

@@ -1,7 +1,7 @@
 """The tiered store under random operations: insert (a block evicted from the pool), write-through,
-a batch of them at once, lookup, a disk read started on a reader thread and finished later (a load pending while the rest goes
-on), restart (a new store on the same directory), corrupt a file, put one key's file under another
-key's name. Whatever happens:
+a batch of them at once, lookup, a disk read started on a reader thread and finished later (a load
+pending while the rest goes on), restart (a new store on the same directory), corrupt a file, put one
+key's file under another key's name. Whatever happens:
 
     a lookup, or a read finished later, returns the bytes stored under that key, or nothing: never
     another key's data (whatever happened to the file after the read started)

@@ -105,10 +105,6 @@ def store_key(identity: str, block_hash: bytes) -> bytes:
     return hashlib.sha256(bytes.fromhex(identity) + block_hash).digest()
 
 
-def value_bytes(value: Value) -> int:
-    return sum(t.numel() * t.element_size() for t in value)
-
-
 # ---- CPU tier ------------------------------------------------------------------------------------
 class CpuTier:
     """Blocks in host memory (pinned when the pool is on a GPU), LRU within `budget` bytes.
@@ -147,8 +143,9 @@ class CpuTier:
     def put_many(self, keys: list[bytes], planes: tuple) -> list[tuple[bytes, Value]]:
         """Keep the blocks of `planes` ([num_layers, len(keys), ...] each) under `keys`, the last the most
         recent: one copy per tensor for each run of consecutive free slots (a fresh tier hands out one
-        run; an indexed copy, index_copy_, is many times slower than these memcpys on the host). Returns the blocks pushed out (least recent first), copied
-        out of their slots before the slots are reused. A batch larger than the tier keeps its tail."""
+        run; on the host an indexed copy, index_copy_, is many times slower than these memcpys).
+        Returns the blocks pushed out (least recent first), copied out of their slots before the slots
+        are reused. A batch larger than the tier keeps its tail."""
         if not self.slab:
             self.slab = [torch.empty((t.shape[0], self.capacity) + tuple(t.shape[2:]), dtype=t.dtype,
                                      pin_memory=self.pin) for t in planes]
@@ -216,10 +213,6 @@ def block_file(identity: str, key: bytes, tensors: list, payload: bytes) -> byte
     if len(text) + 1 > HEADER_BYTES:
         raise ValueError(f"a block header of {len(text)} bytes does not fit {HEADER_BYTES}")
     return text + b" " * (HEADER_BYTES - 1 - len(text)) + b"\n" + payload
-
-
-def encode_block(identity: str, key: bytes, value: Value) -> bytes:
-    return block_file(identity, key, *block_payload(value))
 
 
 def check_block(data: bytes | bytearray, identity: str, key: bytes) -> list | None:
