@@ -1,5 +1,6 @@
 """Rung 9, the tiered prefix store: evicted blocks spill to CPU memory and disk, come back on a hit,
 survive a restart, and the outputs stay exactly those of the engine without tiers."""
+import threading
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,124 @@ def test_a_block_is_written_through_once_computed_not_only_when_evicted(base, tm
         llm.offload_store.flush()
         assert llm.stats()["prefix_cache"]["evicted_blocks"] == 0
         assert len(list(llm.offload_store.disk.dir.glob("*.kv"))) == (len(SYSTEM) + 5 + 8 - 1) // BS
+
+
+# ---- loads from disk run beside the other requests --------------------------------------------------
+DOC = {"prompt_token_ids": SYSTEM + question(0, 0)}  # 17 tokens: 4 full blocks written through
+TALKER = {"prompt_token_ids": question(5, 1) * 2}
+LONG = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def warm_directory(base: LLM, path: Path) -> list[int]:
+    """A first engine computes DOC and writes its blocks to `path`; returns its tokens."""
+    with base.derive(num_blocks=64, kv_offload_dir=str(path)) as first:
+        return first.generate(DOC, GREEDY)[0].token_ids
+
+
+def gate_reads(llm: LLM, fail: bool = False) -> threading.Event:
+    """Every disk read of `llm` waits until the returned event is set (or raises, with `fail`)."""
+    gate, disk = threading.Event(), llm.offload_store.disk
+    read = disk.read
+
+    def gated(key):
+        if fail:
+            raise OSError("the disk went away")
+        gate.wait(timeout=20)
+        return read(key)
+
+    disk.read = gated
+    return gate
+
+
+def test_a_running_decode_keeps_getting_tokens_while_another_requests_prefix_loads_from_disk(base, tmp_path):
+    want_doc = warm_directory(base, tmp_path)
+    want_talk = base.generate(TALKER, LONG)[0].token_ids
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm)
+        talk = llm.add_request(TALKER, LONG)
+        llm.step()  # its prompt: the first token
+        reader = llm.add_request(DOC, GREEDY)
+        for step in range(4):  # DOC's reads are held: TALKER decodes on, one token a step
+            llm.step()
+            assert len(talk.output_token_ids) == 2 + step and reader in llm.scheduler.loading
+        offload = llm.stats()["prefix_cache"]["offload"]
+        assert offload["loading"] == 1 and offload["async_loads"] == 1 and not reader.output_token_ids
+        gate.set()
+        while llm.has_unfinished():
+            llm.step()
+        pc = llm.stats()["prefix_cache"]
+        assert llm.block_manager.num_refs == 0 and pc["offload"]["loading"] == 0  # all back after the drain
+    assert talk.output_token_ids == want_talk and reader.output_token_ids == want_doc
+    assert pc["hits_by_tier"]["disk"] == 4 * BS and pc["offload"]["load_failures"] == 0
+
+
+def test_a_request_aborted_while_its_prefix_loads_gives_every_block_back(base, tmp_path):
+    want_doc = warm_directory(base, tmp_path)
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm)
+        talk = llm.add_request(TALKER, LONG)
+        llm.step()
+        reader = llm.add_request(DOC, GREEDY)
+        llm.step()
+        assert reader in llm.scheduler.loading and llm.block_manager.num_refs > len(talk.block_table)
+        llm.abort(reader)
+        assert llm.block_manager.num_refs == len(talk.block_table) and not llm.scheduler.loading
+        assert llm.stats()["prefix_cache"]["offload"]["loading"] == 0
+        gate.set()  # its reads finish unseen
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.block_manager.num_refs == 0
+        assert llm.generate(DOC, GREEDY)[0].token_ids == want_doc  # and the next request loads it whole
+        assert llm.stats()["prefix_cache"]["hits_by_tier"]["disk"] == 4 * BS
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs"])
+def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(base, tmp_path, monkeypatch, how):
+    from minikv.cache import offload
+
+    want_doc = warm_directory(base, tmp_path)
+    monkeypatch.setattr(offload, "READ_TIMEOUT_S", 0.5)
+    with checked(base.derive(num_blocks=64, kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm, fail=how == "raises")
+        try:
+            assert llm.generate(DOC, GREEDY)[0].token_ids == want_doc
+        finally:
+            gate.set()
+        pc = llm.stats()["prefix_cache"]
+    assert pc["offload"]["load_failures"] == 1 and pc["offload"]["blocks_in"] == 0 and pc["hits"] == 0
+    assert pc["offload"]["loading"] == 0 and llm.block_manager.num_refs == 0
+
+
+def test_a_load_mixing_cpu_and_disk_blocks_puts_each_block_in_its_place_and_stops_at_a_bad_file(tmp_path):
+    """Blocks 0 and 2 in the CPU tier, 1 and 3 on disk only: one load, each block where it belongs; then
+    block 1's file damaged: block 0 alone comes back."""
+    from minikv.cache.hash_chain import HashChainCache
+    from minikv.cache.offload import Offload
+    from minikv.cache.pool import KVPool
+    from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, file_bytes
+
+    pool = KVPool(2, 8, BS, 2, 8, torch.float32, "cpu")
+    for plane in pool.planes:
+        plane.copy_(torch.randn(plane.shape, generator=torch.Generator().manual_seed(1)))
+    identity = "ab" * 32
+    store = TieredStore(CpuTier(4 * pool.block_bytes, pool.block_bytes),
+                        DiskTier(tmp_path, identity, 8 * file_bytes(pool.block_bytes), pool.block_bytes))
+    offload = Offload(pool, HashChainCache(BS), store, identity)
+    keys = [offload.key(bytes([j]) * 32) for j in range(4)]
+    want = pool.read_blocks([0, 1, 2, 3])
+    store.put_many([keys[0], keys[2]], tuple(t[:, [0, 2]] for t in want))
+    store.persist_many([keys[1], keys[3]], tuple(t[:, [1, 3]] for t in want))
+    store.flush()
+    assert [store.locate(k) for k in keys] == ["cpu", "disk", "cpu", "disk"]
+    assert offload.load(keys, [4, 5, 6, 7]) == 4
+    assert all(torch.equal(a, b) for a, b in zip(pool.read_blocks([4, 5, 6, 7]), want))
+    assert offload.stats()["hits_by_tier"] == {"cpu": 2 * BS, "disk": 2 * BS} and offload.stats()["loading"] == 0
+
+    path = store.disk.path(keys[1])
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert offload.load(keys, [7, 6, 5, 4]) == 1 and offload.load_failures == 1
+    assert all(torch.equal(a[:, 0], b[:, 0]) for a, b in zip(pool.read_blocks([7]), want))
+    store.close()
 
 
 # ---- keys: another model, another format, another tenant never hits -------------------------------

@@ -1,8 +1,10 @@
 """The tiered store under random operations: insert (a block evicted from the pool), write-through,
-lookup, restart (a new store on the same directory), corrupt a file, put one key's file under another
-key's name. Whatever happens:
+a batch of them at once, lookup, a disk read started on a reader thread and finished later (a load
+pending while the rest goes on), restart (a new store on the same directory), corrupt a file, put one
+key's file under another key's name. Whatever happens:
 
-    a lookup returns the bytes stored under that key, or nothing: never another key's data
+    a lookup, or a read finished later, returns the bytes stored under that key, or nothing: never
+    another key's data (whatever happened to the file after the read started)
     a key held by both tiers holds the same bytes in both
     the CPU tier never holds more blocks than its budget, the directory never more bytes than its
     the block just inserted is found
@@ -17,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, decode_block, file_bytes, store_identity
+from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, decode_block, file_bytes, payload_tensors, store_identity
 
 SHAPE = (2, 4, 2, 3)  # [num_layers, block_size, kv_heads, head_dim]
 BLOCK_BYTES = 2 * torch.Size(SHAPE).numel() * 4
@@ -52,6 +54,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.cpu_blocks, self.disk_files = 3, 5
         self.store = self.new_store()
         self.last_put: bytes | None = None
+        self.reads: list = []  # (key, Future of DiskTier.read): loads in flight
 
     def new_store(self) -> TieredStore:
         return TieredStore(CpuTier(self.cpu_blocks * BLOCK_BYTES, BLOCK_BYTES),
@@ -73,6 +76,17 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.store.flush()
         self.last_put = KEYS[i]
 
+    @rule(ids=st.lists(st.integers(0, len(KEYS) - 1), min_size=1, max_size=6))
+    def insert_batch(self, ids):
+        """Blocks evicted together (one spill, planes [num_layers, n, ...]): possibly more than the CPU
+        tier holds, possibly a key twice. The batch's last block is the most recent."""
+        keys = [KEYS[i] for i in ids]
+        planes = tuple(torch.stack([value_of(k)[t] for k in keys], dim=1) for t in range(2))
+        self.store.put_many(keys, planes)
+        self.store.flush()
+        assert keys[-1] in self.store.cpu
+        self.last_put = keys[-1]
+
     @rule(i=st.integers(0, len(KEYS) - 1))
     def write_through(self, i):
         self.store.persist(KEYS[i], value_of(KEYS[i]))
@@ -82,6 +96,18 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def lookup(self, i):
         got = self.store.get(KEYS[i])
         assert got is None or same(got, value_of(KEYS[i])), f"key {i} returned another key's bytes"
+
+    @rule(i=st.integers(0, len(KEYS) - 1))
+    def start_read(self, i):
+        """A load starts: the file is read and checked on a reader thread while other operations go on."""
+        self.reads.append((KEYS[i], self.disk.read_async(KEYS[i])))
+
+    @precondition(lambda self: self.reads)
+    @rule()
+    def finish_read(self):
+        key, future = self.reads.pop(0)
+        found = future.result(timeout=30)
+        assert found is None or same(payload_tensors(*found), value_of(key)), "a read returned another key's bytes"
 
     @rule()
     def restart(self):
@@ -139,7 +165,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         """A key in both tiers holds the same bytes in both, and each is its own key's."""
         for key in list(self.store.cpu.slot_of):
             slot = self.store.cpu.slot_of[key]
-            assert same(tuple(s[slot] for s in self.store.cpu.slab), value_of(key))
+            assert same(tuple(s[:, slot] for s in self.store.cpu.slab), value_of(key))
             path = self.disk.path(key)
             if key in self.disk.index and path.exists():
                 on_disk = decode_block(path.read_bytes(), IDENTITY, key)

@@ -30,8 +30,17 @@ there, unused and evictable: its K/V still belong to its prefix (the hash chain'
 tree, which evicts leaves only, is refused with a window by the engine's configuration).
 
 Offload tiers (rung 9, `attach_offload`): a lookup continues past the pool's hit into a store of
-evicted blocks (CPU memory, disk); those blocks are copied back into free blocks at admission and
-count as cached. Evicted blocks go down to the store, newly cached ones are written through.
+evicted blocks (CPU memory, disk); those blocks are copied back into free blocks and count as
+cached. Evicted blocks go down to the store, newly cached ones are written through. A hit that
+reads files loads beside the engine's other work (`start_load`; the scheduler keeps the request in
+`loading`), holding everything it will use until it is admitted or let go:
+
+    start_load    [0, m) pool hit: ref_count + 1 (never evicted under the load)
+                  [m, m + loads) new blocks, written by nobody else (not cached yet)
+    finish_load   one copy into [m, m + n), n <= loads (the hit ends at a failed read); the blocks
+                  join the cache and the request keeps them until admitted (`acquire_prefix`)
+    free          the request went away or was not admitted this step: its blocks go back (the
+                  loaded ones stay cached, a pool hit next time)
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ from typing import Callable
 
 from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_table import CachedRequest, blocks_needed
-from minikv.cache.offload import Offload
+from minikv.cache.offload import Offload, PendingLoad
 from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
 from minikv.cache.window import NO_BLOCK, WindowFreeRule, checked_frees, window_free_rule
 
@@ -99,6 +108,8 @@ class BlockManager:
         self.num_window_freed = 0  # table entries given back by the window since start
         self.prefix_cache: PrefixCache | None = None
         self.offload: Offload | None = None
+        self.loads: dict[int, tuple[PrefixMatch, PendingLoad]] = {}  # seq_id -> its load in flight
+        self.loaded: dict[int, tuple[PrefixMatch, dict]] = {}  # seq_id -> its loaded prefix, tokens per tier
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
         self.reset_sharing_stats()
@@ -158,6 +169,10 @@ class BlockManager:
             self.prefix_cache.forget(seq)
         if self.offload is not None:
             self.offload.forget(seq)
+            load = self.loads.pop(seq.seq_id, None)
+            if load is not None:
+                self.offload.cancel(load[1])
+            self.loaded.pop(seq.seq_id, None)
 
     def incref(self, block: int) -> None:
         if self.ref_count[block] < 1:
@@ -271,6 +286,8 @@ class BlockManager:
 
     def match_prefix(self, seq: CachedRequest) -> PrefixMatch:
         """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
+        if seq.seq_id in self.loaded:
+            return self.loaded[seq.seq_id][0]  # its blocks came back from the store: held for it
         if self.prefix_cache is None or seq.block_table:
             return PrefixMatch()
         hit = self.prefix_cache.lookup(seq)
@@ -289,6 +306,43 @@ class BlockManager:
         if self.offload is not None:
             self.offload.flush()
 
+    def start_load(self, seq: CachedRequest, hit: PrefixMatch) -> bool:
+        """If the hit reads files: take its blocks and start the reads, and return True (the caller keeps
+        the request waiting until `load_ready`). False: nothing to read (admit it as usual)."""
+        if not hit.loads or self.offload is None or seq.block_table or not self.offload.reads_disk(hit.loads):
+            return False
+        m = len(hit.blocks)
+        for b in hit.blocks:
+            self.incref(b)
+        seq.block_table = list(hit.blocks)
+        self.grow(seq, (m + len(hit.loads)) * self.block_size)
+        self.loads[seq.seq_id] = (hit, self.offload.start_load(hit.loads, seq.block_table[m:]))
+        return True
+
+    def load_ready(self, seq: CachedRequest) -> bool:
+        return self.loads[seq.seq_id][1].ready
+
+    def wait_for_load(self, seq: CachedRequest) -> None:
+        self.offload.wait(self.loads[seq.seq_id][1])
+
+    def finish_load(self, seq: CachedRequest) -> None:
+        """The reads are done: one copy into the pool, the blocks join the cache, and the request holds
+        them for its admission (`match_prefix` / `acquire_prefix` give them back as its hit)."""
+        hit, pending = self.loads.pop(seq.seq_id)
+        n, tier_tokens = self.offload.finish_load(pending)
+        m = len(hit.blocks)
+        self._trim_table(seq, m + n)
+        if not self.prefix_cache.enabled:  # a reset is pending: nothing loaded before it may be used
+            self.free(seq)
+            return
+        self.cache_blocks(_Computed(seq, (m + n) * self.block_size))
+        self.loaded[seq.seq_id] = (PrefixMatch(list(seq.block_table), (m + n) * self.block_size), tier_tokens)
+
+    def _trim_table(self, seq: CachedRequest, num_blocks: int) -> None:
+        for block in reversed(seq.block_table[num_blocks:]):
+            self.decref(block)
+        del seq.block_table[num_blocks:]
+
     def can_admit(self, seq: CachedRequest, hit: PrefixMatch, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens once the hit's blocks are taken (unused hit blocks leave the free pool)."""
         if not hit.blocks:
@@ -300,7 +354,13 @@ class BlockManager:
     def acquire_prefix(self, seq: CachedRequest, hit: PrefixMatch) -> int | None:
         """Start the sequence on its cached prefix: [0, hit.num_tokens) needs no compute. Returns
         hit.num_tokens, the tokens the caller records as computed; None if it took nothing (caching
-        off, or the sequence already holds blocks) and the sequence stays as it was."""
+        off, or the sequence already holds blocks) and the sequence stays as it was. A sequence whose
+        load finished holds its hit already (`finish_load`)."""
+        if seq.seq_id in self.loaded:
+            hit, tier_tokens = self.loaded.pop(seq.seq_id)
+            self.offload.count_hits(tier_tokens)
+            self.prefix_cache.record(seq, hit)
+            return hit.num_tokens
         if self.prefix_cache is None or seq.block_table:
             return None
         for b in hit.blocks:
@@ -313,14 +373,13 @@ class BlockManager:
         return hit.num_tokens
 
     def _load(self, seq: CachedRequest, hit: PrefixMatch) -> PrefixMatch:
-        """Copy the hit's stored blocks back into new blocks of `seq` and cache them. The prefix ends
-        at the first block the store cannot give (a corrupted file, say): its block goes back."""
+        """Copy the hit's stored blocks back into new blocks of `seq` (one batch, waiting for any read)
+        and cache them. The prefix ends at the first block the store cannot give (a corrupted file,
+        say): its block goes back."""
         m, bs = len(hit.blocks), self.block_size
         self.grow(seq, (m + len(hit.loads)) * bs)
         n = self.offload.load(hit.loads, seq.block_table[m:])
-        for block in reversed(seq.block_table[m + n:]):
-            self.decref(block)
-        del seq.block_table[m + n:]
+        self._trim_table(seq, m + n)
         self.cache_blocks(_Computed(seq, (m + n) * bs))  # [0, m + n) blocks hold their K/V now
         return PrefixMatch(list(hit.blocks), (m + n) * bs)
 

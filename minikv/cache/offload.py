@@ -9,22 +9,58 @@ The block manager asks it at three moments of a block's life:
                  [m + loads, len)   computed
     cached   a block just joined the prefix cache: queue it for the disk (write-through), read
              from the pool in one batch at the end of the step, before any block can be reused
-    evicted  the pool gives a cached block away: its bytes go down to the store first
+    evicted  the pool gives a cached block away: its bytes go down to the store first (one batch)
 
-The store only ever sees keys (tiers.store_key: the block's hash chain key + the model's and the
-pool's identity) and values (the block's tensors); it never sees a block id or a token.
+A load is started, then finished. Blocks in the CPU tier are gathered into a staging buffer at
+once (so a later spill may reuse their slots); blocks on disk are read by reader threads. A load
+with disk reads lets the engine go on without it (the request waits in the scheduler's `loading`):
+
+    step k     lookup hits disk   start_load: blocks taken, CPU slots gathered, reads queued
+    step k+1.. other requests decode; the reads run beside them
+    step j     reads done         finish_load: disk bytes into the staging buffer, then ONE copy
+                                  into the pool; the request is admitted on its loaded prefix
+
+A read that fails (a corrupted or vanished file, an error) or takes longer than `read_timeout`
+ends the hit there: the blocks after it are computed. The store only ever sees keys (tiers.store_key:
+the block's hash chain key + the model's and the pool's identity) and values (the block's tensors);
+it never sees a block id or a token.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait
+from dataclasses import dataclass, field
 
 import torch
 
 from minikv.cache.block_table import CachedRequest
 from minikv.cache.hash_chain import HashChainCache, block_hashes
-from minikv.cache.pool import KVPool
+from minikv.cache.pool import KVPool, runs
 from minikv.cache.prefix_cache import PrefixMatch
-from minikv.cache.tiers import BlockStore, store_key, value_bytes
+from minikv.cache.tiers import BlockStore, TieredStore, payload_tensors, store_key
+
+READ_TIMEOUT_S = 30.0  # a disk read slower than this is given up: its block (and the rest) is computed
+
+
+@dataclass(eq=False)  # compared (and hashed) by identity: one object per load
+class PendingLoad:
+    """A load in flight: block j of `keys` goes into pool block `blocks[j]`.
+
+    staged  planes [num_layers, len(keys), ...], pinned on a GPU engine: CPU-tier blocks are in
+            already; a disk block lands at its position when its read is done
+    reads   position -> Future of DiskTier.read (bytes only)"""
+
+    keys: list[bytes]
+    blocks: list[int]
+    tiers: list[str]
+    staged: tuple
+    wanted: int  # blocks the lookup found: fewer in `keys` means the store lost some since
+    started: float  # perf_counter() when the load began
+    reads: dict = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return all(f.done() for f in self.reads.values()) or time.perf_counter() > self.started + READ_TIMEOUT_S
 
 
 class Offload:
@@ -38,7 +74,9 @@ class Offload:
         self.block_size = pool.block_size
         self._pending: list[tuple[int, bytes]] = []  # (pool block, store key) to write through
         self._progress: dict[int, int] = {}  # seq_id -> its blocks already offered for write-through
-        self._staging: dict[int, torch.Tensor] = {}  # pinned host buffers for loads to a GPU, reused
+        self._spill_buffers: tuple = ()  # pinned host planes a spill from a GPU lands in, reused
+        self._spare: tuple = ()  # flat staging buffers of a finished load, for the next one
+        self.inflight: set[PendingLoad] = set()  # loads started and not finished or cancelled
         cache.on_evict = self.spill
         self.reset_stats()
 
@@ -46,8 +84,10 @@ class Offload:
         self.tier_hits: dict[str, int] = {}  # tier -> tokens loaded from it
         self.blocks_out = self.bytes_out = 0  # pool -> store (evictions and write-through reads)
         self.blocks_in = self.bytes_in = 0  # store -> pool (hits)
-        self.load_seconds = 0.0
-        self.load_failures = 0  # blocks the store listed but could not give (a corrupted file, say)
+        self.load_seconds = 0.0  # from a load's start to its blocks in the pool
+        self.stall_seconds = 0.0  # of which the engine waited with nothing else to run
+        self.num_async_loads = 0  # loads that read files beside the engine's other work
+        self.load_failures = 0  # loads cut short: a block the store listed but could not give in time
 
     def key(self, block_hash: bytes) -> bytes:
         return store_key(self.identity, block_hash)
@@ -72,59 +112,128 @@ class Offload:
             return hit
         return PrefixMatch(list(hit.blocks), (m + len(loads)) * bs, loads)
 
+    def reads_disk(self, keys: list[bytes]) -> bool:
+        """Would loading these keys read files (then the engine loads them beside its other work)?"""
+        return isinstance(self.store, TieredStore) and any(self.store.locate(k) == "disk" for k in keys)
+
     def load(self, keys: list[bytes], blocks: list[int]) -> int:
-        """Copy the stored blocks of `keys` into pool `blocks`, in one batch. Returns how many it
-        loaded: a block the store cannot give (gone, corrupted) ends the prefix there."""
-        t0 = time.perf_counter()
-        values = []
-        for tier, value in self._fetch(keys):
-            if value is None:
-                self.load_failures += 1
-                break
-            values.append(value)
-            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + self.block_size
-        if values:
-            self.pool.write_blocks(blocks[:len(values)], *self._stage(values))
-            if self.pool.device.type == "cuda":
-                torch.cuda.current_stream(self.pool.device).synchronize()  # the staging buffer is reused
-            self.blocks_in += len(values)
-            self.bytes_in += sum(value_bytes(v) for v in values)
-        self.load_seconds += time.perf_counter() - t0
-        return len(values)
+        """Copy the stored blocks of `keys` into pool `blocks`, in one batch, waiting for any read.
+        Returns how many it loaded: a block the store cannot give (gone, corrupted) ends the prefix."""
+        pending = self.start_load(keys, blocks)
+        self.wait(pending)
+        n, tier_tokens = self.finish_load(pending)
+        self.count_hits(tier_tokens)
+        return n
 
-    def _fetch(self, keys: list[bytes]):
-        """(tier, value or None) of each key, in order; a store with get_many reads them at once."""
-        get_many = getattr(self.store, "get_many", None)
-        if get_many is not None:
-            yield from get_many(keys)
+    def start_load(self, keys: list[bytes], blocks: list[int]) -> PendingLoad:
+        """Gather the CPU tier's blocks into a staging buffer now and queue the disk's reads. The pool
+        blocks must stay reserved for the load until `finish_load` or `cancel`."""
+        started = time.perf_counter()
+        if isinstance(self.store, TieredStore):
+            tiers = []
+            for k in keys:
+                tier = self.store.locate(k)
+                if tier is None:
+                    break
+                tiers.append(tier)
+            pending = PendingLoad(keys[:len(tiers)], blocks[:len(tiers)], tiers, self._staging(len(tiers)), len(keys),
+                                  started=started)
+            on_cpu = [j for j, t in enumerate(tiers) if t == "cpu"]
+            if len(on_cpu) == len(tiers) and tiers:  # the common case: one index_select per tensor, in place
+                self.store.cpu.gather(pending.keys, out=list(pending.staged))
+            elif on_cpu:  # CPU and disk blocks interleaved: one gather, then a copy per run of positions
+                got = self.store.cpu.gather([keys[j] for j in on_cpu])
+                for j, i, n in runs(on_cpu, range(len(on_cpu))):
+                    for staged, g in zip(pending.staged, got):
+                        staged[:, j:j + n].copy_(g[:, i:i + n])
+            for j, t in enumerate(tiers):
+                if t == "disk":
+                    pending.reads[j] = self.store.disk.read_async(keys[j])
+        else:  # a store of the seam: one get per key, stopping at the first miss (a get touches LRU order)
+            values, tiers = [], []
+            locate = getattr(self.store, "where", None)
+            for k in keys:
+                value = self.store.get(k)
+                if value is None:
+                    break
+                values.append(value)
+                tiers.append(locate(k) if locate is not None else "store")
+            staged = self._staging(len(values))
+            for i, plane in enumerate(staged):
+                for j, v in enumerate(values):
+                    plane[:, j].copy_(v[i])
+            pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=started)
+        if pending.reads:
+            self.num_async_loads += 1
+        self.inflight.add(pending)
+        return pending
+
+    def wait(self, pending: PendingLoad) -> None:
+        """Block until the load's reads are done (or given up); the time counts as a stall."""
+        if pending.ready:
             return
-        locate = getattr(self.store, "locate", None) or getattr(self.store, "where", None)
-        for k in keys:  # one at a time, stopping at the first miss: later gets would touch LRU order
-            tier = locate(k) if locate is not None else "store"
-            value = self.store.get(k)
-            yield tier, value
-            if value is None:
-                return
+        t0 = time.perf_counter()
+        wait(list(pending.reads.values()), timeout=max(0.0, pending.started + READ_TIMEOUT_S - t0))
+        self.stall_seconds += time.perf_counter() - t0
 
-    def _stage(self, values: list) -> list[torch.Tensor]:
-        """The blocks side by side, [num_layers, n, block_size, ...] per tensor: stacked on a CPU, in a
-        reused pinned buffer copied asynchronously to a GPU."""
-        if self.pool.device.type != "cuda":
-            return [torch.stack([v[i] for v in values], dim=1) for i in range(len(values[0]))]
-        out = []
-        for i in range(len(values[0])):
-            first = values[0][i]
-            shape = (first.shape[0], len(values)) + tuple(first.shape[1:])
-            numel = torch.Size(shape).numel()
-            buf = self._staging.get(i)
-            if buf is None or buf.numel() < numel or buf.dtype != first.dtype:
-                buf = self._staging[i] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
-                                                     dtype=first.dtype, pin_memory=True)
-            staged = buf[:numel].view(shape)
-            for j, v in enumerate(values):
-                staged[:, j].copy_(v[i])
-            out.append(staged.to(self.pool.device, non_blocking=True))
-        return out
+    def finish_load(self, pending: PendingLoad) -> tuple[int, dict[str, int]]:
+        """Put the load's blocks into the pool in one copy, up to the first that failed. Returns
+        (blocks loaded, tokens per tier) for `count_hits` when the request is admitted on them."""
+        self.inflight.discard(pending)
+        n = len(pending.keys)
+        for j in sorted(pending.reads):
+            future = pending.reads[j]
+            found = future.result() if future.done() and future.exception() is None else None
+            if found is None:  # gone, damaged, failed or too slow: the hit ends here
+                if not future.done() or future.exception() is not None:
+                    self.store.disk.forget(pending.keys[j])  # never asked for again (nor waited for)
+                n = j
+                break
+            for plane, t in zip(pending.staged, payload_tensors(*found)):
+                plane[:, j].copy_(t)
+        if n < pending.wanted:
+            self.load_failures += 1
+        if n:
+            planes = pending.staged if n == len(pending.keys) else tuple(p[:, :n] for p in pending.staged)
+            device = self.pool.device
+            self.pool.write_blocks(pending.blocks[:n], *(p.to(device, non_blocking=True) for p in planes))
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # loaded: the time below is the copy's
+            self.blocks_in += n
+            self.bytes_in += sum(p.numel() * p.element_size() for p in planes)
+        self.load_seconds += time.perf_counter() - pending.started
+        self._recycle(pending)
+        tier_tokens: dict[str, int] = {}
+        for t in pending.tiers[:n]:
+            tier_tokens[t] = tier_tokens.get(t, 0) + self.block_size
+        return n, tier_tokens
+
+    def cancel(self, pending: PendingLoad) -> None:
+        """The request went away while loading: its reads finish unseen (they only fill their own bytes)."""
+        self.inflight.discard(pending)
+        self._recycle(pending)
+
+    def count_hits(self, tier_tokens: dict[str, int]) -> None:
+        for tier, tokens in tier_tokens.items():
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + tokens
+
+    def _staging(self, n: int) -> tuple:
+        """Empty planes [num_layers, n, ...] like the pool's, pinned when the pool is on a GPU (so the
+        copy up is asynchronous). Views of the spare buffers when they are free and large enough (a
+        fresh large buffer costs a page fault per page), else new ones."""
+        planes = self.pool.planes
+        sizes = [n * p.shape[0] * p[0, 0].numel() for p in planes]  # n blocks, every layer
+        spare, self._spare = self._spare, ()
+        if not spare or any(b.numel() < k for b, k in zip(spare, sizes)):
+            pin = self.pool.device.type == "cuda"
+            spare = tuple(torch.empty(k, dtype=p.dtype, pin_memory=pin) for k, p in zip(sizes, planes))
+        return tuple(b[:k].view((p.shape[0], n) + tuple(p.shape[2:])) for b, k, p in zip(spare, sizes, planes))
+
+    def _recycle(self, pending: PendingLoad) -> None:
+        """The load's staging buffers are free again (its copy is done, or it was cancelled)."""
+        bases = tuple(p._base if p._base is not None else p for p in pending.staged)
+        if not self._spare or bases[0].numel() > self._spare[0].numel():
+            self._spare = bases
 
     # ---- write-through --------------------------------------------------------------------------
     def cached(self, seq: CachedRequest) -> None:
@@ -148,7 +257,7 @@ class Offload:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._move_out(pending, self.store.persist)
+        self._move_out(pending, "persist")
 
     # ---- eviction -------------------------------------------------------------------------------
     def spill(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -162,24 +271,46 @@ class Offload:
                 out.append((block, k))
             elif hasattr(self.store, "touch"):
                 self.store.touch(k)
-        self._move_out(out, self.store.put)
+        self._move_out(out, "put")
 
-    def _move_out(self, pairs: list[tuple[int, bytes]], give) -> None:
+    def _move_out(self, pairs: list[tuple[int, bytes]], how: str) -> None:
+        """The blocks of `pairs` to the store's `put` or `persist`: one gather from the pool, one copy to
+        the host, then the store's batched form (`put_many`) or one call per block (a seam's store)."""
         if not pairs:
             return
-        read = self.pool.read_blocks([b for b, _ in pairs])  # each [num_layers, n, block_size, ...]
-        read = tuple(t.to("cpu") for t in read)
-        for j, (_, k) in enumerate(pairs):
-            value = tuple(t[:, j] for t in read)
-            give(k, value)
-            self.blocks_out += 1
-            self.bytes_out += value_bytes(value)
+        blocks, keys = [b for b, _ in pairs], [k for _, k in pairs]
+        read = self.pool.read_blocks(blocks)  # each [num_layers, n, block_size, ...], one gather
+        batched = getattr(self.store, f"{how}_many", None)
+        if batched is not None:
+            batched(keys, self._to_host(read))  # the store copies out before the buffers are reused
+        else:  # a store that may keep what it is given: tensors of its own
+            read = tuple(t.to("cpu") for t in read)
+            give = getattr(self.store, how)
+            for j, k in enumerate(keys):
+                give(k, tuple(t[:, j] for t in read))
+        self.blocks_out += len(pairs)
+        self.bytes_out += sum(t.numel() * t.element_size() for t in read)
+
+    def _to_host(self, planes: tuple) -> tuple:
+        """Planes on the host: as they are on a CPU pool; from a GPU, one copy per tensor into reused
+        pinned buffers (asynchronous, then waited for once)."""
+        if self.pool.device.type != "cuda":
+            return planes
+        if (len(self._spill_buffers) != len(planes)
+                or any(b.numel() < p.numel() for b, p in zip(self._spill_buffers, planes))):
+            self._spill_buffers = tuple(torch.empty(2 * p.numel(), dtype=p.dtype, pin_memory=True) for p in planes)
+        host = tuple(b[:p.numel()].view(p.shape) for b, p in zip(self._spill_buffers, planes))
+        for h, p in zip(host, planes):
+            h.copy_(p, non_blocking=True)
+        torch.cuda.current_stream(self.pool.device).synchronize()
+        return host
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict:
         out = {"hits_by_tier": dict(self.tier_hits), "blocks_out": self.blocks_out, "bytes_out": self.bytes_out,
                "blocks_in": self.blocks_in, "bytes_in": self.bytes_in, "load_seconds": self.load_seconds,
-               "load_failures": self.load_failures}
+               "stall_seconds": self.stall_seconds, "async_loads": self.num_async_loads,
+               "loading": len(self.inflight), "load_failures": self.load_failures}
         if hasattr(self.store, "stats"):
             out["tiers"] = self.store.stats()
         return out

@@ -21,7 +21,21 @@ payload: a corrupted or truncated file is skipped (deleted, counted), never load
 under a temporary name and renamed, so two engines sharing a directory never read half a file.
 
 A value is what `KVPool.read_blocks` returns for one block: a tuple of tensors, each
-[num_layers, block_size, ...]. The store treats it as opaque bytes.
+[num_layers, block_size, ...]. The store treats it as opaque bytes. Blocks move in batches, shaped
+as `read_blocks` returns many: [num_layers, n, block_size, ...] per tensor ("planes"):
+
+    spill   pool planes --one index_select--> [L, n, ...] --one device-to-host copy--> pinned
+            staging --one copy per run of consecutive slots--> CPU slab [L, capacity, ...]
+            (free slots are handed out in order: a batch usually lands in one run)
+    load    CPU slab --one index_select per tensor--> staging [L, n, ...] (pinned on a GPU)
+            (disk blocks: read and checked by reader threads, copied in on the engine's thread)
+            --one host-to-device copy--> pool.write_blocks
+
+On the host, an indexed write (index_copy_, x[:, idx] = y) has no memcpy path and runs many times
+slower than plain copies; index_select has one. Hence gathers by index, writes by runs.
+
+Disk reads run on reader threads that only move and hash bytes (`DiskTier.read_async`): turning
+bytes into tensors is left to the engine's thread, so a read never holds up torch work.
 """
 from __future__ import annotations
 
@@ -31,11 +45,13 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Protocol
 
 import torch
+
+from minikv.cache.pool import runs
 
 FORMAT = "minikv-kv-1"  # bump when the file layout or the key's recipe changes
 MAGIC = b"MINIKV-KV1\n"
@@ -89,15 +105,16 @@ def store_key(identity: str, block_hash: bytes) -> bytes:
     return hashlib.sha256(bytes.fromhex(identity) + block_hash).digest()
 
 
-def value_bytes(value: Value) -> int:
-    return sum(t.numel() * t.element_size() for t in value)
-
-
 # ---- CPU tier ------------------------------------------------------------------------------------
 class CpuTier:
     """Blocks in host memory (pinned when the pool is on a GPU), LRU within `budget` bytes.
 
-    Slots of a preallocated slab, one per block: slab[i][slot] holds value[i] of one block."""
+    A slab per tensor, laid out like the pool's planes so that a batch moves with one indexed copy:
+
+        slab[i]: [num_layers, capacity, block_size, ...]   slab[i][:, slot] holds value[i] of one block
+
+    Free slots are handed out in order, so a batch of blocks usually lands in one run of slots.
+    """
 
     def __init__(self, budget: int, block_bytes: int, pin: bool = False):
         self.capacity = budget // block_bytes
@@ -107,7 +124,7 @@ class CpuTier:
         self.budget, self.block_bytes, self.pin = budget, block_bytes, pin
         self.slab: list[torch.Tensor] = []  # allocated at the first put, shaped by the values
         self.slot_of: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
-        self.free_slots = list(range(self.capacity - 1, -1, -1))
+        self.free_slots = list(range(self.capacity - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.slot_of
@@ -121,21 +138,40 @@ class CpuTier:
 
     def put(self, key: bytes, value: Value) -> list[tuple[bytes, Value]]:
         """Keep `value` as the most recent block; returns the blocks pushed out (least recent first)."""
-        if key in self.slot_of:
-            self.slot_of.move_to_end(key)
-            return []
+        return self.put_many([key], tuple(t.unsqueeze(1) for t in value))
+
+    def put_many(self, keys: list[bytes], planes: tuple) -> list[tuple[bytes, Value]]:
+        """Keep the blocks of `planes` ([num_layers, len(keys), ...] each) under `keys`, the last the most
+        recent: one copy per tensor for each run of consecutive free slots (a fresh tier hands out one
+        run; on the host an indexed copy, index_copy_, is many times slower than these memcpys).
+        Returns the blocks pushed out (least recent first), copied out of their slots before the slots
+        are reused. A batch larger than the tier keeps its tail."""
         if not self.slab:
-            self.slab = [torch.empty((self.capacity,) + tuple(t.shape), dtype=t.dtype, pin_memory=self.pin)
-                         for t in value]
-        out = []
-        if not self.free_slots:
-            old, slot = self.slot_of.popitem(last=False)
-            out.append((old, tuple(s[slot].clone() for s in self.slab)))
-            self.free_slots.append(slot)
-        slot = self.free_slots.pop()
-        for s, t in zip(self.slab, value):
-            s[slot].copy_(t)
-        self.slot_of[key] = slot
+            self.slab = [torch.empty((t.shape[0], self.capacity) + tuple(t.shape[2:]), dtype=t.dtype,
+                                     pin_memory=self.pin) for t in planes]
+        last = {k: j for j, k in enumerate(keys)}  # a key given twice: its last position counts
+        order = [j for j, k in enumerate(keys) if last[k] == j]
+        out = [(keys[j], tuple(t[:, j] for t in planes))  # more than the tier holds: the head never stays
+               for j in order[:-self.capacity] if keys[j] not in self.slot_of]
+        new, slots, pushed = [], [], []
+        for j in order[-self.capacity:]:
+            if keys[j] in self.slot_of:
+                self.slot_of.move_to_end(keys[j])
+                continue
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:
+                old, slot = self.slot_of.popitem(last=False)
+                pushed.append((old, slot))
+            self.slot_of[keys[j]] = slot
+            new.append(j)
+            slots.append(slot)
+        if pushed:  # their bytes leave before new ones land in the same slots
+            gone = self.gather([slot for _, slot in pushed], by_slot=True)
+            out += [(old, tuple(t[:, i] for t in gone)) for i, (old, _) in enumerate(pushed)]
+        for (slot, j, n) in runs(slots, new):  # one copy per tensor per run of consecutive slots
+            for s, t in zip(self.slab, planes):
+                s[:, slot:slot + n].copy_(t[:, j:j + n])
         return out
 
     def get(self, key: bytes) -> Value | None:
@@ -143,7 +179,19 @@ class CpuTier:
         if slot is None:
             return None
         self.slot_of.move_to_end(key)
-        return tuple(s[slot] for s in self.slab)  # views: copy before the slot is reused
+        return tuple(s[:, slot] for s in self.slab)  # views: copy before the slot is reused
+
+    def gather(self, keys_or_slots: list, out: list[torch.Tensor] | None = None, by_slot: bool = False) -> tuple:
+        """The blocks of these keys (every one held) as planes [num_layers, n, ...]: one index_select per
+        tensor, into `out` if given (a pinned staging buffer, say)."""
+        slots = keys_or_slots if by_slot else [self.slot_of[k] for k in keys_or_slots]
+        if not by_slot:
+            for k in keys_or_slots:
+                self.slot_of.move_to_end(k)
+        at = torch.tensor(slots, dtype=torch.long)
+        if out is None:
+            return tuple(s.index_select(1, at) for s in self.slab)
+        return tuple(torch.index_select(s, 1, at, out=o) for s, o in zip(self.slab, out))
 
     def clear(self) -> None:
         self.slot_of.clear()
@@ -167,13 +215,9 @@ def block_file(identity: str, key: bytes, tensors: list, payload: bytes) -> byte
     return text + b" " * (HEADER_BYTES - 1 - len(text)) + b"\n" + payload
 
 
-def encode_block(identity: str, key: bytes, value: Value) -> bytes:
-    return block_file(identity, key, *block_payload(value))
-
-
-def decode_block(data: bytes | bytearray, identity: str, key: bytes) -> Value | None:
-    """The tensors of a block file, or None if anything is off (truncated, corrupted, another key).
-    The tensors are views of `data` (no copy): pass a bytearray to get writable ones."""
+def check_block(data: bytes | bytearray, identity: str, key: bytes) -> list | None:
+    """The tensors' (dtype, shape) a block file declares, if every check passes (magic, identity, key,
+    sizes, checksum); None if anything is off. Bytes only: reader threads run it."""
     if len(data) < HEADER_BYTES or not data.startswith(MAGIC):
         return None
     try:
@@ -183,19 +227,30 @@ def decode_block(data: bytes | bytearray, identity: str, key: bytes) -> Value | 
             return None
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
             return None
-        out, at = [], HEADER_BYTES
-        for dtype, shape in header["tensors"]:
-            dt = getattr(torch, dtype)
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            if at + n > len(data):
-                return None
-            buf = data if isinstance(data, bytearray) else bytearray(data[at:at + n])
-            start = at if buf is data else 0
-            out.append(torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start).view(dt).reshape(shape))
-            at += n
-        return tuple(out) if at == len(data) else None
+        tensors = [(getattr(torch, dtype), torch.Size(shape)) for dtype, shape in header["tensors"]]
+        if sum(shape.numel() * dt.itemsize for dt, shape in tensors) != len(payload):
+            return None
+        return tensors
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         return None
+
+
+def payload_tensors(tensors: list, payload) -> Value:
+    """A block's tensors as views of `payload` (a writable buffer: bytearray or memoryview of one)."""
+    out, at = [], 0
+    for dt, shape in tensors:
+        n = shape.numel() * dt.itemsize
+        out.append(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=at).view(dt).reshape(shape))
+        at += n
+    return tuple(out)
+
+
+def decode_block(data: bytes | bytearray, identity: str, key: bytes) -> Value | None:
+    """The tensors of a block file, or None if anything is off (truncated, corrupted, another key)."""
+    tensors = check_block(data, identity, key)
+    if tensors is None:
+        return None
+    return payload_tensors(tensors, memoryview(bytearray(data))[HEADER_BYTES:])
 
 
 def file_bytes(block_bytes: int) -> int:
@@ -205,9 +260,10 @@ def file_bytes(block_bytes: int) -> int:
 class DiskTier:
     """One file per block under `root/<identity[:16]>/`, LRU within `budget` bytes of files.
 
-    `put` queues the block for a writer thread (it stays readable from memory until written);
+    `put` queues the block for a writer thread (its bytes stay readable from memory until written);
     `close()` writes what is queued and stops the thread. At start the directory's files are indexed
-    (oldest first by modification time) and loaded only on a hit, checked against their checksum."""
+    (oldest first by modification time) and loaded only on a hit, checked against their checksum.
+    `read_async` reads and checks files on reader threads; `get` is the same read, waited for."""
 
     def __init__(self, root: str | os.PathLike, identity: str, budget: int, block_bytes: int):
         if budget < file_bytes(block_bytes):
@@ -233,8 +289,7 @@ class DiskTier:
                 continue
         for _, key, size in sorted(files):
             self.index[key] = size
-        self.pending: dict[bytes, Value] = {}  # queued, not yet on disk
-        self._payloads: dict[bytes, tuple[list, bytes]] = {}  # the same blocks as bytes, for the writer
+        self.pending: dict[bytes, tuple[list, bytes]] = {}  # queued, not yet on disk: (tensors, payload)
         self.num_writes = self.bytes_written = self.num_reads = self.bytes_read = 0
         self.num_corrupt = self.num_evicted = 0
         self._queue: queue.Queue = queue.Queue()
@@ -264,23 +319,30 @@ class DiskTier:
         with self.lock:
             if key in self.index or key in self.pending:
                 return
-            value = tuple(t.detach().to("cpu") for t in value)
-            self.pending[key] = value
             # torch work stays on the caller's thread: a thread that ran torch ops and then exits can
             # leave the process's OpenMP threads slow (seen: every later forward pass 25x slower)
-            self._payloads[key] = block_payload(value)
+            self.pending[key] = block_payload(value)  # bytes: the caller may reuse its buffers at once
         if self._thread is None:
             self._thread = threading.Thread(target=self._write_loop, name="minikv-disk-writer", daemon=True)
             self._thread.start()
         self._queue.put(key)
 
     def get(self, key: bytes) -> Value | None:
+        found = self.read(key)
+        return payload_tensors(*found) if found is not None else None
+
+    def read(self, key: bytes) -> tuple[list, memoryview] | None:
+        """The block's (tensors' dtype and shape, payload bytes), read and checked, or None: not here,
+        gone, or damaged (deleted and counted). Bytes only, no torch: safe on a reader thread."""
         with self.lock:
-            if key in self.pending:
-                return self.pending[key]
-            if key not in self.index:
+            queued = self.pending.get(key)
+            if queued is None and key not in self.index:
                 return None
-            self.index.move_to_end(key)
+            if queued is None:
+                self.index.move_to_end(key)
+        if queued is not None:
+            tensors, payload = queued
+            return [(getattr(torch, dt), torch.Size(shape)) for dt, shape in tensors], memoryview(bytearray(payload))
         try:
             with open(self.path(key), "rb") as f:  # one copy: into a buffer the tensors then view
                 data = bytearray(os.fstat(f.fileno()).st_size)
@@ -289,8 +351,8 @@ class DiskTier:
             with self.lock:
                 self.index.pop(key, None)
             return None
-        value = decode_block(data, self.identity, key)
-        if value is None:
+        tensors = check_block(data, self.identity, key)
+        if tensors is None:
             with self.lock:
                 self.num_corrupt += 1
             self.drop(key)
@@ -298,16 +360,20 @@ class DiskTier:
         with self.lock:
             self.num_reads += 1
             self.bytes_read += len(data)
-        return value
+        return tensors, memoryview(data)[HEADER_BYTES:]
 
-    def get_many(self, keys: list[bytes]) -> list[Value | None]:
-        """`get` of each key, the files read and checked in parallel (file reads and hashing release
-        the GIL)."""
-        if len(keys) < 2:
-            return [self.get(k) for k in keys]
+    def read_async(self, key: bytes) -> Future:
+        """`read(key)` on a reader thread (file reads and hashing release the GIL); the Future's result is
+        what `read` returns (turn it into tensors with `payload_tensors` on the engine's thread)."""
         if self._readers is None:
-            self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="minikv-disk-read")
-        return list(self._readers.map(self.get, keys))
+            self._readers = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                               thread_name_prefix="minikv-disk-read")
+        return self._readers.submit(self.read, key)
+
+    def forget(self, key: bytes) -> None:
+        """Stop listing a block whose read failed or hung (its file stays: another engine may read it)."""
+        with self.lock:
+            self.index.pop(key, None)
 
     def drop(self, key: bytes) -> None:
         with self.lock:
@@ -329,10 +395,10 @@ class DiskTier:
 
     def _write(self, key: bytes) -> None:
         with self.lock:
-            payload = self._payloads.get(key)
-        if payload is None:
+            queued = self.pending.get(key)
+        if queued is None:
             return
-        data = block_file(self.identity, key, *payload)
+        data = block_file(self.identity, key, *queued)
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -342,11 +408,9 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             with self.lock:
                 self.pending.pop(key, None)
-                self._payloads.pop(key, None)
             return
         with self.lock:
             self.pending.pop(key, None)
-            self._payloads.pop(key, None)
             self.index[key] = len(data)
             self.num_writes += 1
             self.bytes_written += len(data)
@@ -389,7 +453,8 @@ class DiskTier:
 class TieredStore:
     """CPU tier above disk tier (either may be absent). `put` is a block evicted from the pool: into
     the CPU tier, whose overflow goes down to disk (when not already there). `persist` is the disk's
-    write-through. `get` looks in the CPU tier, then on disk; a hit stays where it is."""
+    write-through. `get` looks in the CPU tier, then on disk; a hit stays where it is. The `_many`
+    forms move a batch; the engine loads through `cpu.gather` and `disk.read_async` (offload.py)."""
 
     def __init__(self, cpu: CpuTier | None = None, disk: DiskTier | None = None):
         if cpu is None and disk is None:
@@ -421,10 +486,15 @@ class TieredStore:
             self.cpu.slot_of.move_to_end(key)
 
     def put(self, key: bytes, value: Value) -> None:
+        self.put_many([key], tuple(t.unsqueeze(1) for t in value))
+
+    def put_many(self, keys: list[bytes], planes: tuple) -> None:
+        """Blocks evicted from the pool, as planes [num_layers, len(keys), ...]: into the CPU tier in one
+        indexed copy per tensor; its overflow goes down to disk."""
         if self.cpu is None:
-            self.persist(key, value)
+            self.persist_many(keys, planes)
             return
-        for old, old_value in self.cpu.put(key, value):
+        for old, old_value in self.cpu.put_many(keys, planes):
             if self.disk is not None and old not in self.disk:
                 self.disk.put(old, old_value)
             elif self.disk is None:
@@ -434,33 +504,17 @@ class TieredStore:
         if self.disk is not None:
             self.disk.put(key, value)
 
+    def persist_many(self, keys: list[bytes], planes: tuple) -> None:
+        if self.disk is not None:
+            for j, k in enumerate(keys):
+                self.disk.put(k, tuple(t[:, j] for t in planes))
+
     def get(self, key: bytes) -> Value | None:
         if self.cpu is not None:
             value = self.cpu.get(key)
             if value is not None:
                 return value
         return self.disk.get(key) if self.disk is not None else None
-
-    def get_many(self, keys: list[bytes]) -> list[tuple[str, Value | None]]:
-        """(tier, value or None) of each key up to the first miss: CPU hits at once, the disk's read
-        in parallel."""
-        tiers = []
-        for k in keys:
-            tier = self.locate(k)
-            if tier is None:
-                break
-            tiers.append(tier)
-        on_disk = [k for k, t in zip(keys, tiers) if t == "disk"]
-        from_disk = iter(self.disk.get_many(on_disk) if on_disk else [])
-        out = []
-        for k, t in zip(keys, tiers):
-            value = self.cpu.get(k) if t == "cpu" else next(from_disk)
-            out.append((t, value))
-            if value is None:
-                break
-        if len(out) < len(keys) and (not out or out[-1][1] is not None):
-            out.append((None, None))  # a key listed by no tier: the hit ends here
-        return out
 
     def clear_memory(self) -> None:
         if self.cpu is not None:

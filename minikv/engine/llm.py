@@ -379,7 +379,7 @@ class LLM:
         """Watch every step: `observer.on_schedule(llm, batch)` once the scheduler picked the batch (before
         the model runs), `observer.on_step(llm, batch, events)` once the step is done, and
         `observer.on_event(llm, step, request_id, event)` for each scheduler event of a paged engine
-        (arrive, admit, preempt, swap_out, swap_in, fork, finish, abort); any may be missing. Views and
+        (arrive, load, admit, preempt, swap_out, swap_in, fork, finish, abort); any may be missing. Views and
         checkers use this instead of wrapping engine methods. Returns `remove()`."""
         if not any(hasattr(observer, hook) for hook in ("on_schedule", "on_step", "on_event")):
             raise ValueError("an observer needs an on_schedule(llm, batch), on_step(llm, batch, events) or "
@@ -388,7 +388,7 @@ class LLM:
         return lambda: self._observers.remove(observer) if observer in self._observers else None
 
     def _on_event(self, step: int, request_id: str, event: str) -> None:
-        """The scheduler's events (arrive, admit, preempt, swap_out, swap_in, fork, finish, abort) go to
+        """The scheduler's events (arrive, load, admit, preempt, swap_out, swap_in, fork, finish, abort) go to
         observers with an `on_event(llm, step, request_id, event)` method."""
         self._notify("on_event", step, request_id, event)
 
@@ -774,7 +774,7 @@ class LLM:
         self.block_manager.offload.reset_stats()
 
     def _holds_blocks(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.swapped)
+        return bool(self.scheduler.running or self.scheduler.swapped or self.scheduler.loading)
 
     def pin_prefix(self, prompt: Prompt) -> int:
         """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.

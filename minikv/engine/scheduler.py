@@ -28,6 +28,14 @@ and after every step its newly full blocks join the cache. policy="lpm" admits t
 sequence with the longest cached prefix first (SGLang's cache-aware scheduling): more hits, but a
 request that shares nothing can wait as long as others that share keep arriving (starvation).
 
+Offload tiers (rung 9): a waiting sequence whose hit reads files from the disk tier does not hold
+the step up. Its reads start and it waits in `loading` while the others run; once they are done
+its blocks go into the pool in one copy and it is admitted first, on its loaded prefix:
+
+    waiting --lookup hits disk--> loading --reads done--> front of waiting --> running
+                                     |  abort: its blocks go back, its reads finish unseen
+    a step with nothing else to run waits for the oldest load instead of returning an empty batch
+
 Sliding window (rung 8): after every step (and on admission onto a cached prefix) the block
 manager gives back the blocks no later query of the sequence sees (`free_outside_window`); their
 table entries become -1, and a swapped-out sequence keeps those holes (nothing to copy or restore).
@@ -79,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []  # waiting for their prefix to come back from disk (rung 9)
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_swaps = 0
@@ -95,7 +104,7 @@ class Scheduler:
         self._trace(seq, "arrive")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def _trace(self, seq: Sequence, event: str) -> None:
         if self.on_event is not None:
@@ -105,6 +114,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         if self.schedule_step is not None:
             return self._schedule_with(self.schedule_step)
+        batch = self._schedule()
+        while not batch and self.loading:  # only loads are left: wait for the oldest, then admit it
+            self.bm.wait_for_load(self.loading[0])
+            batch = self._schedule()
+        self.step_index += 1
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted_now = False
@@ -142,7 +159,8 @@ class Scheduler:
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
 
-        # 3. admit waiting sequences
+        # 3. admit waiting sequences (those whose loads are done first)
+        loaded = self._finish_loads()
         if self.policy == "lpm":
             self._longest_prefix_first()
         while self.waiting and not preempted_now and not self.swapped and len(self.running) < self.max_num_seqs:
@@ -155,6 +173,11 @@ class Scheduler:
                 break
             if len(self.running) + seq.num_pending_forks >= self.max_num_seqs:  # its n samples need seats
                 break
+            if self.bm.start_load(seq, hit):  # its prefix is on disk: read it while the others run
+                del self.waiting[i]
+                self.loading.append(seq)
+                self._trace(seq, "load")
+                continue
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -171,8 +194,19 @@ class Scheduler:
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
-        self.step_index += 1
+        for seq in loaded:
+            if seq.status == SequenceStatus.WAITING:  # not admitted this step: it holds no blocks while it waits
+                self.bm.free(seq)
         return batch
+
+    def _finish_loads(self) -> list[Sequence]:
+        """Sequences whose reads are done: their blocks go into the pool and they wait at the front."""
+        done = [s for s in self.loading if self.bm.load_ready(s)]
+        for seq in reversed(done):
+            self.loading.remove(seq)
+            self.bm.finish_load(seq)
+            self.waiting.appendleft(seq)
+        return done
 
     def _schedule_with(self, schedule_step: ScheduleStep) -> ScheduledBatch:
         """One step decided by `schedule_step`: ask it, check its answer, then apply it the way the
@@ -296,6 +330,8 @@ class Scheduler:
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.loading:  # its blocks go back below; its reads finish unseen
+            self.loading.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
             self.swap.release(seq.swap_table)
@@ -313,8 +349,8 @@ class Scheduler:
             seq.block_table, seq.swap_table = [], []
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-        self.running, self.swapped = [], deque()
+        self.running, self.swapped, self.loading = [], deque(), []
         self.waiting = deque(seqs)
 
     def all_sequences(self) -> list[Sequence]:
-        return list(self.waiting) + self.running + list(self.swapped)
+        return list(self.waiting) + self.running + list(self.swapped) + self.loading
