@@ -57,6 +57,11 @@ class PendingLoad:
     wanted: int  # blocks the lookup found: fewer in `keys` means the store lost some since
     started: float  # perf_counter() when the load began
     reads: dict = field(default_factory=dict)
+    work_seconds: float = 0.0  # the load's own time so far: the CPU tier's gather, then the reads' span
+    reads_done_at: float = 0.0  # perf_counter() when the last read finished (set by the reader threads)
+
+    def read_done(self, _future) -> None:
+        self.reads_done_at = max(self.reads_done_at, time.perf_counter())
 
     @property
     def ready(self) -> bool:
@@ -84,7 +89,8 @@ class Offload:
         self.tier_hits: dict[str, int] = {}  # tier -> tokens loaded from it
         self.blocks_out = self.bytes_out = 0  # pool -> store (evictions and write-through reads)
         self.blocks_in = self.bytes_in = 0  # store -> pool (hits)
-        self.load_seconds = 0.0  # from a load's start to its blocks in the pool
+        self.load_seconds = 0.0  # the loads' own time: gathers, the reads' span from the start, the copies
+        self.load_latency_seconds = 0.0  # from a load's start to its blocks in the pool (other steps between)
         self.stall_seconds = 0.0  # of which the engine waited with nothing else to run
         self.num_async_loads = 0  # loads that read files beside the engine's other work
         self.load_failures = 0  # loads cut short: a block the store listed but could not give in time
@@ -146,9 +152,11 @@ class Offload:
                 for j, i, n in runs(on_cpu, range(len(on_cpu))):
                     for staged, g in zip(pending.staged, got):
                         staged[:, j:j + n].copy_(g[:, i:i + n])
+            pending.work_seconds = time.perf_counter() - started
             for j, t in enumerate(tiers):
                 if t == "disk":
                     pending.reads[j] = self.store.disk.read_async(keys[j])
+                    pending.reads[j].add_done_callback(pending.read_done)
         else:  # a store of the seam: one get per key, stopping at the first miss (a get touches LRU order)
             values, tiers = [], []
             locate = getattr(self.store, "where", None)
@@ -163,6 +171,7 @@ class Offload:
                 for j, v in enumerate(values):
                     plane[:, j].copy_(v[i])
             pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=started)
+            pending.work_seconds = time.perf_counter() - started
         if pending.reads:
             self.num_async_loads += 1
         self.inflight.add(pending)
@@ -180,6 +189,9 @@ class Offload:
         """Put the load's blocks into the pool in one copy, up to the first that failed. Returns
         (blocks loaded, tokens per tier) for `count_hits` when the request is admitted on them."""
         self.inflight.discard(pending)
+        copy_start = time.perf_counter()
+        if pending.reads:  # the reads ran beside the engine: count their span, not the steps between
+            pending.work_seconds = max(pending.work_seconds, (pending.reads_done_at or copy_start) - pending.started)
         n = len(pending.keys)
         for j in sorted(pending.reads):
             future = pending.reads[j]
@@ -201,7 +213,9 @@ class Offload:
                 torch.cuda.current_stream(device).synchronize()  # loaded: the time below is the copy's
             self.blocks_in += n
             self.bytes_in += sum(p.numel() * p.element_size() for p in planes)
-        self.load_seconds += time.perf_counter() - pending.started
+        now = time.perf_counter()
+        self.load_seconds += pending.work_seconds + (now - copy_start)
+        self.load_latency_seconds += now - pending.started
         self._recycle(pending)
         tier_tokens: dict[str, int] = {}
         for t in pending.tiers[:n]:
@@ -309,6 +323,7 @@ class Offload:
     def stats(self) -> dict:
         out = {"hits_by_tier": dict(self.tier_hits), "blocks_out": self.blocks_out, "bytes_out": self.bytes_out,
                "blocks_in": self.blocks_in, "bytes_in": self.bytes_in, "load_seconds": self.load_seconds,
+               "load_latency_seconds": self.load_latency_seconds,
                "stall_seconds": self.stall_seconds, "async_loads": self.num_async_loads,
                "loading": len(self.inflight), "load_failures": self.load_failures}
         if hasattr(self.store, "stats"):
