@@ -362,6 +362,8 @@ def test_recompute_widget_moves_with_its_controls_and_reads_no_caller_variable()
     widget = recompute_widget(llm, prompt, answer)
     controls, image, text = widget.children
     slider, mode = controls.children
+    assert slider.value == 5 and "step 5 of 6" in text.value  # opens at the last step: the whole run
+    slider.value = 0
     first_text, first_png = text.value, image.value
     assert "step 0 of 6" in first_text and "12 rows again" in first_text
     prompt.clear()  # the caller's lists change, or their names are rebound: the view keeps its copies
@@ -377,3 +379,5 @@ def test_recompute_widget_moves_with_its_controls_and_reads_no_caller_variable()
     data = widget._repr_mimebundle_()
     assert data["text/plain"].startswith("[interactive view:") and "step 4 of 6 (decode)" in data["text/plain"]
     assert data["image/png"]
+    with pytest.raises(ValueError, match="outside this generation's steps 0..5"):
+        recompute_widget(LLM("tiny-random", kv_backend="naive"), [3, 4], [5] * 6, step=6)

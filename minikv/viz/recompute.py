@@ -154,7 +154,8 @@ def recompute_lines(shape: KVRowShape, prompt_len: int, num_new_tokens: int, ste
         f"{shape.dtype_bytes} B = {format_bytes(shape.bytes_per_row)} ({shape.name})",
     ]
     if cached:
-        lines.append(f"cache held after this step: {total.rows_held} rows = {format_bytes(total.rows_held * shape.bytes_per_row)}")
+        held = total.rows_held * shape.bytes_per_row
+        lines.append(f"cache held after this step: {total.rows_held} rows = {format_bytes(held)}")
     else:
         lines.append(f"cache held after this step: 0 B; the step built {n} rows "
                      f"({format_bytes(n * shape.bytes_per_row)}) and threw them away")
@@ -187,11 +188,13 @@ def plot_recompute(prompt_len: int, num_new_tokens: int, cached: bool, step: int
     return ax.figure
 
 
-def recompute_widget(llm, prompt_token_ids: list[int], output_token_ids: list[int], cached: bool = False):
+def recompute_widget(llm, prompt_token_ids: list[int], output_token_ids: list[int], cached: bool = False,
+                     step: int | None = None):
     """A slider over the steps of one generation (`prompt_token_ids`, then `output_token_ids`, as `llm`
     produced them) and a toggle naive / cached: the grid of what each step computes and reads, and the
-    running totals priced with `llm`'s model and cache dtype. Everything is read now: nothing outside
-    the widget can change what it shows."""
+    running totals priced with `llm`'s model and cache dtype. It opens at `step` (default: the last, so
+    a saved notebook shows the whole run). Everything is read now: nothing outside the widget can
+    change what it shows."""
     import ipywidgets as w
 
     from minikv.viz.pool import figure_png
@@ -201,9 +204,10 @@ def recompute_widget(llm, prompt_token_ids: list[int], output_token_ids: list[in
     P, N = len(prompt_token_ids), len(output_token_ids)
     tok = llm.tokenizer
     tokens = [tok.decode([i]) for i in ids] if tok is not None else [str(i) for i in ids]
-    kv_steps(P, N, cached)  # refuse an empty prompt or answer now, with its error
+    step = N - 1 if step is None else step
+    running_totals(kv_steps(P, N, cached), step, cached)  # refuse an empty prompt or answer, or a bad step, now
 
-    slider = w.IntSlider(value=0, min=0, max=N - 1, description="step", continuous_update=False)
+    slider = w.IntSlider(value=step, min=0, max=N - 1, description="step", continuous_update=False)
     mode = w.ToggleButtons(options=[("naive (rung 1)", False), ("cached (rung 2)", True)], value=cached)
     px = (round(FIGSIZE[0] * DPI), round(FIGSIZE[1] * DPI))
     image = w.Image(format="png", layout=w.Layout(width=f"{px[0]}px", height=f"{px[1]}px"))
