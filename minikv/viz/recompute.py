@@ -143,13 +143,12 @@ def recompute_lines(shape: KVRowShape, prompt_len: int, num_new_tokens: int, ste
         new = f" (token {tokens[n - 1]!r})" if tokens else ""
         lines.append(f"cached: computes the K/V of position {n - 1} = 1 row{new}, reads {_span(s.read)} = "
                      f"{len(s.read)} rows from the cache")
-    heads = shape.num_layers * shape.num_heads
+    grids = shape.num_layers * shape.num_heads  # one score grid per query head and layer
     lines += [
-        f"K/V rows computed, steps 0..{step}: {total.rows_computed:,}"
-        + (f"  (naive {naive.rows_computed:,} / cached {cache.rows_computed:,} = "
-           f"{naive.rows_computed / cache.rows_computed:.1f}x)"),
+        f"K/V rows computed, steps 0..{step}: {total.rows_computed:,}  (naive {naive.rows_computed:,} / cached "
+        f"{cache.rows_computed:,} = {naive.rows_computed / cache.rows_computed:.1f}x)",
         f"attention scores, steps 0..{step}: {total.scores:,} per head and layer x {shape.num_layers} layers x "
-        f"{shape.num_heads} heads = {total.scores * heads:,}",
+        f"{shape.num_heads} heads = {total.scores * grids:,}",
         f"one row: 2 x {shape.num_layers} layers x {shape.num_kv_heads} kv heads x {shape.head_dim} x "
         f"{shape.dtype_bytes} B = {format_bytes(shape.bytes_per_row)} ({shape.name})",
     ]
