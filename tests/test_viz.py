@@ -300,3 +300,84 @@ def test_ttft_plot_draws_medians_with_their_spread_and_the_work_beneath():
     assert heights == [0.25, 1.2, 1.5, 2.0]  # medians, not means (the 9.0 outlier does not move its bar)
     assert sorted(round(p.get_height()) for p in fig.axes[1].patches) == [17, 241, 241, 241]
     plt.close(fig)
+
+
+# ---- notebooks 01 and 02: what each step computes and reads, naive or cached ----------------------------
+@pytest.mark.parametrize("P,N", [(1, 1), (5, 1), (7, 9), (32, 24)])
+def test_recompute_counts_equal_the_closed_forms(P, N):
+    from minikv.viz.recompute import kv_steps, running_totals
+
+    naive, cached = kv_steps(P, N, cached=False), kv_steps(P, N, cached=True)
+    assert [s.rows_computed for s in naive] == [P + t for t in range(N)]
+    assert [s.rows_computed for s in cached] == [P] + [1] * (N - 1)  # the prefill, then one row a step
+    assert [len(s.read) for s in cached] == [0] + [P + t - 1 for t in range(1, N)]
+    assert all(len(s.read) == 0 for s in naive)
+    for t in range(N):  # running totals, the sums notebook 01 counts in closed form
+        n = running_totals(naive, t, cached=False)
+        c = running_totals(cached, t, cached=True)
+        assert n.rows_computed == (t + 1) * P + t * (t + 1) // 2
+        assert c.rows_computed == P + t
+        assert n.scores == sum((P + s) ** 2 for s in range(t + 1))
+        assert c.scores == P * P + sum(P + s for s in range(1, t + 1))
+        assert (n.rows_held, c.rows_held) == (0, P + t)
+
+
+def test_recompute_grid_marks_what_each_step_computes_and_reads():
+    from minikv.viz.recompute import COMPUTED, NOT_YET, READ, kv_grid
+
+    P, N = 6, 5
+    naive, cached = kv_grid(P, N, False, upto=N - 1), kv_grid(P, N, True, upto=N - 1)
+    assert naive.shape == cached.shape == (N, P + N - 1)
+    assert ((naive == COMPUTED).sum(axis=1) == [P + t for t in range(N)]).all() and not (naive == READ).any()
+    assert ((cached == COMPUTED).sum(axis=1) == [P, 1, 1, 1, 1]).all()
+    assert [int(row.argmax()) for row in (cached[1:] == COMPUTED)] == [P, P + 1, P + 2, P + 3]  # the newest position
+    assert ((cached == READ).sum(axis=1) == [0, P, P + 1, P + 2, P + 3]).all()
+    assert (kv_grid(P, N, True, upto=2)[3:] == NOT_YET).all()  # later steps not drawn yet
+    with pytest.raises(ValueError, match="at least 1 new token"):
+        kv_grid(P, 0, True, upto=0)
+
+
+def test_recompute_bytes_come_from_the_engines_model_and_cache():
+    from minikv.viz.memory import format_bytes
+    from minikv.viz.recompute import KVRowShape, recompute_lines
+
+    llm = LLM("tiny-random", kv_backend="contiguous", max_num_seqs=2, max_model_len=64)
+    shape = KVRowShape.from_llm(llm)
+    c, pool = llm.config, llm.backend.pool
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (c.num_layers, c.num_kv_heads, c.head_dim)
+    assert shape.bytes_per_row == c.kv_bytes_per_token  # fp32 on this machine
+    assert shape.bytes_per_row * pool.k_cache.shape[1] * pool.max_len == pool.bytes_reserved  # the row pool's own size
+    text = "\n".join(recompute_lines(shape, 10, 4, step=3, cached=True))
+    assert f"cache held after this step: 13 rows = {format_bytes(13 * c.kv_bytes_per_token)}" in text
+    assert f"2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x 4 B" in text
+    assert "cache held after this step: 0 B" in "\n".join(recompute_lines(shape, 10, 4, step=3, cached=False))
+
+
+def test_recompute_widget_moves_with_its_controls_and_reads_no_caller_variable():
+    from minikv.viz.recompute import recompute_widget
+
+    llm = LLM("tiny-random", kv_backend="naive")
+    prompt = [(7 * j) % 200 + 3 for j in range(12)]
+    answer = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    widget = recompute_widget(llm, prompt, answer)
+    controls, image, text = widget.children
+    slider, mode = controls.children
+    assert slider.value == 5 and "step 5 of 6" in text.value  # opens at the last step: the whole run
+    slider.value = 0
+    first_text, first_png = text.value, image.value
+    assert "step 0 of 6" in first_text and "12 rows again" in first_text
+    prompt.clear()  # the caller's lists change, or their names are rebound: the view keeps its copies
+    answer[:] = [0]
+    llm = None  # noqa: F841
+    slider.value = 4
+    assert "step 4 of 6" in text.value and "16 rows again" in text.value and image.value != first_png
+    assert "K/V rows computed, steps 0..4: 70" in text.value  # 12 + 13 + 14 + 15 + 16
+    naive_png = image.value
+    mode.value = True
+    assert "reads [0, 15) = 15 rows from the cache" in text.value and image.value != naive_png
+    assert "K/V rows computed, steps 0..4: 16" in text.value
+    data = widget._repr_mimebundle_()
+    assert data["text/plain"].startswith("[interactive view:") and "step 4 of 6 (decode)" in data["text/plain"]
+    assert data["image/png"]
+    with pytest.raises(ValueError, match="outside this generation's steps 0..5"):
+        recompute_widget(LLM("tiny-random", kv_backend="naive"), [3, 4], [5] * 6, step=6)
