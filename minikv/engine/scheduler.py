@@ -285,9 +285,13 @@ class Scheduler:
             self._trace(seq, "finish")
         self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, the device may
+        still write into them (an overlapped step, minikv/engine/overlap.py); the engine frees them
+        with `bm.free(seq)` once that step is done."""
         self.running.remove(seq)
-        self.bm.free(seq)
+        if not keep_blocks:
+            self.bm.free(seq)
         self._trace(seq, "finish" if seq.finish_reason != "abort" else "abort")
 
     def abort(self, seq: Sequence) -> None:
