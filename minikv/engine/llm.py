@@ -726,7 +726,7 @@ class LLM:
         """t is done on the device: the blocks of the sequences that finished while it ran go back."""
         t.wait()
         for seq in t.free_after:
-            self.block_manager.free(seq)
+            self.scheduler.release(seq)
         return self._end_step(t.batch, events)
 
     def _drain(self) -> list[tuple[Sequence, int, str]]:
@@ -780,6 +780,9 @@ class LLM:
                 if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
                     seq.output_token_ids.pop()
             self._placeholders = []
+        if self.is_paged:
+            for seq in self.scheduler.finishing:  # their blocks belong to the pool about to be rebuilt
+                seq.block_table = []
         for root in list(self._requests.values()):
             search = root.beam_search
             if search is not None:
@@ -895,6 +898,8 @@ class LLM:
                 elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
                     self.scheduler.abort(s)
             self._requests.pop(seq.seq_id, None)
+            if inflight is not None and all(s.is_finished for s in inflight.batch.seqs):
+                self._drain()  # the step in flight computes nothing wanted: wait for it, free its blocks
 
     # ---- prefix cache (rung 6) ----------------------------------------------------------------
     def _need_prefix_cache(self, what: str) -> PrefixCache:

@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.finishing: list[Sequence] = []  # finished, blocks kept while a step on the device may write them
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_swaps = 0
@@ -286,13 +287,20 @@ class Scheduler:
         self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
     def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
-        """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, the device may
-        still write into them (an overlapped step, minikv/engine/overlap.py); the engine frees them
-        with `bm.free(seq)` once that step is done."""
+        """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, a step still on
+        the device may write into them (overlapped steps, minikv/engine/overlap.py); it waits in
+        `finishing` until the engine calls `release(seq)` once that step is done."""
         self.running.remove(seq)
-        if not keep_blocks:
+        if keep_blocks:
+            self.finishing.append(seq)
+        else:
             self.bm.free(seq)
         self._trace(seq, "finish" if seq.finish_reason != "abort" else "abort")
+
+    def release(self, seq: Sequence) -> None:
+        """A finishing sequence's blocks go back: no step on the device uses them any more."""
+        self.finishing.remove(seq)
+        self.bm.free(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -317,8 +325,9 @@ class Scheduler:
             seq.block_table, seq.swap_table = [], []
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-        self.running, self.swapped = [], deque()
+        self.running, self.swapped, self.finishing = [], deque(), []
         self.waiting = deque(seqs)
 
     def all_sequences(self) -> list[Sequence]:
-        return list(self.waiting) + self.running + list(self.swapped)
+        """Every sequence queued or holding blocks (finishing ones included)."""
+        return list(self.waiting) + self.running + list(self.swapped) + self.finishing
