@@ -38,9 +38,9 @@ from minikv.engine.batch import ScheduledBatch
 SlotMappingFn = Callable[[list[int], list[int], int], list[int]]
 
 
-def _long(xs: list[int]) -> torch.Tensor:
-    """A Python list of ints as an int64 tensor, through numpy (far faster than torch.tensor on a list)."""
-    return torch.from_numpy(np.fromiter(xs, dtype=np.int64, count=len(xs)))
+def _long(xs: list[int]) -> np.ndarray:
+    """A Python list of ints as an int64 array (numpy: far faster than torch.tensor on a list)."""
+    return np.fromiter(xs, dtype=np.int64, count=len(xs))
 
 
 def _token_at(seq, position: int) -> int:
@@ -85,14 +85,16 @@ class ModelRunner:
         device in one asynchronous copy: nothing here waits for the device."""
         seqs, starts, query_lens = batch.seqs, batch.starts, batch.num_new_tokens
         seq_lens = [st + n for st, n in zip(starts, query_lens)]
-        sample_rows = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens]
+        num_tokens = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs]
+        sample_rows = [i for i, (end, nt) in enumerate(zip(seq_lens, num_tokens)) if end == nt]
         cu = list(accumulate(query_lens, initial=0))
-        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start
-            ids = [_token_at(s, st) for s, st in zip(seqs, starts)]
+        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start (mostly the last)
+            ids = [(s.output_token_ids or s.prompt_token_ids)[-1] if end == nt else _token_at(s, end - 1)
+                   for s, end, nt in zip(seqs, seq_lens, num_tokens)]
             pos = _long(starts)
         else:
             ids = list(chain.from_iterable(s.token_ids[st:end] for s, st, end in zip(seqs, starts, seq_lens)))
-            pos = torch.from_numpy(np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)]))
+            pos = np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)])
         host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": _long(cu), "seq_lens": _long(seq_lens),
                 "logits_indices": _long([cu[i + 1] - 1 for i in sample_rows])}
         if self.block_size is not None:  # paged: block tables padded with -1, built from one flat array
@@ -100,7 +102,7 @@ class ModelRunner:
             tables = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)
             tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
                 chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(lens.sum()))
-            host["block_tables"] = torch.from_numpy(tables)
+            host["block_tables"] = tables
             host["slot_mapping"] = self._slot_mapping(batch, host)
         elif seqs[0].cache_row is not None:  # contiguous rows
             host["cache_rows"] = _long([s.cache_row for s in seqs])
@@ -118,15 +120,15 @@ class ModelRunner:
                              max_seq_len=max(seq_lens))
         return PreparedStep(inputs, sample_rows, fed_dst, fed_src)
 
-    def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, np.ndarray]) -> np.ndarray:
         """Physical slot of every new token: block_table[pos // block_size] * block_size + pos % block_size."""
         bs = self.block_size
         if self.slot_mapping_fn is None:  # vectorized over the whole batch
-            pos, lens = host["positions"], host["query_start_loc"].diff()
+            pos, lens = host["positions"], np.diff(host["query_start_loc"])
             if len(pos) == len(batch.seqs):  # one token per sequence
-                seq = torch.arange(len(batch.seqs))
+                seq = np.arange(len(batch.seqs))
             else:
-                seq = torch.repeat_interleave(torch.arange(len(batch.seqs)), lens)
+                seq = np.repeat(np.arange(len(batch.seqs)), lens)
             slots = host["block_tables"][seq, pos // bs] * bs + pos % bs
             if (slots < 0).any():  # a -1 past the end of a table: the block manager gave too few blocks
                 b = int(seq[slots < 0][0])
@@ -142,22 +144,21 @@ class ModelRunner:
                 raise ValueError(f"slot_mapping returned {len(got)} slots for {n} positions of request "
                                  f"{seq.request_id}; return one slot per position")
             slots += got
-        return torch.tensor(slots, dtype=torch.long)
+        return np.asarray(slots, dtype=np.int64)
 
-    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every int64 tensor of the step in ONE host-to-device copy (pinned on a GPU, so it does not
+    def _to_device(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Every int64 array of the step in ONE host-to-device copy (pinned on a GPU, so it does not
         wait), then seen as views. Each part starts on a 16-byte boundary, as kernels like it."""
-        parts = [(name, t.to(torch.long)) for name, t in host.items()]
-        sizes = [t.numel() + t.numel() % 2 for _, t in parts]
+        sizes = [a.size + a.size % 2 for a in host.values()]
         flat = self._staging_buffer(sum(sizes))
-        at = 0
-        for (_, t), size in zip(parts, sizes):
-            flat[at:at + t.numel()] = t.flatten()
+        staged, at = flat.numpy(), 0
+        for a, size in zip(host.values(), sizes):
+            staged[at:at + a.size] = a.ravel()
             at += size
         flat = flat.to(self.device, non_blocking=True)
         out, at = {}, 0
-        for (name, t), size in zip(parts, sizes):
-            out[name] = flat[at:at + t.numel()].view(t.shape)
+        for (name, a), size in zip(host.items(), sizes):
+            out[name] = flat[at:at + a.size].view(a.shape)
             at += size
         return out
 
