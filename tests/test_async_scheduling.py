@@ -174,10 +174,10 @@ def test_an_abort_of_a_stream_mid_run_returns_every_block(pair):
     assert got[0] == got[1]
 
 
-@pytest.mark.parametrize("case", ["preemption", "n>1", "beams", "prefix cache"])
+@pytest.mark.parametrize("case", ["preemption", "n>1", "beams", "prefix cache", "radix cache"])
 def test_fallbacks_give_the_same_tokens(case):
     kw = {"preemption": dict(num_blocks=14, max_num_seqs=6, max_num_batched_tokens=16),
-          "prefix cache": dict(prefix_caching="hash")}.get(case, {})
+          "prefix cache": dict(prefix_caching="hash"), "radix cache": dict(prefix_caching="radix")}.get(case, {})
     off, on = tiny(False, **kw), tiny(True, **kw)
     if case == "beams":
         want = [c.token_ids for c in off.beam_search(PROMPTS[1], beam_width=3, max_tokens=6)[0].outputs]
@@ -185,7 +185,7 @@ def test_fallbacks_give_the_same_tokens(case):
     else:
         n = 2 if case == "n>1" else 1
         params = [SamplingParams(max_tokens=8, n=n, temperature=1.0, seed=20 + i, ignore_eos=True) for i in range(4)]
-        prompts = PROMPTS[:4] if case != "prefix cache" else [PROMPTS[4][:8] + p for p in PROMPTS[:4]]
+        prompts = [PROMPTS[4][:8] + p for p in PROMPTS[:4]] if "prefix_caching" in kw else PROMPTS[:4]
         want = [[c.token_ids for c in o.outputs] for o in off.generate(prompts, params)]
         assert [[c.token_ids for c in o.outputs] for o in on.generate(prompts, params)] == want
         if case == "preemption":
@@ -216,6 +216,35 @@ def test_a_fault_inside_an_overlapped_step_leaves_the_engine_sound():
         assert outputs(llm, PROMPTS, mixed_params()) == want
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_a_fault_at_any_call_of_an_overlapped_engine_leaves_it_sound(preemption):
+    """test_faults.py's injector (a KeyboardInterrupt at call N into the runner, the block manager, its
+    allocator, the swap space or the prefix cache) on an engine that overlaps its steps."""
+    import random
+
+    from test_faults import Injector, workload
+
+    def engine() -> LLM:  # test_faults.py's engine, overlapped: the pool forces preemptions
+        return LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=14, max_num_seqs=6,
+                   max_num_batched_tokens=16, preemption=preemption, prefix_caching="hash", async_scheduling=True)
+
+    fresh = workload(engine())
+    llm = engine()
+    counter = Injector(llm, fire_at=None)
+    assert workload(llm) == fresh
+    counter.remove()
+    points = sorted({1, 2, counter.calls} | set(random.Random(5).sample(range(3, counter.calls), 10)))
+    for fire_at in points:
+        injector = Injector(llm, fire_at)
+        try:
+            assert workload(llm) == fresh
+        except KeyboardInterrupt:
+            pass
+        injector.remove()
+        assert_clean(llm)
+        assert workload(llm) == fresh, f"fault at call {fire_at}: the next run differs from a fresh engine's"
+
+
 @pytest.mark.slow
 def test_smollm2_text_stop_strings_and_sampling_match():
     off = LLM("smollm2-135m", kv_backend="paged", async_scheduling=False, max_num_seqs=8)
@@ -235,29 +264,40 @@ def test_smollm2_text_stop_strings_and_sampling_match():
 
 OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 9), st.sampled_from([0.0, 0.8]),
-              st.sampled_from([1.0, 0.9])),
+              st.sampled_from([1.0, 0.9]), st.one_of(st.none(), st.integers(1, 8))),
     st.tuples(st.just("step"), st.integers(1, 3)),
-    st.tuples(st.just("abort"), st.integers(0, 7)),
 ), min_size=1, max_size=14)
 
 
 def run_trace(llm: LLM, ops) -> list:
-    seqs = []
+    """Play a trace of arrivals and steps; every request's tokens and finish reason.
+
+    A request added between steps starts one step later with the overlap (the step after the call
+    was already launched), so an abort is tied to the request's progress, not to a step count: a
+    request added with abort_at=k is aborted right after the step that gives it its k-th token."""
+    seqs, aborts = [], []
+
+    def step():
+        llm.step()
+        for seq, k in aborts:
+            if not seq.is_finished and len(seq.output_token_ids) >= k:
+                llm.abort(seq)
+        llm.block_manager.check(llm.scheduler.all_sequences())
+
     for op in ops:
         if op[0] == "add":
-            _, p, max_tokens, temperature, top_p = op
+            _, p, max_tokens, temperature, top_p, abort_at = op
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=len(seqs),
                                     ignore_eos=True)
             seqs.append(llm.add_request(PROMPTS[p], params))
-        elif op[0] == "step":
+            if abort_at is not None:
+                aborts.append((seqs[-1], abort_at))
+        else:
             for _ in range(op[1]):
                 if llm.has_unfinished():
-                    llm.step()
-        elif seqs:
-            llm.abort(seqs[op[1] % len(seqs)])
-        llm.block_manager.check(llm.scheduler.all_sequences())
+                    step()
     while llm.has_unfinished():
-        llm.step()
+        step()
     return [(s.output_token_ids, s.finish_reason) for s in seqs]
 
 
@@ -266,5 +306,6 @@ def run_trace(llm: LLM, ops) -> list:
 def test_random_arrivals_and_aborts_give_the_same_outputs_and_a_clean_pool(ops, small_pool):
     kw = dict(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=16) if small_pool else {}
     off, on = tiny(False, **kw), tiny(True, **kw)
-    assert run_trace(on, ops) == run_trace(off, ops)
+    got = run_trace(on, ops)
+    assert got == run_trace(off, ops)
     assert_clean(on)

@@ -640,6 +640,9 @@ class LLM:
         self.scheduler.update(without_finished(t.batch))
         # 2. schedule and prepare t+1 while the device runs t
         nxt_batch, prepared = self.scheduler.schedule(), None
+        if nxt_batch.preempted:  # min_free_blocks rules this out; a preempted sequence may hold a placeholder
+            raise RuntimeError(f"an overlapped step preempted {[s.request_id for s in nxt_batch.preempted]}, "
+                               "which min_free_blocks (minikv/engine/overlap.py) should rule out")
         if nxt_batch:
             self._notify("on_schedule", nxt_batch)
             row_of = {seq.seq_id: j for j, seq in enumerate(t.seqs) if not seq.is_finished}

@@ -25,7 +25,9 @@ One engine call (`LLM.step`) with a step t in flight:
        detokenizes and publishes the events of t, while t+1 runs. Step t+1 stays in flight.
 
 Every call still returns the events of exactly one step, so `step()` keeps its meaning (one step's
-tokens), one step later than they were computed.
+tokens, at most one per sequence). One thing moves: a request added between two calls is scheduled
+a step later than without the overlap, since the step after the last call is already on the device.
+Its tokens are the same (a draw depends on the seed and the position, not on the batch).
 
 A sequence that finishes at t (EOS, a stop string, max_tokens) was already scheduled in t+1: that row
 is wasted, its token discarded, and the sequence leaves the running queue at once; its blocks go back
