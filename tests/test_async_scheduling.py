@@ -98,6 +98,22 @@ def test_streamed_events_come_in_the_same_order(pair):
     assert_clean(on)
 
 
+def test_chunked_prefill_beside_decodes_overlaps_and_matches():
+    """A prompt longer than the token budget runs in chunks (steps that sample nothing for it) while
+    others decode; the chunks' steps overlap too."""
+    off, on = tiny(False, max_num_batched_tokens=8), tiny(True, max_num_batched_tokens=8)
+    prompts = [[5 + i % 200 for i in range(41)], PROMPTS[0], PROMPTS[2]]  # the long one first: 5 chunk-only steps
+    params = [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)]
+    want = outputs(off, prompts, params)
+    log = BatchLog()
+    on.add_observer(log)
+    assert outputs(on, prompts, params) == want
+    assert any(len(batch) == 1 and batch[0].num_prompt_tokens == 41 for batch in log.batches), "no chunk-only step"
+    assert on.num_overlapped_steps >= len(log.batches) - 3
+    assert_clean(on)
+
+
 class BatchLog:
     """An observer: the sequences of every scheduled batch, and each request's events as published."""
 

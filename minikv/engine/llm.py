@@ -670,11 +670,11 @@ class LLM:
     def _can_overlap(self, t: InFlight) -> bool:
         """Can step t+1 be scheduled before t's tokens are known? (the cases in overlap.py's docstring)"""
         sch, bm = self.scheduler, self.block_manager
-        if sch.swapped or bm.offload is not None or self._reset_pending or not t.seqs:
+        if sch.swapped or bm.offload is not None or self._reset_pending:
             return False
         if any(s.beam_search is not None or s.num_pending_forks for s in t.seqs):
             return False
-        if all(s.is_finished for s in t.seqs):
+        if t.seqs and all(s.is_finished for s in t.seqs):  # nothing of t is wanted any more
             return False
         return bm.num_free_blocks >= min_free_blocks(len(sch.running), sch.max_num_batched_tokens, bm.block_size)
 
