@@ -5,8 +5,8 @@
 
 Model: Qwen2.5-0.5B's shapes with random weights (minikv/bench/throughput.py), bf16, paged engine,
 Triton attention, CUDA graphs, max_num_seqs 256, budget 16,384 tokens. One engine serves every run;
-`llm.async_scheduling` is switched between runs while it is idle, so both modes share the pool, the
-captured graphs and the warm caches.
+`llm.async_scheduling` is switched between runs (a property: it finishes a step in flight first), so
+both modes share the pool, the captured graphs and the warm caches.
 
 1. correctness: a smaller workload (48 requests, 50-200 tokens in and out, a few of 1 token) greedy and
    seeded-sampled (T=0.6, top-p 0.95), overlap on vs off: requests with identical tokens. A

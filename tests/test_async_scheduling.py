@@ -64,6 +64,23 @@ def test_the_default_is_off_on_a_cpu_on_for_a_paged_gpu_engine_and_stats_say_whi
         LLM("tiny-random", kv_backend="paged", async_scheduling="yes")
 
 
+def test_switching_it_mid_run_finishes_the_step_in_flight_first(pair):
+    off, _ = pair
+    llm = tiny(True)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, mixed_params())]
+    for i in range(8):
+        llm.step()
+        if i in (2, 5):
+            llm.async_scheduling = not llm.async_scheduling
+            assert llm._inflight is None and llm.stats()["config"]["async_scheduling"] is (i == 5)
+    while llm.has_unfinished():
+        llm.step()
+    assert [s.output_token_ids for s in seqs] == [t for t, _, _ in outputs(off, PROMPTS, mixed_params())]
+    assert_clean(llm)
+    with pytest.raises(ValueError, match="must be True or False"):
+        llm.async_scheduling = None
+
+
 def test_same_tokens_greedy_and_seeded_sampling_and_every_block_back(pair):
     off, on = pair
     want = outputs(off, PROMPTS, mixed_params())

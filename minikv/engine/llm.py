@@ -248,7 +248,7 @@ class LLM:
         self._listeners: dict[int, tuple[deque, int]] = {}  # root seq_id -> (its stream's events, prompt index)
         self._requests: dict[int, Sequence] = {}  # root seq_id -> every request not done yet (for _recover)
         self._reset_pending = False
-        self.async_scheduling = cfg.async_scheduling
+        self._async_scheduling = cfg.async_scheduling
         self._inflight: InFlight | None = None  # the overlapped step launched but not yet read back
         self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
         self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
@@ -370,6 +370,22 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap (minikv/engine/overlap.py). It may be switched on a running engine:
+        the step in flight, if any, is finished first."""
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {on!r}")
+        if on and not self.is_paged:
+            raise ValueError(f"async_scheduling overlaps the steps of the paged engine, not {self.kv_backend!r}")
+        with self._lock:
+            self._drain()
+            self._async_scheduling = on
 
     @property
     def is_paged(self) -> bool:
@@ -564,7 +580,7 @@ class LLM:
                 raise
 
     def _step(self) -> list[tuple[Sequence, int, str]]:
-        if self.async_scheduling:
+        if self._async_scheduling:
             return self._step_overlapped()
         batch = self._schedule()
         if not batch:
@@ -984,7 +1000,7 @@ class LLM:
         out: dict = {"kv_backend": self.kv_backend, "overlapped_steps": self.num_overlapped_steps,
                      "config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
                                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks,
-                                "async_scheduling": cfg.async_scheduling, "chosen": dict(cfg.chosen)}}
+                                "async_scheduling": self.async_scheduling, "chosen": dict(cfg.chosen)}}
         if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
             pool = self.backend.pool
