@@ -960,7 +960,8 @@ class LLM:
         self.block_manager.offload.reset_stats()
 
     def _holds_blocks(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.swapped)
+        sch = self.scheduler
+        return bool(sch.running or sch.swapped or sch.finishing)
 
     def pin_prefix(self, prompt: Prompt) -> int:
         """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.
