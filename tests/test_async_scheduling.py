@@ -131,6 +131,23 @@ def test_chunked_prefill_beside_decodes_overlaps_and_matches():
     assert_clean(on)
 
 
+def test_decode_steps_through_the_graphs_static_buffers_get_their_fed_ids():
+    """The graph path copies input ids into static buffers: the fed ids must be in place before."""
+    from minikv.engine.cuda_graph import DecodeGraphs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(device=device, dtype=torch.float32, attention="triton", cuda_graphs=False, max_model_len=96)
+    off, on = tiny(False, **kw), tiny(True, **kw)
+    for llm in (off, on):
+        llm.runner.decode_graphs = DecodeGraphs(llm.model, llm.backend, llm.device, llm.block_size,
+                                                llm.scheduler.max_num_seqs, llm.max_model_len,
+                                                llm.config.vocab_size, capture=device == "cuda")
+    want = outputs(off, PROMPTS, mixed_params())
+    assert outputs(on, PROMPTS, mixed_params()) == want
+    assert on.num_overlapped_steps > 5
+    assert_clean(on)
+
+
 class BatchLog:
     """An observer: the sequences of every scheduled batch, and each request's events as published."""
 
@@ -247,6 +264,36 @@ def test_a_fault_inside_an_overlapped_step_leaves_the_engine_sound():
         assert_clean(llm)
         llm.runner.forward = forward
         assert outputs(llm, PROMPTS, mixed_params()) == want
+
+
+def test_a_request_whose_sampling_fails_ends_alone_in_an_overlapped_step(monkeypatch):
+    import minikv.engine.llm as llm_module
+
+    def failing(real):
+        def sample(logits, params, keys):  # a request with top_k=7 cannot be sampled (a stand-in fault)
+            if any(p.top_k == 7 for p in params):
+                raise FloatingPointError("probabilities are nan")
+            return real(logits, params, keys)
+        return sample
+
+    for name in ("sample", "sample_on_device"):
+        monkeypatch.setattr(llm_module, name, failing(getattr(llm_module, name)))
+    bad = SamplingParams(max_tokens=5, top_k=7, temperature=1.0)
+    good = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=4, temperature=0.8, seed=2,
+                                                                          ignore_eos=True)]
+    got = []
+    for on in (False, True):
+        llm = tiny(on)
+        first = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[:2], good)]
+        llm.step()
+        llm.step()
+        failed = llm.add_request(PROMPTS[2], bad)  # joins a batch already decoding
+        while llm.has_unfinished():
+            llm.step()
+        assert failed.finish_reason == "error" and failed.output_token_ids == []
+        got.append([s.output_token_ids for s in first])
+        assert_clean(llm)
+    assert got[0] == got[1]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
