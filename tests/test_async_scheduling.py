@@ -210,6 +210,33 @@ def test_requests_arriving_while_others_decode_and_an_abort(pair):
     assert len(results[1][1][0]) == 5  # b had sampled 5 tokens when it was aborted, in both modes
 
 
+def test_an_observer_that_aborts_a_request_mid_step_leaves_the_engine_sound():
+    """on_schedule of step t+1 runs while step t's tokens are placeholders: an abort there drops the
+    placeholder; the others run on unchanged."""
+    want = outputs(tiny(False), PROMPTS[:3], mixed_params()[:3])
+    llm = tiny(True)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[:3], mixed_params()[:3])]
+
+    class AbortAtThirdSchedule:
+        calls = 0
+
+        def on_schedule(self, engine, batch) -> None:
+            self.calls += 1
+            if self.calls == 3:
+                engine.abort(seqs[1])
+            if self.calls == 5:  # every request at once: the step in flight computes nothing wanted
+                for seq in seqs:
+                    engine.abort(seq)
+
+    llm.add_observer(AbortAtThirdSchedule())
+    while llm.has_unfinished():
+        llm.step()
+    for seq, (tokens, _, _) in zip(seqs, want):
+        assert PLACEHOLDER not in seq.output_token_ids and seq.output_token_ids == tokens[:len(seq.output_token_ids)]
+    assert seqs[1].finish_reason == "abort" and len(seqs[1].output_token_ids) < len(want[1][0])
+    assert_clean(llm)
+
+
 def test_an_abort_of_a_stream_mid_run_returns_every_block(pair):
     off, on = pair
     got = []

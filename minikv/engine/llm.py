@@ -621,7 +621,7 @@ class LLM:
             delta = self._append(seq, tok)
             self._publish(seq, tok, delta)
             events.append((seq, tok, delta))
-        self.scheduler.update(without_finished(batch) if len(live) < len(batch.seqs) else batch)
+        self.scheduler.update(without_finished(batch))
         for search in searches:
             search.advance(self.scheduler)
         return events
@@ -660,7 +660,6 @@ class LLM:
             raise RuntimeError(f"an overlapped step preempted {[s.request_id for s in nxt_batch.preempted]}, "
                                "which min_free_blocks (minikv/engine/overlap.py) should rule out")
         if nxt_batch:
-            self._notify("on_schedule", nxt_batch)
             row_of = {seq.seq_id: j for j, seq in enumerate(t.seqs) if not seq.is_finished}
             fed = [(i, row_of[seq.seq_id]) for i, seq in enumerate(nxt_batch.seqs) if seq.seq_id in row_of]
             prepared = self.runner.prepare_step(nxt_batch, fed)
@@ -669,7 +668,9 @@ class LLM:
         host = self._copy_to_host(ids, t)
         nxt = self._launch(nxt_batch, prepared, ids) if prepared is not None else None
         self._inflight = nxt
-        self.num_overlapped_steps += nxt is not None
+        if nxt is not None:
+            self.num_overlapped_steps += 1
+            self._notify("on_schedule", nxt_batch)  # after the launch: an observer's abort is deferred as usual
         # 4. only now wait for t's ids; append them (stop rules, text, events) while t+1 runs
         t.wait()
         events = self._finish_overlapped(t, host.tolist(), nxt)
@@ -727,8 +728,10 @@ class LLM:
             if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
                 continue  # finished before t's ids were wanted (aborted, or a wasted row): nothing to add
             seq.output_token_ids.pop()
-            if seq.is_finished or tok is None:  # its sampling failed (finish_reason "error")
+            if tok is None:  # its sampling failed (finish_reason "error")
                 self._publish(seq, None, "")
+            elif seq.is_finished:  # aborted during this step (by an observer): abort() did the rest
+                continue
             else:
                 delta = self._append(seq, tok)
                 self._publish(seq, tok, delta)
@@ -917,8 +920,9 @@ class LLM:
                 elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
                     self.scheduler.abort(s)
             self._requests.pop(seq.seq_id, None)
-            if inflight is not None and all(s.is_finished for s in inflight.batch.seqs):
+            if inflight is not None and not self._placeholders and all(s.is_finished for s in inflight.batch.seqs):
                 self._drain()  # the step in flight computes nothing wanted: wait for it, free its blocks
+                # (not from inside a step, from an observer: the step drains it when it is done)
 
     # ---- prefix cache (rung 6) ----------------------------------------------------------------
     def _need_prefix_cache(self, what: str) -> PrefixCache:
