@@ -314,11 +314,11 @@ def test_a_request_whose_sampling_fails_ends_alone_in_an_overlapped_step(monkeyp
         first = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[:2], good)]
         llm.step()
         llm.step()
-        failed = llm.add_request(PROMPTS[2], bad)  # joins a batch already decoding
+        events = [event_key(e) for e in llm.stream([PROMPTS[2], PROMPTS[3]], [bad, good[0]])]  # joins the decodes
         while llm.has_unfinished():
             llm.step()
-        assert failed.finish_reason == "error" and failed.output_token_ids == []
-        got.append([s.output_token_ids for s in first])
+        assert [e for e in events if e[0] == 0] == [(0, 0, None, "", True, "error")]  # one event: the failure
+        got.append(([s.output_token_ids for s in first], events))
         assert_clean(llm)
     assert got[0] == got[1]
 

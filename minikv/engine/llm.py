@@ -605,7 +605,8 @@ class LLM:
     def _finish_step(self, batch: ScheduledBatch, logits: torch.Tensor, seqs: list[Sequence]
                      ) -> list[tuple[Sequence, int, str]]:
         """The plain end of a step: sample `seqs` (the sampling rows of `logits`), append, update."""
-        live = [i for i, s in enumerate(seqs) if not s.is_finished]  # finished: a wasted row (overlap)
+        ran = without_finished(batch)  # finished already: a wasted row (overlap) or aborted meanwhile
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
         if len(live) < len(seqs):
             seqs, logits = [seqs[i] for i in live], logits[live]
         searches = []
@@ -621,7 +622,7 @@ class LLM:
             delta = self._append(seq, tok)
             self._publish(seq, tok, delta)
             events.append((seq, tok, delta))
-        self.scheduler.update(without_finished(batch))
+        self.scheduler.update(ran)  # the sequences that finish now are still in it: their blocks get cached
         for search in searches:
             search.advance(self.scheduler)
         return events
@@ -703,6 +704,7 @@ class LLM:
             return sample_on_device(t.logits, [s.params for s in t.seqs], t.keys)
         except Exception:  # noqa: BLE001  _sample finds whose row it is
             tokens = self._sample(t.logits, t.seqs, t.keys)
+            t.failed_rows = {i for i, tok in enumerate(tokens) if tok is None}
             return torch.tensor([0 if tok is None else tok for tok in tokens]).to(t.logits.device)
 
     def _copy_to_host(self, ids: torch.Tensor, t: InFlight) -> torch.Tensor:
@@ -724,11 +726,11 @@ class LLM:
         but runs in t+1 keeps its blocks until t+1 is done on the device."""
         in_next = {id(seq) for seq in nxt.batch.seqs} if nxt is not None else set()
         events = []
-        for seq, tok in zip(t.seqs, tokens):
+        for i, (seq, tok) in enumerate(zip(t.seqs, tokens)):
             if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
                 continue  # finished before t's ids were wanted (aborted, or a wasted row): nothing to add
             seq.output_token_ids.pop()
-            if tok is None:  # its sampling failed (finish_reason "error")
+            if i in t.failed_rows:  # its sampling failed (finish_reason "error")
                 self._publish(seq, None, "")
             elif seq.is_finished:  # aborted during this step (by an observer): abort() did the rest
                 continue

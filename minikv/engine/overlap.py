@@ -34,11 +34,15 @@ is wasted, its token discarded, and the sequence leaves the running queue at onc
 only after t+1 is done on the device (`InFlight.free_after`): a block the device may still write is
 never handed out again. An abort between steps is deferred the same way.
 
-Overlap is only used where it is simple and right (`can_overlap`): no beam search, no forks still to
-make (n > 1 samples fork when their prompt is done), nothing swapped out, no offload store (its loads
-copy blocks outside the step), no deferred prefix-cache reset, and enough free blocks that step t+1
-cannot preempt anyone (a preempted sequence would leave with a placeholder as its last token).
-Otherwise the step in flight finishes the plain way first and the next step is scheduled as usual.
+Overlap is only used where it is simple and right (`LLM._can_overlap`): no beam search, no forks
+still to make (n > 1 samples fork when their prompt is done), nothing swapped out, no offload store
+(its loads copy blocks outside the step), no deferred prefix-cache reset, and enough free blocks that
+step t+1 cannot preempt anyone (`min_free_blocks`: a preempted sequence would leave with a
+placeholder as its last token). Otherwise the step in flight finishes the plain way first and the
+next step is scheduled as usual. Steps that only run prefill chunks (nothing sampled) overlap too.
+
+Observers hear `on_schedule` of step t+1 once it is launched, before `on_step` of step t: in the
+batch they see, the sequences of step t end with a PLACEHOLDER token.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class InFlight:
     seqs: list[Sequence]  # the sequences of the sampling rows, in row order
     keys: list[int]  # each row's draw key, taken when the step was prepared
     free_after: list[Sequence] = field(default_factory=list)  # finished; blocks go back once the step is done
+    failed_rows: set[int] = field(default_factory=set)  # rows whose sampling failed (finish_reason "error")
     done: torch.cuda.Event | None = None  # recorded after the step's sampled ids were copied to the host
 
     def wait(self) -> None:
