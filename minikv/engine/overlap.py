@@ -23,6 +23,9 @@ One engine call (`LLM.step`) with a step t in flight:
        launched with its fed rows gathered from t's ids;
     4. the host waits for t's ids only now, writes them over the placeholders, applies the stop rules,
        detokenizes and publishes the events of t, while t+1 runs. Step t+1 stays in flight.
+t is sampled only after t+1 is prepared: top-k / top-p rows wait for the device inside the sampler
+(did each row's set fit among its candidates?), and there that wait costs nothing, as the host has
+nothing left to do before the launch.
 
 Every call still returns the events of exactly one step, so `step()` keeps its meaning (one step's
 tokens, at most one per sequence). One thing moves: a request added between two calls is scheduled
