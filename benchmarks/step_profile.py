@@ -11,8 +11,9 @@ top-p 0.95), paged + Triton + CUDA graphs on a GPU (paged + torch on a CPU). Aft
                       + sample (waits for the device, then the ids come back) + rest (append, update)
 
 Each phase is timed on the host by wrapping the engine's own functions (Scheduler.schedule,
-ModelRunner.prepare, ModelRunner.run, the sampler), so the split is the same for any engine version
-that has these names. The sample phase is where the host waits for the device: a step whose device
+ModelRunner.prepare_step or prepare, ModelRunner.run, the sampler), so the split is the same for any
+engine version that has these names. Async scheduling (where the engine has it) is turned off: the
+phases are those of the plain step; benchmarks/async_scheduling_gpu.py measures the overlapped one. The sample phase is where the host waits for the device: a step whose device
 time is smaller than its wall time is host-bound. On a GPU, torch.profiler then records the same
 number of steps and sums kernel time per step, grouped by kernel family.
 
@@ -59,7 +60,8 @@ class PhaseTimer:
         self.sync = sync
         self.llm = llm
         self._wrap(llm.scheduler, "schedule", "schedule")
-        self._wrap(llm.runner, "prepare", "prepare")
+        # the batch's tensors: prepare_step where the runner has it (run calls it), prepare before that
+        self._wrap(llm.runner, "prepare_step" if hasattr(llm.runner, "prepare_step") else "prepare", "prepare")
         self._wrap(llm.runner, "run", "run")  # prepare's time is taken out of it
         self._wrap(llm_mod, "sample", "sample")
 
@@ -151,6 +153,8 @@ def run(args) -> dict:
             options.update(attention="torch", num_blocks=4096)
         for mode in args.modes.split(","):
             llm = LLM(str(ckpt), **options)
+            if hasattr(type(llm), "async_scheduling"):  # the phases of the plain step, one after the other
+                llm.async_scheduling = False
             extra = {} if mode == "greedy" else dict(temperature=0.6, top_p=0.95)
             for p, n in requests:
                 llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **extra))

@@ -31,6 +31,7 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
 
 def _tiny_llm(**kw) -> LLM:
     kw.setdefault("cuda_graphs", False)  # the tests attach their own DecodeGraphs
+    kw.setdefault("async_scheduling", False)  # the batch sizes below are the plain step's (no wasted rows)
     return LLM("tiny-random", device=DEVICE, dtype=torch.float32, kv_backend="paged", attention="triton",
                block_size=8, num_blocks=64, max_model_len=96, max_num_batched_tokens=32, **kw)
 

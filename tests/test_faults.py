@@ -128,14 +128,15 @@ def test_requests_of_another_caller_survive_a_fault_and_finish_right():
 def test_a_request_whose_sampling_fails_ends_alone_and_the_engine_serves_on(monkeypatch):
     import minikv.engine.llm as llm_module
 
-    real = llm_module.sample
+    def failing(real):
+        def sample(logits, params, generators):  # a request with top_k=7 cannot be sampled (a stand-in fault)
+            if any(p.top_k == 7 for p in params):
+                raise FloatingPointError("probabilities are nan")
+            return real(logits, params, generators)
+        return sample
 
-    def sample(logits, params, generators):  # a request with top_k=7 cannot be sampled (a stand-in fault)
-        if any(p.top_k == 7 for p in params):
-            raise FloatingPointError("probabilities are nan")
-        return real(logits, params, generators)
-
-    monkeypatch.setattr(llm_module, "sample", sample)
+    for name in ("sample", "sample_on_device"):  # the plain step's sampler and the overlapped step's
+        monkeypatch.setattr(llm_module, name, failing(getattr(llm_module, name)))
     llm = engine("recompute", "hash")
     want = engine("recompute", "hash").generate(PROMPTS[:1], SamplingParams(max_tokens=5, n=2, temperature=1.0,
                                                                             seed=3))[0]

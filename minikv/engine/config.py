@@ -221,6 +221,7 @@ class EngineConfig:
     attention: str | None = None
     kv_layout: str | None = None
     cuda_graphs: bool | None = None
+    async_scheduling: bool | None = None  # overlap step t+1's host work with step t on the device (paged)
     kv_cache_dtype: str = "auto"  # what the pool stores: "auto" (the model's dtype), "int8" or "fp8" (e4m3)
     fused_ops: bool | None = None  # the model's fused Triton kernels and merged matmuls; None: on a GPU only
     # prefix caching (rung 6)
@@ -287,6 +288,14 @@ class EngineConfig:
         if self.kv_quantizer is not None and self.cuda_graphs:
             raise ValueError("kv_quantizer runs your torch function at every store, which a CUDA graph cannot "
                              "replay; set cuda_graphs=False to use it")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None (on for a paged engine on a GPU), "
+                             f"got {self.async_scheduling!r}")
+        if self.async_scheduling and not self.is_paged:
+            raise ValueError(f"async_scheduling overlaps the steps of the paged engine, but kv_backend is "
+                             f"{self.kv_backend!r}; use kv_backend='paged' or async_scheduling=False")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.is_paged and self.device.type == "cuda"
         if self.cuda_graphs is None:
             self.cuda_graphs = (self.device.type == "cuda" and self.attention == "triton"
                                 and self.kv_quantizer is None)

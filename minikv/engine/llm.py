@@ -31,6 +31,7 @@ from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
 from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, fingerprint_tensors, store_identity
+from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ModelShape
 from minikv.engine.cuda_graph import DecodeGraphs
@@ -38,9 +39,10 @@ from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
+from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
 from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
-from minikv.engine.sampler import draw_key, sample
+from minikv.engine.sampler import draw_key, sample, sample_on_device
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -79,6 +81,11 @@ def _done(seq: Sequence) -> bool:
 def _key(seq: Sequence) -> int:
     """The key of the draw seq makes now: its seed and the position of the token it samples."""
     return draw_key(seq.seed, len(seq.output_token_ids))
+
+
+def _keys(seqs: list[Sequence]) -> list[int]:
+    """The draw keys of these sequences (greedy ones draw nothing: 0)."""
+    return [0 if s.params.greedy else _key(s) for s in seqs]
 
 
 _said: set[str] = set()
@@ -152,7 +159,10 @@ class LLM:
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
-        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/quant.py).
+        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/quant.py),
+        async_scheduling (the host schedules and prepares step t+1 while the device runs step t; None:
+        on for a paged engine on a GPU, off on a CPU, where True still runs the same code path; see
+        minikv/engine/overlap.py).
 
         Model: fused_ops (each layer's residual adds, RMSNorms, rotary embedding and SiLU-and-mul as
         Triton kernels, q/k/v and gate/up as one matmul each; default on a GPU, off on a CPU, where the
@@ -243,6 +253,11 @@ class LLM:
         self._listeners: dict[int, tuple[deque, int]] = {}  # root seq_id -> (its stream's events, prompt index)
         self._requests: dict[int, Sequence] = {}  # root seq_id -> every request not done yet (for _recover)
         self._reset_pending = False
+        self._async_scheduling = cfg.async_scheduling
+        self._inflight: InFlight | None = None  # the overlapped step launched but not yet read back
+        self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
+        self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
+        self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
         {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}[cfg.kv_backend](cfg)
         graphs = None
         if cfg.cuda_graphs:
@@ -362,6 +377,22 @@ class LLM:
         self.close()
 
     @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap (minikv/engine/overlap.py). It may be switched on a running engine:
+        the step in flight, if any, is finished first."""
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {on!r}")
+        if on and not self.is_paged:
+            raise ValueError(f"async_scheduling overlaps the steps of the paged engine, not {self.kv_backend!r}")
+        with self._lock:
+            self._drain()
+            self._async_scheduling = on
+
+    @property
     def is_paged(self) -> bool:
         """A paged pool (rungs 4-7): block tables, the block manager, prefix caching, forks."""
         return self.engine_config.is_paged
@@ -463,7 +494,8 @@ class LLM:
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still to run, or an overlapped step still on the device (its blocks still held)."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
                ) -> Iterator[StreamEvent]:
@@ -553,6 +585,16 @@ class LLM:
                 raise
 
     def _step(self) -> list[tuple[Sequence, int, str]]:
+        if self._async_scheduling:
+            return self._step_overlapped()
+        batch = self._schedule()
+        if not batch:
+            return []
+        logits, rows = self.runner.run(batch)
+        return self._end_step(batch, self._finish_step(batch, logits, [batch.seqs[r] for r in rows]))
+
+    def _schedule(self) -> ScheduledBatch:
+        """The next step's batch (empty when nothing is left to run); observers see it."""
         batch = self.scheduler.schedule()
         while not batch and self.is_paged and self.scheduler.preempt_stalled():
             batch = self.scheduler.schedule()  # stalled beams made room for a waiting sequence
@@ -561,15 +603,22 @@ class LLM:
                 raise RuntimeError(f"the scheduler could run nothing this step while requests wait "
                                    f"({self.scheduler.__class__.__name__}: {self.stats()}); is the block allocator "
                                    "returning freed blocks?")
-            return []
+            return batch
         self._notify("on_schedule", batch)
-        logits, rows = self.runner.run(batch)
-        seqs = [batch.seqs[r] for r in rows]
+        return batch
+
+    def _finish_step(self, batch: ScheduledBatch, logits: torch.Tensor, seqs: list[Sequence]
+                     ) -> list[tuple[Sequence, int, str]]:
+        """The plain end of a step: sample `seqs` (the sampling rows of `logits`), append, update."""
+        ran = without_finished(batch)  # finished already: a wasted row (overlap) or aborted meanwhile
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if len(live) < len(seqs):
+            seqs, logits = [seqs[i] for i in live], logits[live]
         searches = []
         if self.is_paged:
             seqs, logits = fork_samples(self.scheduler, seqs, logits, self._generator)  # n > 1: prompt done
             seqs, logits, searches = take_beam_rows(seqs, logits)  # beams are not sampled: they are ranked
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, _keys(seqs))
         events = []
         for seq, tok in zip(seqs, tokens):
             if tok is None:  # its sampling failed: it alone ends, with the reason
@@ -578,30 +627,157 @@ class LLM:
             delta = self._append(seq, tok)
             self._publish(seq, tok, delta)
             events.append((seq, tok, delta))
-        self.scheduler.update(batch)
+        self.scheduler.update(ran)  # the sequences that finish now are still in it: their blocks get cached
+        for search in searches:
+            search.advance(self.scheduler)
+        return events
+
+    def _end_step(self, batch: ScheduledBatch, events: list) -> list[tuple[Sequence, int, str]]:
         for seq in batch.seqs:
             if _done(seq.root) and (seq.root.beam_search is None or seq.root.beam_search.done):
                 self._requests.pop(seq.root.seq_id, None)
-        for search in searches:
-            search.advance(self.scheduler)
         if self._reset_pending and not self._holds_blocks():
             self.reset_prefix_cache()  # the deferred reset: no request holds blocks any more
         self._notify("on_step", batch, events)
         return events
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+    # ---- the overlapped step (minikv/engine/overlap.py) -------------------------------------------
+    def _step_overlapped(self) -> list[tuple[Sequence, int, str]]:
+        """One step's events, with the next step already running on the device (see overlap.py)."""
+        t = self._inflight
+        if t is None:
+            batch = self._schedule()
+            if not batch:
+                return []
+            t = self._launch(batch, self.runner.prepare_step(batch))
+        self._inflight = None
+        if not self._can_overlap(t):
+            events = self._finish_step(t.batch, t.logits, t.seqs)  # waits for the device: t is done after it
+            return self._release(t, events)
+        # 1. t's samples are one token each, still on the device: placeholders, and t counts as computed
+        for seq in t.seqs:
+            if not seq.is_finished:
+                seq.output_token_ids.append(PLACEHOLDER)
+                self._placeholders.append(seq)
+        self.scheduler.update(without_finished(t.batch))
+        # 2. schedule and prepare t+1 while the device runs t
+        nxt_batch, prepared = self.scheduler.schedule(), None
+        if nxt_batch.preempted:  # min_free_blocks rules this out; a preempted sequence may hold a placeholder
+            raise RuntimeError(f"an overlapped step preempted {[s.request_id for s in nxt_batch.preempted]}, "
+                               "which min_free_blocks (minikv/engine/overlap.py) should rule out")
+        if nxt_batch:
+            row_of = {seq.seq_id: j for j, seq in enumerate(t.seqs) if not seq.is_finished}
+            fed = [(i, row_of[seq.seq_id]) for i, seq in enumerate(nxt_batch.seqs) if seq.seq_id in row_of]
+            prepared = self.runner.prepare_step(nxt_batch, fed)
+        # 3. sample t on the device, start copying its ids to the host, launch t+1 fed by them
+        ids = self._sample_on_device(t)
+        host = self._copy_to_host(ids, t)
+        nxt = self._launch(nxt_batch, prepared, ids) if prepared is not None else None
+        self._inflight = nxt
+        if nxt is not None:
+            self.num_overlapped_steps += 1
+            self._notify("on_schedule", nxt_batch)  # after the launch: an observer's abort is deferred as usual
+        # 4. only now wait for t's ids; append them (stop rules, text, events) while t+1 runs
+        t.wait()
+        events = self._finish_overlapped(t, host.tolist(), nxt)
+        if nxt is not None and all(seq.is_finished for seq in nxt.batch.seqs):
+            self._drain()  # nothing of t+1 is wanted: give its blocks back now, not a step later
+        return events
+
+    def _launch(self, batch: ScheduledBatch, prepared, fed_ids: torch.Tensor | None = None) -> InFlight:
+        """Queue a prepared step on the device; its sampling keys are taken now (placeholders included)."""
+        seqs = [batch.seqs[r] for r in prepared.sample_rows]
+        logits = self.runner.forward(batch, prepared, fed_ids)
+        return InFlight(batch, logits, seqs, _keys(seqs))
+
+    def _can_overlap(self, t: InFlight) -> bool:
+        """Can step t+1 be scheduled before t's tokens are known? (the cases in overlap.py's docstring)"""
+        sch, bm = self.scheduler, self.block_manager
+        if sch.swapped or bm.offload is not None or self._reset_pending:
+            return False
+        if any(s.beam_search is not None or s.num_pending_forks for s in t.seqs):
+            return False
+        if t.seqs and all(s.is_finished for s in t.seqs):  # nothing of t is wanted any more
+            return False
+        return bm.num_free_blocks >= min_free_blocks(len(sch.running), sch.max_num_batched_tokens, bm.block_size)
+
+    def _sample_on_device(self, t: InFlight) -> torch.Tensor:
+        """t's sampled ids as a device tensor. If batched sampling fails, rows are sampled one by one on
+        the host (a failing row ends alone, as in the plain step) and their ids sent back; a failed row
+        feeds id 0 into t+1, a wasted row."""
+        try:
+            return sample_on_device(t.logits, [s.params for s in t.seqs], t.keys)
+        except Exception:  # noqa: BLE001  _sample finds whose row it is
+            tokens = self._sample(t.logits, t.seqs, t.keys)
+            t.failed_rows = {i for i, tok in enumerate(tokens) if tok is None}
+            return torch.tensor([0 if tok is None else tok for tok in tokens]).to(t.logits.device)
+
+    def _copy_to_host(self, ids: torch.Tensor, t: InFlight) -> torch.Tensor:
+        """Start copying t's sampled ids into pinned host memory and record when they are there."""
+        if ids.device.type != "cuda":
+            return ids
+        n = ids.numel()
+        if self._token_host.numel() < n:
+            self._token_host = torch.empty(max(n, self.scheduler.max_num_seqs), dtype=torch.long, pin_memory=True)
+        host = self._token_host[:n]
+        host.copy_(ids, non_blocking=True)
+        t.done = torch.cuda.Event()
+        t.done.record()
+        return host
+
+    def _finish_overlapped(self, t: InFlight, tokens: list[int], nxt: InFlight | None
+                           ) -> list[tuple[Sequence, int, str]]:
+        """t's tokens replace the placeholders: stop rules, text, events. A sequence that finishes here
+        but runs in t+1 keeps its blocks until t+1 is done on the device."""
+        in_next = {id(seq) for seq in nxt.batch.seqs} if nxt is not None else set()
+        events = []
+        for i, (seq, tok) in enumerate(zip(t.seqs, tokens)):
+            if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
+                continue  # finished before t's ids were wanted (aborted, or a wasted row): nothing to add
+            seq.output_token_ids.pop()
+            if i in t.failed_rows:  # its sampling failed (finish_reason "error")
+                self._publish(seq, None, "")
+            elif seq.is_finished:  # aborted during this step (by an observer): abort() did the rest
+                continue
+            else:
+                delta = self._append(seq, tok)
+                self._publish(seq, tok, delta)
+                events.append((seq, tok, delta))
+            if seq.is_finished:
+                keep = id(seq) in in_next
+                self.scheduler.finish(seq, keep_blocks=keep)
+                if keep:
+                    nxt.free_after.append(seq)
+        self._placeholders = []
+        return self._release(t, events)
+
+    def _release(self, t: InFlight, events: list) -> list[tuple[Sequence, int, str]]:
+        """t is done on the device: the blocks of the sequences that finished while it ran go back."""
+        t.wait()
+        for seq in t.free_after:
+            self.scheduler.release(seq)
+        return self._end_step(t.batch, events)
+
+    def _drain(self) -> list[tuple[Sequence, int, str]]:
+        """Finish the step in flight the plain way (nothing is scheduled behind it)."""
+        t, self._inflight = self._inflight, None
+        if t is None:
+            return []
+        return self._release(t, self._finish_step(t.batch, t.logits, t.seqs))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], keys: list[int]) -> list[int | None]:
         """Sample the batch at once; if that raises, row by row, so that a failure ends only the
         requests it belongs to (finish_reason "error", the reason in `seq.error`), not the others."""
         if not seqs:
             return []
         try:
-            return sample(logits, [s.params for s in seqs], [0 if s.params.greedy else _key(s) for s in seqs])
+            return sample(logits, [s.params for s in seqs], keys)
         except Exception:  # noqa: BLE001  find whose row it is
             pass
         tokens: list[int | None] = []
         for i, seq in enumerate(seqs):
             try:
-                tokens.append(sample(logits[i:i + 1], [seq.params], [_key(seq)])[0])
+                tokens.append(sample(logits[i:i + 1], [seq.params], [keys[i]])[0])
             except Exception as e:  # noqa: BLE001  this request's failure, reported on it
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
                 seq.error = f"sampling failed: {type(e).__name__}: {e}"
@@ -620,9 +796,22 @@ class LLM:
             or half-way through a swap or a fork)                    its tokens, as after a preemption
             beam searches in flight                              ->  aborted (their ranking state may be
                                                                      half-advanced)
+            an overlapped step in flight, placeholder tokens     ->  the device is drained first, the
+                                                                     placeholders dropped (sampled again)
         Tokens already sampled stay: each came from correct logits. Nothing else is lost but time (and the
         prefix cache's content, which a fresh engine would not have either)."""
         self._reset_pending = False
+        if self._inflight is not None or self._placeholders:  # drain: the device finishes what it was given
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._inflight = None
+            for seq in self._placeholders:  # ids never read back: the sequence samples that token again
+                if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
+                    seq.output_token_ids.pop()
+            self._placeholders = []
+        if self.is_paged:
+            for seq in self.scheduler.finishing:  # their blocks belong to the pool about to be rebuilt
+                seq.block_table = []
         for root in list(self._requests.values()):
             search = root.beam_search
             if search is not None:
@@ -723,16 +912,24 @@ class LLM:
             raise ValueError(f"abort takes the Sequence that add_request returned, got {type(seq).__name__} {seq!r}")
         with self._lock:
             seq.num_pending_forks = 0  # samples not forked yet never will be
+            inflight = self._inflight
             for s in samples_of(seq):
                 if not s.is_finished:
                     s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
-                    self.scheduler.abort(s)
+                    if inflight is not None and any(s is x for x in inflight.batch.seqs):
+                        self.scheduler.finish(s, keep_blocks=True)  # the device may still write its blocks
+                        inflight.free_after.append(s)
+                    else:
+                        self.scheduler.abort(s)
                     held = flush(self.tokenizer, s.output_token_ids, s.text, s.params.stop)
                     s.text += held  # what the detokenizer held back is part of the text after all
                     self._publish(s, None, held)
                 elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
                     self.scheduler.abort(s)
             self._requests.pop(seq.seq_id, None)
+            if inflight is not None and not self._placeholders and all(s.is_finished for s in inflight.batch.seqs):
+                self._drain()  # the step in flight computes nothing wanted: wait for it, free its blocks
+                # (not from inside a step, from an observer: the step drains it when it is done)
 
     # ---- prefix cache (rung 6) ----------------------------------------------------------------
     def _need_prefix_cache(self, what: str) -> PrefixCache:
@@ -774,7 +971,8 @@ class LLM:
         self.block_manager.offload.reset_stats()
 
     def _holds_blocks(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.swapped or self.scheduler.loading)
+        sch = self.scheduler
+        return bool(sch.running or sch.swapped or sch.loading or sch.finishing)
 
     def pin_prefix(self, prompt: Prompt) -> int:
         """Keep the cached blocks of this prompt's prefix (a system prompt, say) from ever being evicted.
@@ -811,10 +1009,10 @@ class LLM:
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
         cfg = self.engine_config
-        out: dict = {"kv_backend": self.kv_backend,
+        out: dict = {"kv_backend": self.kv_backend, "overlapped_steps": self.num_overlapped_steps,
                      "config": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
                                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_blocks": cfg.num_blocks,
-                                "chosen": dict(cfg.chosen)}}
+                                "async_scheduling": self.async_scheduling, "chosen": dict(cfg.chosen)}}
         if self.is_paged:
             bm, sch = self.block_manager, self.scheduler
             pool = self.backend.pool

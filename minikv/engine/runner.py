@@ -13,11 +13,20 @@
 A step that only decodes (one token per sequence, every one sampled) goes instead through the CUDA
 graphs when the engine has them (minikv/engine/cuda_graph.py), which copy the same tensors into
 their static buffers and replay.
+
+`run` = `prepare_step` + `forward`. The engine's overlapped step (minikv/engine/overlap.py) calls
+them apart: it prepares step t+1 while the device still runs step t, whose sampled tokens are not
+on the host yet. Those rows are "fed": their input id is a placeholder on the host, and `forward`
+writes the real one from step t's sampled-ids tensor on the device before the model runs,
+
+    fed = [(batch row i, row j of step t's samples), ...]   ->   input_ids[query_start_loc[i]] = sampled[j]
+
+which is correct by stream order: step t's sampling kernels come before this copy on the same stream.
 """
 from __future__ import annotations
 
 from itertools import accumulate, chain
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -29,9 +38,24 @@ from minikv.engine.batch import ScheduledBatch
 SlotMappingFn = Callable[[list[int], list[int], int], list[int]]
 
 
-def _long(xs: list[int]) -> torch.Tensor:
-    """A Python list of ints as an int64 tensor, through numpy (far faster than torch.tensor on a list)."""
-    return torch.from_numpy(np.fromiter(xs, dtype=np.int64, count=len(xs)))
+def _long(xs: list[int]) -> np.ndarray:
+    """A Python list of ints as an int64 array (numpy: far faster than torch.tensor on a list)."""
+    return np.fromiter(xs, dtype=np.int64, count=len(xs))
+
+
+def _token_at(seq, position: int) -> int:
+    """seq.token_ids[position] without building token_ids (a new list of the whole sequence)."""
+    prompt = seq.prompt_token_ids
+    return prompt[position] if position < len(prompt) else seq.output_token_ids[position - len(prompt)]
+
+
+class PreparedStep(NamedTuple):
+    """A step's inputs on the device, the batch rows that sample, and where fed ids go (see the top)."""
+
+    inputs: BatchInputs
+    sample_rows: list[int]
+    fed_dst: torch.Tensor | None = None  # [F] token index in input_ids of each fed row
+    fed_src: torch.Tensor | None = None  # [F] its row in the previous step's sampled ids
 
 
 class ModelRunner:
@@ -49,20 +73,28 @@ class ModelRunner:
         self._turn = 0
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
-        """The step's tensors, and which sequences of the batch sample a token (rows of the logits).
+        """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
+        prepared = self.prepare_step(batch)
+        return prepared.inputs, prepared.sample_rows
+
+    def prepare_step(self, batch: ScheduledBatch, fed: list[tuple[int, int]] | None = None) -> PreparedStep:
+        """`prepare`, with the rows fed from the previous step's sampled ids (see the top of the file).
 
         Host work on every step, so lists become tensors through numpy (torch.tensor on a Python list
-        costs ~10x more), and a decode-only step skips the per-sequence slicing."""
+        costs ~10x more), a decode-only step skips the per-sequence slicing, and everything reaches the
+        device in one asynchronous copy: nothing here waits for the device."""
         seqs, starts, query_lens = batch.seqs, batch.starts, batch.num_new_tokens
         seq_lens = [st + n for st, n in zip(starts, query_lens)]
-        sample_rows = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens]
+        num_tokens = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs]
+        sample_rows = [i for i, (end, nt) in enumerate(zip(seq_lens, num_tokens)) if end == nt]
         cu = list(accumulate(query_lens, initial=0))
-        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start
-            ids = [s.token_ids[st] for s, st in zip(seqs, starts)]
+        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start (mostly the last)
+            ids = [(s.output_token_ids or s.prompt_token_ids)[-1] if end == nt else _token_at(s, end - 1)
+                   for s, end, nt in zip(seqs, seq_lens, num_tokens)]
             pos = _long(starts)
         else:
             ids = list(chain.from_iterable(s.token_ids[st:end] for s, st, end in zip(seqs, starts, seq_lens)))
-            pos = torch.from_numpy(np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)]))
+            pos = np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)])
         host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": _long(cu), "seq_lens": _long(seq_lens),
                 "logits_indices": _long([cu[i + 1] - 1 for i in sample_rows])}
         if self.block_size is not None:  # paged: block tables padded with -1, built from one flat array
@@ -70,23 +102,33 @@ class ModelRunner:
             tables = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)
             tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
                 chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(lens.sum()))
-            host["block_tables"] = torch.from_numpy(tables)
+            host["block_tables"] = tables
             host["slot_mapping"] = self._slot_mapping(batch, host)
         elif seqs[0].cache_row is not None:  # contiguous rows
             host["cache_rows"] = _long([s.cache_row for s in seqs])
-        inputs = BatchInputs(**self._to_device(host), query_lens_list=list(query_lens), seq_lens_list=seq_lens,
+        if fed:
+            for i, _ in fed:
+                if query_lens[i] != 1:
+                    raise ValueError(f"row {i} (request {seqs[i].request_id}) is fed from the previous step's "
+                                     f"sampled ids but runs {query_lens[i]} tokens; only a decode row (1 token) "
+                                     "can be fed")
+            host["fed_dst"] = _long([cu[i] for i, _ in fed])
+            host["fed_src"] = _long([j for _, j in fed])
+        on_device = self._to_device(host)
+        fed_dst, fed_src = on_device.pop("fed_dst", None), on_device.pop("fed_src", None)
+        inputs = BatchInputs(**on_device, query_lens_list=list(query_lens), seq_lens_list=seq_lens,
                              max_seq_len=max(seq_lens))
-        return inputs, sample_rows
+        return PreparedStep(inputs, sample_rows, fed_dst, fed_src)
 
-    def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, np.ndarray]) -> np.ndarray:
         """Physical slot of every new token: block_table[pos // block_size] * block_size + pos % block_size."""
         bs = self.block_size
         if self.slot_mapping_fn is None:  # vectorized over the whole batch
-            pos, lens = host["positions"], host["query_start_loc"].diff()
+            pos, lens = host["positions"], np.diff(host["query_start_loc"])
             if len(pos) == len(batch.seqs):  # one token per sequence
-                seq = torch.arange(len(batch.seqs))
+                seq = np.arange(len(batch.seqs))
             else:
-                seq = torch.repeat_interleave(torch.arange(len(batch.seqs)), lens)
+                seq = np.repeat(np.arange(len(batch.seqs)), lens)
             slots = host["block_tables"][seq, pos // bs] * bs + pos % bs
             if (slots < 0).any():  # a -1 past the end of a table: the block manager gave too few blocks
                 b = int(seq[slots < 0][0])
@@ -102,30 +144,30 @@ class ModelRunner:
                 raise ValueError(f"slot_mapping returned {len(got)} slots for {n} positions of request "
                                  f"{seq.request_id}; return one slot per position")
             slots += got
-        return torch.tensor(slots, dtype=torch.long)
+        return np.asarray(slots, dtype=np.int64)
 
-    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every int64 tensor of the step in ONE host-to-device copy (pinned on a GPU, so it does not
+    def _to_device(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Every int64 array of the step in ONE host-to-device copy (pinned on a GPU, so it does not
         wait), then seen as views. Each part starts on a 16-byte boundary, as kernels like it."""
-        parts = [(name, t.to(torch.long)) for name, t in host.items()]
-        sizes = [t.numel() + t.numel() % 2 for _, t in parts]
+        sizes = [a.size + a.size % 2 for a in host.values()]
         flat = self._staging_buffer(sum(sizes))
-        at = 0
-        for (_, t), size in zip(parts, sizes):
-            flat[at:at + t.numel()] = t.flatten()
+        staged, at = flat.numpy(), 0
+        for a, size in zip(host.values(), sizes):
+            staged[at:at + a.size] = a.ravel()
             at += size
         flat = flat.to(self.device, non_blocking=True)
         out, at = {}, 0
-        for (name, t), size in zip(parts, sizes):
-            out[name] = flat[at:at + t.numel()].view(t.shape)
+        for (name, a), size in zip(host.items(), sizes):
+            out[name] = flat[at:at + a.size].view(a.shape)
             at += size
         return out
 
     def _staging_buffer(self, n: int) -> torch.Tensor:
         """n int64 of host memory to stage a step's inputs. On a GPU: pinned (an asynchronous copy), and
         allocated once, not every step (pinning memory costs far more than the copy). Two buffers are
-        used in turn: a step's copy has long finished when its buffer comes round again, since every
-        step waits for its sampled tokens."""
+        used in turn: a step's copy has long finished when its buffer comes round again. The engine
+        waits for the sampled tokens of step t before it prepares step t + 2, even when it overlaps
+        (it prepares step t + 1 while step t runs), and those tokens come after step t's copy."""
         if self.device.type != "cuda":
             return torch.empty(n, dtype=torch.long)
         self._turn = 1 - self._turn
@@ -137,13 +179,24 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [len(sample_rows), vocab] float32, sample_rows)."""
+        prepared = self.prepare_step(batch)
+        return self.forward(batch, prepared), prepared.sample_rows
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, prepared: PreparedStep, fed_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Queue the prepared step on the device: the logits [len(sample_rows), vocab] float32 of its
+        sampling rows. fed_ids: the previous step's sampled ids (a device tensor) for the fed rows."""
         if batch.blocks_to_copy:  # copy-on-write: private copies of shared blocks this step writes into
             self.backend.pool.copy_blocks(batch.blocks_to_copy)
-        inputs, sample_rows = self.prepare(batch)
+        inputs, sample_rows = prepared.inputs, prepared.sample_rows
+        if prepared.fed_dst is not None:
+            if fed_ids is None:
+                raise ValueError("this step has rows fed from the previous step's sampled ids; pass them as fed_ids")
+            inputs.input_ids.index_copy_(0, prepared.fed_dst, fed_ids.index_select(0, prepared.fed_src))
         graphs = self.decode_graphs
         if graphs is not None and len(sample_rows) == len(batch.seqs) and graphs.fits(inputs):
-            return graphs.run(inputs), sample_rows
+            return graphs.run(inputs)
         meta = self.backend.prepare_metadata(inputs)
-        logits = self.model(inputs.input_ids, inputs.positions, meta, self.backend,
-                            logits_indices=inputs.logits_indices)
-        return logits, sample_rows
+        return self.model(inputs.input_ids, inputs.positions, meta, self.backend,
+                          logits_indices=inputs.logits_indices)

@@ -92,10 +92,18 @@ CANDIDATES = (64, 1024)  # a filtered row looks for its top-k / top-p set among 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
     """logits: [B, vocab] -> one token id per row. keys: each row's draw key (`draw_key`); greedy rows
     ignore theirs. Which rows filter is known on the host from `params`: no device round trip to ask."""
+    return sample_on_device(logits, params, keys).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> torch.Tensor:
+    """`sample`, with the chosen ids left on the logits' device (int64 [B]): the engine's overlapped
+    step feeds them straight into the next step's input ids and copies them to the host meanwhile.
+    Greedy and plain-temperature rows never wait for the device; rows with a top-k / top-p set wait
+    once to learn whether their set fit among the candidates (see `_sample_filtered`)."""
     greedy = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
-        return greedy.tolist()
+        return greedy
     dev, vocab = logits.device, logits.shape[-1]
     plain = [j for j, i in enumerate(sampled_rows) if params[i].top_k == 0 and params[i].top_p >= 1.0]
     filt = [j for j, i in enumerate(sampled_rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
@@ -106,18 +114,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) 
     packed = packed.to(dev, non_blocking=dev.type == "cuda")
     temperature, top_p, top_k = packed[:, :3].to(torch.int32).view(torch.float32).unbind(1)
     top_k, key = top_k.long(), packed[:, 3]
-    rows = torch.tensor(sampled_rows, device=dev)
+    rows = _index(sampled_rows, dev)
     scaled = logits.index_select(0, rows).float() / temperature[:, None]
     choice = torch.empty(len(sampled_rows), dtype=torch.long, device=dev)
     if plain:  # rows that filter nothing: the whole vocabulary
-        a = torch.tensor(plain, device=dev) if len(plain) < len(sampled_rows) else slice(None)
+        a = _index(plain, dev) if len(plain) < len(sampled_rows) else slice(None)
         choice[a] = gumbel_argmax(scaled[a], key[a], torch.arange(vocab, device=dev))
     if filt:
-        f = torch.tensor(filt, device=dev) if len(filt) < len(sampled_rows) else slice(None)
+        f = _index(filt, dev) if len(filt) < len(sampled_rows) else slice(None)
         max_k = max(params[sampled_rows[j]].top_k for j in filt)
         choice[f] = _sample_filtered(scaled[f], key[f], top_k[f], top_p[f], max_k)
     greedy[rows] = choice
-    return greedy.tolist()
+    return greedy
+
+
+def _index(rows: list[int], dev: torch.device) -> torch.Tensor:
+    """Row indexes on the device without waiting for it (`torch.tensor(rows, device=dev)` copies
+    synchronously, after every kernel queued before it)."""
+    return torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=dev.type == "cuda")
 
 
 def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

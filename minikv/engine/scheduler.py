@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.loading: list[Sequence] = []  # waiting for their prefix to come back from disk (rung 9)
+        self.finishing: list[Sequence] = []  # finished, blocks kept while a step on the device may write them
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_swaps = 0
@@ -319,10 +320,21 @@ class Scheduler:
             self._trace(seq, "finish")
         self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, a step still on
+        the device may write into them (overlapped steps, minikv/engine/overlap.py); it waits in
+        `finishing` until the engine calls `release(seq)` once that step is done."""
         self.running.remove(seq)
-        self.bm.free(seq)
+        if keep_blocks:
+            self.finishing.append(seq)
+        else:
+            self.bm.free(seq)
         self._trace(seq, "finish" if seq.finish_reason != "abort" else "abort")
+
+    def release(self, seq: Sequence) -> None:
+        """A finishing sequence's blocks go back: no step on the device uses them any more."""
+        self.finishing.remove(seq)
+        self.bm.free(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -349,8 +361,9 @@ class Scheduler:
             seq.block_table, seq.swap_table = [], []
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-        self.running, self.swapped, self.loading = [], deque(), []
+        self.running, self.swapped, self.loading, self.finishing = [], deque(), [], []
         self.waiting = deque(seqs)
 
     def all_sequences(self) -> list[Sequence]:
-        return list(self.waiting) + self.running + list(self.swapped) + self.loading
+        """Every sequence queued or holding blocks (loading and finishing ones included)."""
+        return list(self.waiting) + self.running + list(self.swapped) + self.loading + self.finishing
