@@ -1,36 +1,49 @@
 #!/bin/bash
-# The GPU measurements of the engine-speed work in one call: GPU tests, step profiles, throughput.
+# The GPU measurements of the engine-speed and tiered-store work, one call per part (each well inside
+# a 10-minute command). Run from this checkout's root on the GPU machine; results go to $OUT.
 #
-#   bash benchmarks/speed_gpu.sh qwen  BEFORE_DIR   (tests, step profiles after / before, 0.5B throughput)
-#   bash benchmarks/speed_gpu.sh llama              (Llama-3.1-8B shapes throughput)
+#   bash benchmarks/speed_gpu.sh step     GPU tests of the overlapped step and graphs; async scheduling
+#                                         on vs off; fused kernels on vs off; step profiles (fused off / on)
+#   bash benchmarks/speed_gpu.sh qwen     nano-vllm workload, Qwen2.5-0.5B shapes: greedy and sampled,
+#                                         defaults and tuned, beside transformers
+#   bash benchmarks/speed_gpu.sh llama    the same workload on Llama-3.1-8B shapes
+#   bash benchmarks/speed_gpu.sh tiers    tier copy bandwidth (batched vs per block vs a raw copy) and
+#                                         time to first token of returning turns
 #
-# Run from this checkout's root; BEFORE_DIR is an earlier commit's tree (`git archive <commit>`),
-# copied to /tmp/before with its kernels/ as minikv/kernels (what an install does), so that it
-# imports as `minikv` with its own kernels. Results go to $OUT.
+# Every script checks correctness before it times, and times its baseline in the same process.
 set -u
 NEW=$(pwd)
 OUT=${OUT:-/tmp/speed_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$NEW
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/card.txt"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null 2>&1 || echo "pip install failed"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/card_$1.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
-  | tee -a "$OUT/card.txt"
-
-if [ "$1" = qwen ]; then
-  mkdir -p /tmp/before && cp -r "$2/minikv" /tmp/before/ && cp -r "$2/kernels" /tmp/before/minikv/kernels
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_triton_backend.py \
-    tests/test_kernels.py -k "decode or cuda_graph or triton" 2>&1 | tail -4 | tee "$OUT/tests_gpu.log"
-  python3 benchmarks/step_profile.py --out "$OUT" --label after 2>&1 | grep -v Warning | tail -3
-  python3 benchmarks/step_profile.py --out "$OUT" --label after_split_from_bound --split-from-bound --modes greedy \
-    2>&1 | tail -2
-  (cd /tmp && PYTHONPATH=/tmp/before python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label before \
-    2>&1 | tail -3)
-  python3 -m minikv.bench.throughput --hf-cap 60 --cap 120 --out "$OUT/throughput_qwen.json" 2>&1 | grep "^\[bench\]" \
-    | cut -c1-330
-  (cd /tmp && PYTHONPATH=/tmp/before python3 "$NEW/benchmarks/sampling_throughput.py" --out "$OUT" --label before \
-    --num-requests 256 --cap 30 2>&1 | tail -3)
-else
-  python3 -m minikv.bench.throughput --shape llama-3.1-8b --hf-cap 60 --cap 120 --out "$OUT/throughput_llama8b.json" \
-    2>&1 | grep "^\[bench\]" | cut -c1-330
-fi
+  | tee -a "$OUT/card_$1.txt"
+cd /tmp  # the installed minikv, not the checkout
+case "$1" in
+  step)
+    (cd "$NEW" && timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py \
+       tests/test_async_scheduling.py -x 2>&1 | tail -5)
+    timeout 240 python3 "$NEW/benchmarks/async_scheduling_gpu.py" --out "$OUT/async_scheduling_gpu.json" 2>&1 \
+      | grep -v Warning | tail -25
+    timeout 60 python3 "$NEW/benchmarks/fused_ops_gpu.py" --out "$OUT/fused_ops_gpu.json" 2>&1 | tail -12
+    timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label fused_off --options '{"fused_ops": false}' \
+      2>&1 | tail -2
+    timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label fused_on 2>&1 | tail -2
+    ;;
+  qwen)
+    timeout 560 python3 -m minikv.bench.throughput --hf-cap 45 --cap 120 --out "$OUT/throughput_qwen.json" 2>&1 \
+      | grep "^\[bench\]" | cut -c1-330
+    ;;
+  llama)
+    timeout 560 python3 -m minikv.bench.throughput --shape llama-3.1-8b --hf-cap 45 --cap 150 \
+      --out "$OUT/throughput_llama8b.json" 2>&1 | grep "^\[bench\]" | cut -c1-330
+    ;;
+  tiers)
+    timeout 120 python3 "$NEW/benchmarks/tiers_bandwidth_gpu.py" --out "$OUT/tiers_bandwidth_gpu.json" 2>&1 | tail -20
+    timeout 300 python3 -m minikv.bench.tiers_ttft --model random-qwen2.5-0.5b --device cuda --attention triton \
+      --users 4 --turns 3 --doc-len 2048 --question-len 64 --out "$OUT/tiers_ttft_gpu.json" 2>&1 | tail -12
+    ;;
+esac
 ls -la "$OUT"

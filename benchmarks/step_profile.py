@@ -151,6 +151,8 @@ def run(args) -> dict:
                        max_num_batched_tokens=args.max_num_batched_tokens, device=dev, dtype=dtype)
         if cpu:
             options.update(attention="torch", num_blocks=4096)
+        options.update(json.loads(args.options))  # e.g. {"fused_ops": false}: the same run without a feature
+        record["options"] = options | {"dtype": str(dtype)}
         for mode in args.modes.split(","):
             llm = LLM(str(ckpt), **options)
             if hasattr(type(llm), "async_scheduling"):  # the phases of the plain step, one after the other
@@ -191,6 +193,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", type=int, default=150, help="steps run before measuring (prefills out of the way)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--options", default="{}", help='more LLM arguments as JSON, e.g. \'{"fused_ops": false}\'')
     ap.add_argument("--split-from-bound", action="store_true",
                     help="decode split ranges cut from max_seq_len under graphs too (the earlier way)")
     args = ap.parse_args(argv)
