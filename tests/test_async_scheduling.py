@@ -54,7 +54,7 @@ def mixed_params(max_tokens=(4, 9, 1, 12, 6, 7)) -> list[SamplingParams]:
 
 
 def test_the_default_is_off_on_a_cpu_on_for_a_paged_gpu_engine_and_stats_say_which():
-    assert LLM("tiny-random", kv_backend="paged").stats()["config"]["async_scheduling"] is False
+    assert LLM("tiny-random", device="cpu", kv_backend="paged").stats()["config"]["async_scheduling"] is False
     assert tiny(True).stats()["config"]["async_scheduling"] is True
     if torch.cuda.is_available():
         assert LLM("tiny-random", device="cuda", kv_backend="paged", num_blocks=64).async_scheduling is True
