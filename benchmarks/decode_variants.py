@@ -583,13 +583,14 @@ def merge_costs(c, clock) -> dict:
 
     def split_phase():  # the same launch as paged_decode_attention's, merge left out
         dec._decode_split_kernel[(B, kvh, n)](
-            q, k_cache, v_cache, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse, out_new,
+            q, k_cache, v_cache, k_cache, v_cache, k_cache, v_cache, tables, seq_lens, out_new, part_out, part_lse,
+            out_new,
             c["scale"] * LOG2E, 0, 0, n, split_len, tables.shape[1], q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), 0, 0, 0, tables.stride(0), out_new.stride(0), out_new.stride(1), 0,
             SINGLE_SPLIT=False, HAS_WINDOW=False, HAS_SINKS=False, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
             HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=entries,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False, USE_PDL=False,
-            INNER_LOOP=dec.online_softmax_block, QUANT=False,
+            INNER_LOOP=dec.online_softmax_block, QUANT=False, HAS_ZERO=False,
             **({"num_warps": dec.DECODE_CONFIG["num_warps"], "num_stages": dec.DECODE_CONFIG["num_stages"]}
                if gpu else {}))
 

@@ -244,8 +244,20 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
     assert m['minikv:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["minikv:time_to_first_token_seconds_count"]
 
 
+class SlowSteps:
+    """An observer that makes every engine step last at least `seconds`: a tiny model on an idle machine
+    would otherwise finish a long answer before the test's next request arrives."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step(self, llm, batch, events):
+        time.sleep(self.seconds)
+
+
 def test_overload_gets_429_for_the_flooding_tenant_and_503_for_all_instead_of_an_unbounded_queue():
     llm = engine(max_num_seqs=1)
+    llm.add_observer(SlowSteps(0.02))  # A's first answer takes 20 s or more: it runs while the others arrive
     with Server(llm, served_name=MODEL, max_waiting=2, max_waiting_per_tenant=1) as s:
         # long answers (the most max_model_len allows), so that A's first still runs while the others arrive
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}

@@ -75,7 +75,10 @@ class EngineLoop:
         self._pending = 0  # submitted, not yet queued in the engine
         self._pending_by_tenant: Counter[str] = Counter()
         self._pending_lock = threading.Lock()
-        self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted each step
+        self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted
+        #   as soon as a step's batch is picked (a request admitted then no longer waits, though the step
+        #   that runs it, a long prefill say, has not finished) and again after the step
+        llm.add_observer(self)
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self.num_steps = 0
 
@@ -116,6 +119,13 @@ class EngineLoop:
         return self._waiting_by_tenant[tenant] + self._pending_by_tenant[tenant]
 
     # ---- the engine thread ----------------------------------------------------------------------
+    def on_schedule(self, llm: LLM, batch) -> None:
+        """(An engine observer.) The batch is picked: count who still waits."""
+        self._recount_waiting()
+
+    def _recount_waiting(self) -> None:
+        self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain()
@@ -127,7 +137,7 @@ class EngineLoop:
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
-                self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
+                self._recount_waiting()
                 self._publish()
             else:
                 self._wake.wait(self.idle_wait)
