@@ -33,7 +33,7 @@ from minikv import LLM, SamplingParams
 from minikv.attention.metadata import AttentionMetadata
 from minikv.attention.naive import NaiveBackend
 from minikv.bench import environment, first_divergence
-from minikv.bench.throughput import QWEN25_05B_SHAPE
+from minikv.bench.throughput import QWEN25_05B_SHAPE, random_init_
 from minikv.kernels import fused_add_rms_norm, rotary_qkv, silu_and_mul
 from minikv.model.config import ModelConfig
 from minikv.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
@@ -48,17 +48,7 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     """Qwen2.5-0.5B's shapes with seeded random bf16 weights, wide enough for decisive argmaxes."""
     with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg)
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1, generator=g)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0, generator=g)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    random_init_(model, torch.Generator(DEVICE).manual_seed(seed))
     return model.to(BF16).eval()
 
 
