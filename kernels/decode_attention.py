@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv.kernels.quant import load_kv_tile, quant_args
+from minikv.kernels.quant import load_kv_tiles, quant_args
 
 
 @triton.jit
@@ -167,13 +167,10 @@ def _decode_split_kernel(
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < sink_end
             block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-            kv_mask = valid[:, None] & d_ok[None, :]
-            srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
-                             QUANT, HAS_ZERO).to(q.dtype)
-            v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
-                             QUANT, HAS_ZERO).to(q.dtype)
+            k, v = load_kv_tiles(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, block, pos,
+                                 kv_head, d, valid, d_ok, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                 stride_sh, BLOCK_SIZE, QUANT, HAS_ZERO)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,
@@ -187,13 +184,10 @@ def _decode_split_kernel(
             pos = tile + tl.arange(0, BLOCK_N)  # token positions of this tile
             valid = pos < chunk_end
             block = tl.gather(blocks, pos // BLOCK_SIZE - base, axis=0).to(tl.int64)  # physical blocks
-            row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-            kv_mask = valid[:, None] & d_ok[None, :]
-            srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
-                             QUANT, HAS_ZERO).to(q.dtype)
-            v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
-                             QUANT, HAS_ZERO).to(q.dtype)
+            k, v = load_kv_tiles(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, block, pos,
+                                 kv_head, d, valid, d_ok, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                                 stride_sh, BLOCK_SIZE, QUANT, HAS_ZERO)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             m_i, l_i, acc = INNER_LOOP(q, k, v, valid, m_i, l_i, acc, scale_log2e, DOT_PRECISION)
             if TRACE:
                 tl.store(trace_ptr + (b * num_kv_heads + kv_head) * stride_trace + pos // BLOCK_SIZE,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv.kernels.quant import load_kv_tile, quant_args
+from minikv.kernels.quant import load_kv_tiles, quant_args
 
 
 @triton.jit
@@ -94,13 +94,10 @@ def _prefill_kernel(
         pos = tile + tl.arange(0, BLOCK_N)
         valid = pos < sink_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = valid[:, None] & d_ok[None, :]
-        srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-        k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
-                         QUANT, HAS_ZERO).to(q.dtype)
-        v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
-                         QUANT, HAS_ZERO).to(q.dtype)
+        k, v = load_kv_tiles(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, block, pos,
+                             kv_head, d, valid, d_ok, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                             stride_sh, BLOCK_SIZE, QUANT, HAS_ZERO)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,13 +111,10 @@ def _prefill_kernel(
         valid = pos < hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         valid = valid & (block >= 0)  # -1: a block given back (outside every window), never read
-        row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = valid[:, None] & d_ok[None, :]
-        srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-        k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid,
-                         QUANT, HAS_ZERO).to(q.dtype)
-        v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid,
-                         QUANT, HAS_ZERO).to(q.dtype)
+        k, v = load_kv_tiles(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, block, pos,
+                             kv_head, d, valid, d_ok, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                             stride_sh, BLOCK_SIZE, QUANT, HAS_ZERO)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:

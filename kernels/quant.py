@@ -29,6 +29,22 @@ def load_kv_tile(cache_ptr, scale_ptr, zero_ptr, row, scale_row, d, mask, valid,
     return x
 
 
+@triton.jit
+def load_kv_tiles(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, block, pos, kv_head,
+                  d, valid, d_ok, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+                  BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """The K and V tiles of positions `pos` of one KV head, `block` [BLOCK_N] holding each position's
+    physical block: paged addressing (block * stride + offset in block) then `load_kv_tile` for each.
+
+    pos, block, valid [BLOCK_N]  d, d_ok [HEAD_PAD]  ->  k, v [BLOCK_N, HEAD_PAD]"""
+    row = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    srow = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+    kv_mask = valid[:, None] & d_ok[None, :]
+    k = load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, row, srow, d, kv_mask, valid, QUANT, HAS_ZERO)
+    v = load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, row, srow, d, kv_mask, valid, QUANT, HAS_ZERO)
+    return k, v
+
+
 def quant_args(k_scale, v_scale, k_cache, k_zero=None, v_zero=None):
     """(k_scale, v_scale, k_zero, v_zero, block stride, slot stride, head stride, QUANT, HAS_ZERO) for a
     kernel launch; the caches stand in for the pointers a pool does not have (never read then)."""
