@@ -4,9 +4,11 @@
 #
 #   bash benchmarks/speed_gpu.sh step     GPU tests of the overlapped step and graphs; async scheduling
 #                                         on vs off; fused kernels on vs off; step profiles (fused off / on)
-#   bash benchmarks/speed_gpu.sh qwen     nano-vllm workload, Qwen2.5-0.5B shapes: greedy and sampled,
+#   bash benchmarks/speed_gpu.sh qwen     nano-vllm workload, Qwen2.5-0.5B shapes: greedy and sampled (3 turns),
 #                                         defaults and tuned, beside transformers
 #   bash benchmarks/speed_gpu.sh llama    the same workload on Llama-3.1-8B shapes
+#   bash benchmarks/speed_gpu.sh sampler  the sampling kernel: tokens against the CPU path; time against
+#                                         greedy and against the sampler of commit 8fdf6df
 #   bash benchmarks/speed_gpu.sh tiers    tier copy bandwidth (batched vs per block vs a raw copy) and
 #                                         time to first token of returning turns
 #
@@ -32,8 +34,14 @@ case "$1" in
       2>&1 | tail -2
     timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label fused_on 2>&1 | tail -2
     ;;
+  sampler)
+    git -C "$NEW" show 8fdf6df:minikv/engine/sampler.py > /tmp/baseline_sampler.py 2>/dev/null \
+      || cp "$NEW/benchmarks/baseline_sampler.py" /tmp/baseline_sampler.py
+    timeout 300 python3 "$NEW/benchmarks/sampler_gpu.py" --baseline /tmp/baseline_sampler.py \
+      --out "$OUT/sampler_gpu.json" 2>&1 | grep -v Warning | tail -45
+    ;;
   qwen)
-    timeout 560 python3 -m minikv.bench.throughput --hf-cap 45 --cap 120 --out "$OUT/throughput_qwen.json" 2>&1 \
+    timeout 580 python3 -m minikv.bench.throughput --hf-cap 45 --cap 120 --repeats 3 --out "$OUT/throughput_qwen.json" 2>&1 \
       | grep "^\[bench\]" | cut -c1-330
     ;;
   llama)

@@ -6,6 +6,7 @@
     fused_add_rms_norm       residual add + RMSNorm of a decoder layer, one read and one write per row
     rotary_qkv               the merged q/k/v projection split, with the rotary embedding on q and k
     silu_and_mul             SwiGLU's SiLU(gate) * up over the merged gate/up projection
+    sample_rows              temperature / top-p draws of whole rows, the nucleus found by pivoting
 
 Without a CUDA device the kernels run in Triton's interpreter (numpy on the CPU; see interpreter.py,
 imported first): use float32 or float16 there, its bfloat16 arithmetic is not exact.
@@ -26,9 +27,10 @@ if __name__ == "minikv.kernels":
     from minikv.kernels.fused_norm import fused_add_rms_norm
     from minikv.kernels.fused_rope import rotary_qkv
     from minikv.kernels.prefill_attention import paged_prefill_attention
+    from minikv.kernels.sample import sample_rows
     from minikv.kernels.store_kvcache import store_kvcache
 
     __all__ = ["default_num_splits", "fused_add_rms_norm", "interpreted", "paged_decode_attention",
-               "paged_prefill_attention", "rotary_qkv", "silu_and_mul", "store_kvcache"]
+               "paged_prefill_attention", "rotary_qkv", "sample_rows", "silu_and_mul", "store_kvcache"]
 else:
     sys.modules[__name__] = types.ModuleType(__name__, "not Hugging Face's kernels: this folder is minikv.kernels")

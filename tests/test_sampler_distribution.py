@@ -3,7 +3,7 @@ greedy rows exact, and gives a row the same token whatever else is in the batch.
 import torch
 
 from minikv import SamplingParams
-from minikv.engine.sampler import MASK64, draw_key, filtered_probs, sample, splitmix64, uniform_noise
+from minikv.engine.sampler import MASK64, draw_key, draw_keys, filtered_probs, sample, splitmix64, uniform_noise, unit_float
 
 N = 20000  # draws per distribution: the frequency of a token is within 4 sigma (~0.014) of its probability
 
@@ -77,6 +77,18 @@ def test_noise_is_the_64_bit_hash_it_claims_to_be():
     for row, key in enumerate(keys):
         for vid in (0, 1, 17, 999):
             x = (key ^ (vid * 0x9E3779B97F4A7C15)) & MASK64
-            want = ((splitmix64(x) >> 40) + 0.5) / (1 << 24)
+            want = ((splitmix64(x) >> 41) + 0.5) / (1 << 23)
             assert abs(float(u[row, vid]) - want) < 1e-7
     assert 0 < float(u.min()) and float(u.max()) < 1
+
+
+def test_the_extreme_hashes_map_strictly_inside_0_and_1():
+    """u = 1 (or 0) would make the Gumbel noise infinite, and that token win whatever its probability."""
+    u = unit_float(torch.tensor([-1, 0]))  # a hash with every bit set (int64 -1), and one with none
+    assert 0.0 < float(u[1]) < float(u[0]) < 1.0
+
+
+def test_keys_taken_many_at_once_are_the_keys_taken_one_by_one():
+    seeds = [0, 1, 7, 2**62, 2**63 - 1, 123456789]
+    positions = [0, 5, 1, 999, 2**20, 3]
+    assert draw_keys(seeds, positions).tolist() == [draw_key(s, p) for s, p in zip(seeds, positions)]

@@ -34,6 +34,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -352,11 +353,13 @@ SHAPES = {"qwen2.5-0.5b": QWEN25_05B_SHAPE, "llama-3.1-8b": LLAMA31_8B_SHAPE, "s
 
 def ratios(results: list[dict], attention: str) -> dict:
     """sampled / greedy, defaults / tuned and minikv / transformers, from the runs of this record (minikv:
-    its runs with `attention`, decode steps as the engine runs them by default)."""
+    its runs with `attention`, decode steps as the engine runs them by default; medians over repeats)."""
     def tps(engine: str, sampling: str, config: str | None = None) -> float | None:
-        return next((r["tokens_per_s"] for r in results if r["engine"] == engine and r.get("sampling") == sampling
-                     and (engine != "minikv" or (r["config"] == config and r["attention"] == attention
-                                                 and r["cuda_graphs"] == (attention == "triton")))), None)
+        """The median over repeats (--repeats) of this run's tokens per second."""
+        runs = [r["tokens_per_s"] for r in results if r["engine"] == engine and r.get("sampling") == sampling
+                and (engine != "minikv" or (r["config"] == config and r["attention"] == attention
+                                            and r["cuda_graphs"] == (attention == "triton")))]
+        return statistics.median(runs) if runs else None
 
     out: dict = {}
     for name, (a, b) in {
@@ -385,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--padded-requests", type=int, default=32, help="requests in the padded-generate batch")
     ap.add_argument("--cap", type=float, default=170.0, help="seconds each minikv engine may run")
     ap.add_argument("--hf-cap", type=float, default=None, help="seconds transformers may run (default --cap)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each minikv tuned and defaults engine, greedy and sampled taking turns "
+                         "(the ratios take medians); the other engines run once")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--skip", default="torch,triton_eager,hf_padded",
                     help="comma list of phases to skip: checks,torch,triton,triton_eager,defaults,hf_cb,hf_padded")
@@ -408,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": {"qwen2.5-0.5b": "Qwen2.5-0.5B shapes, random weights", "small": "small qwen2 (smoke test)",
                         "llama-3.1-8b": "Llama-3.1-8B shapes, random weights"}[shape_name],
               "dtype": str(dtype).replace("torch.", ""), "sampling": {m: SAMPLING[m] for m in modes},
-              "tuned": TUNED,
+              "tuned": TUNED, "repeats": args.repeats,
               "workload": {"seed": 0, "num_requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
                            "output_tokens": sum(n for _, n in requests), "ignore_eos": True},
               "checks": [], "results": [], "errors": []}
@@ -457,27 +463,30 @@ def main(argv: list[str] | None = None) -> int:
                 triton_ok = tri is not None  # its match rate is in the record, next to the torch one
                 phase("check cuda graphs", lambda: check_graph_tokens(ckpt, dev), into="checks")
         attention = "triton" if triton_ok else "torch"
-        for mode in modes:
-            if "torch" not in skip and attention == "triton":
-                phase(f"minikv torch, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, cap_s=args.cap, sampling=mode), into="results")
-            if "triton" not in skip or attention == "torch":
-                phase(f"minikv {attention} tuned, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, **TUNED), into="results")
-            if "defaults" not in skip:
-                phase(f"minikv defaults, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, defaults=True),
-                    into="results")
-            if "triton_eager" not in skip and attention == "triton":
-                phase(f"minikv triton, eager decode, {mode}", lambda: run_minikv(
-                    ckpt, requests, dev, dtype, "triton", cap_s=args.cap, cuda_graphs=False, sampling=mode),
-                    into="results")
-            if "hf_cb" not in skip:
-                hf = load_hf(ckpt, dev, dtype)
-                phase(f"transformers continuous batching, {mode}",
-                      lambda: run_hf_continuous(hf, requests, cap_s=hf_cap, sampling=mode), into="results")
-                del hf
-                release(dev)
+        for rep in range(args.repeats):  # the engines of each mode take turns: drift hits both modes alike
+            once = rep == 0
+            for mode in modes:
+                label = f", {mode}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
+                if once and "torch" not in skip and attention == "triton":
+                    phase(f"minikv torch{label}", lambda: run_minikv(
+                        ckpt, requests, dev, dtype, cap_s=args.cap, sampling=mode), into="results")
+                if "triton" not in skip or attention == "torch":
+                    phase(f"minikv {attention} tuned{label}", lambda: run_minikv(
+                        ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, **TUNED), into="results")
+                if "defaults" not in skip:
+                    phase(f"minikv defaults{label}", lambda: run_minikv(
+                        ckpt, requests, dev, dtype, attention, cap_s=args.cap, sampling=mode, defaults=True),
+                        into="results")
+                if once and "triton_eager" not in skip and attention == "triton":
+                    phase(f"minikv triton, eager decode{label}", lambda: run_minikv(
+                        ckpt, requests, dev, dtype, "triton", cap_s=args.cap, cuda_graphs=False, sampling=mode),
+                        into="results")
+                if once and "hf_cb" not in skip:
+                    hf = load_hf(ckpt, dev, dtype)
+                    phase(f"transformers continuous batching{label}",
+                          lambda: run_hf_continuous(hf, requests, cap_s=hf_cap, sampling=mode), into="results")
+                    del hf
+                    release(dev)
         if "hf_padded" not in skip:
             hf = load_hf(ckpt, dev, dtype)  # a fresh model: continuous batching switched its attention
             phase("transformers padded generate",

@@ -16,6 +16,7 @@ import weakref
 from collections import deque
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from minikv.attention.contiguous import ContiguousBackend
@@ -42,7 +43,7 @@ from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
 from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
-from minikv.engine.sampler import draw_key, sample, sample_on_device
+from minikv.engine.sampler import draw_keys, sample, sample_on_device
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -78,14 +79,11 @@ def _done(seq: Sequence) -> bool:
     return not seq.num_pending_forks and all(s.is_finished for s in samples_of(seq))
 
 
-def _key(seq: Sequence) -> int:
-    """The key of the draw seq makes now: its seed and the position of the token it samples."""
-    return draw_key(seq.seed, len(seq.output_token_ids))
-
-
-def _keys(seqs: list[Sequence]) -> list[int]:
-    """The draw keys of these sequences (greedy ones draw nothing: 0)."""
-    return [0 if s.params.greedy else _key(s) for s in seqs]
+def _keys(seqs: list[Sequence]) -> np.ndarray:
+    """The draw keys of these sequences, int64 (greedy ones draw nothing: 0)."""
+    keys = draw_keys([s.seed for s in seqs], [len(s.output_token_ids) for s in seqs])
+    keys[[i for i, s in enumerate(seqs) if s.params.greedy]] = 0
+    return keys
 
 
 _said: set[str] = set()

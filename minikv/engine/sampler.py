@@ -14,10 +14,18 @@ from a CUDA graph, and sample i of SamplingParams(n, seed=s) equals a request ru
 
     allowed set of a row:  top_k  the k largest logits (0 = all)
                            top_p  the smallest set of most likely tokens whose mass reaches top_p
+                                  (ties ordered by vocab id, the lower first)
     greedy rows (temperature 0) are an exact argmax of the raw logits
+
+Nothing waits for the device. On a GPU, rows without a top-k go to one Triton kernel that finds the
+top-p set by pivoting instead of sorting (minikv/kernels/sample.py); it draws the same token as the
+torch code here, which the CPU runs.
 """
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from minikv.engine.sampling_params import SamplingParams
@@ -35,7 +43,27 @@ def splitmix64(x: int) -> int:
 
 def draw_key(seed: int, position: int) -> int:
     """The key of the draw a request with this seed makes for its token number `position`."""
-    return splitmix64(splitmix64(seed) ^ position) >> 1  # 63 bits: fits a signed int64 tensor
+    return splitmix64(_seed_hash(seed) ^ position) >> 1  # 63 bits: fits a signed int64 tensor
+
+
+def _splitmix64_lanes(x: np.ndarray) -> np.ndarray:
+    """splitmix64 over uint64 lanes (numpy's uint64 arithmetic wraps as the hash needs)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def draw_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """`draw_key` of many (seed, position) pairs at once, as int64: one numpy pass instead of a Python
+    hash per row (the engine takes a key for every sampled row of every step)."""
+    seeds64 = np.array(seeds, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = _splitmix64_lanes(_splitmix64_lanes(seeds64) ^ np.array(positions, dtype=np.uint64))
+    return (x >> np.uint64(1)).astype(np.int64)
+
+
+_seed_hash = functools.lru_cache(maxsize=1 << 16)(splitmix64)  # a request's seed is hashed once, not every step
 
 
 def _as_int64(c: int) -> int:
@@ -57,8 +85,15 @@ def uniform_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     x = x + _GOLDEN
     x = (x ^ _shr(x, 30)) * _M1
     x = (x ^ _shr(x, 27)) * _M2
-    x = x ^ _shr(x, 31)
-    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 random bits, never 0 or 1
+    return unit_float(x ^ _shr(x, 31))
+
+
+def unit_float(x: torch.Tensor) -> torch.Tensor:
+    """The top 23 bits of 64-bit hashes as float32 in (0, 1): (k + 0.5) / 2**23 is exact in float32, so u
+    is never 0 or 1. (With 24 bits, the top value k + 0.5 = 2**24 - 0.5 rounds up to 2**24: u = 1 gives
+    infinite noise, and a token drawn whatever its probability about once in 110 draws over a 152k
+    vocabulary.)"""
+    return (_shr(x, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +111,7 @@ def allowed_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     scaled = logits / temperature[:, None]
     if not bool(((top_k > 0) | (top_p < 1.0)).any()):
         return scaled, None
-    scaled, order = scaled.sort(dim=-1, descending=True)
+    scaled, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties: the lower id first
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k, scaled.shape[-1])
     outside = rank >= k[:, None]
@@ -86,7 +121,7 @@ def allowed_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return scaled.masked_fill(outside, float("-inf")), order
 
 
-CANDIDATES = (64, 1024)  # a filtered row looks for its top-k / top-p set among its 64, then 1,024 most likely tokens
+CANDIDATES = (64, 1024)  # on the CPU, a top-p row looks for its nucleus among its 64, then 1,024 most likely tokens
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
@@ -98,67 +133,122 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> torch.Tensor:
     """`sample`, with the chosen ids left on the logits' device (int64 [B]): the engine's overlapped
     step feeds them straight into the next step's input ids and copies them to the host meanwhile.
-    Greedy and plain-temperature rows never wait for the device; rows with a top-k / top-p set wait
-    once to learn whether their set fit among the candidates (see `_sample_filtered`)."""
-    greedy = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+
+    Nothing here waits for the device. Greedy rows are an argmax; top-k rows draw among their k most
+    likely tokens (a partial top-k: the set always fits). On a GPU, the other sampled rows (temperature,
+    top-p) are drawn by one Triton kernel that finds the nucleus by pivoting, without a sort
+    (minikv/kernels/sample.py). On the CPU, where asking the device is free, they look among their most
+    likely candidates first (see `_sample_nucleus`)."""
+    sampled_rows: list[int] = []  # rows of the batch that draw; below, indexes into this list
+    top_k_rows: list[int] = []
+    top_p_rows: list[int] = []
+    plain_rows: list[int] = []
+    for i, p in enumerate(params):
+        if not p.greedy:
+            (top_k_rows if p.top_k > 0 else top_p_rows if p.top_p < 1.0 else plain_rows).append(len(sampled_rows))
+            sampled_rows.append(i)
     if not sampled_rows:
-        return greedy
+        return logits.argmax(dim=-1)
     dev, vocab = logits.device, logits.shape[-1]
-    plain = [j for j, i in enumerate(sampled_rows) if params[i].top_k == 0 and params[i].top_p >= 1.0]
-    filt = [j for j, i in enumerate(sampled_rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
-    # [temperature, top_p, top_k] as float32 bits beside the 63-bit key: every row's settings in one copy
-    settings = torch.tensor([[params[i].temperature, params[i].top_p, params[i].top_k] for i in sampled_rows],
-                            dtype=torch.float32).view(torch.int32).to(torch.int64)
-    packed = torch.cat([settings, torch.tensor([keys[i] for i in sampled_rows], dtype=torch.int64)[:, None]], 1)
-    packed = packed.to(dev, non_blocking=dev.type == "cuda")
-    temperature, top_p, top_k = packed[:, :3].to(torch.int32).view(torch.float32).unbind(1)
-    top_k, key = top_k.long(), packed[:, 3]
-    rows = _index(sampled_rows, dev)
-    scaled = logits.index_select(0, rows).float() / temperature[:, None]
+    packed = _to_device(_pack(params, keys, sampled_rows), dev)
+    rows = packed[:, ROW]
+    if _use_kernel(dev):  # one kernel for the rows without a top-k
+        groups = [(top_k_rows, "top_k"), (top_p_rows + plain_rows, "kernel")]
+    else:
+        groups = [(top_k_rows, "top_k"), (top_p_rows, "top_p"), (plain_rows, "plain")]
     choice = torch.empty(len(sampled_rows), dtype=torch.long, device=dev)
-    if plain:  # rows that filter nothing: the whole vocabulary
-        a = _index(plain, dev) if len(plain) < len(sampled_rows) else slice(None)
-        choice[a] = gumbel_argmax(scaled[a], key[a], torch.arange(vocab, device=dev))
-    if filt:
-        f = _index(filt, dev) if len(filt) < len(sampled_rows) else slice(None)
-        max_k = max(params[sampled_rows[j]].top_k for j in filt)
-        choice[f] = _sample_filtered(scaled[f], key[f], top_k[f], top_p[f], max_k)
-    greedy[rows] = choice
-    return greedy
+    for group, how in groups:
+        if not group:
+            continue
+        g = _index(group, dev) if len(group) < len(sampled_rows) else slice(None)
+        mine = packed[g]
+        if how == "kernel":
+            choice[g] = _gpu_sample_rows(logits, mine.contiguous())
+            continue
+        temperature, top_p = mine[:, :TOP_K].to(torch.int32).view(torch.float32).unbind(1)
+        key = mine[:, KEY]
+        scaled = logits.index_select(0, mine[:, ROW]).float() / temperature[:, None]
+        if how == "plain":  # the whole vocabulary
+            choice[g] = gumbel_argmax(scaled, key, torch.arange(vocab, device=dev))
+        elif how == "top_k":  # the set always lies among the largest top_k logits
+            k_cap = min(vocab, max(params[sampled_rows[j]].top_k for j in group))
+            lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+            choice[g] = _draw_among(scaled, lse, key, mine[:, TOP_K], top_p, k_cap)[0]
+        else:
+            choice[g] = _sample_nucleus(scaled, key, top_p)
+    if len(sampled_rows) == logits.shape[0]:  # no greedy row: no argmax to compute
+        return choice
+    out = logits.argmax(dim=-1)
+    out[rows] = choice
+    return out
+
+
+# A sampled row's settings, packed into one int64 row so that the whole batch goes to the device in one
+# copy: the float32 bits of temperature and top_p, top_k, the 63-bit draw key, the row in the batch.
+TEMPERATURE, TOP_P, TOP_K, KEY, ROW = range(5)
+
+
+def _pack(params: list[SamplingParams], keys, rows: list[int]) -> torch.Tensor:
+    chosen = [params[i] for i in rows]
+    out = np.empty((len(rows), 5), dtype=np.int64)  # a column at a time: numpy converts flat lists fastest
+    out[:, TEMPERATURE] = np.array([p.temperature for p in chosen], dtype=np.float32).view(np.int32)
+    out[:, TOP_P] = np.array([p.top_p for p in chosen], dtype=np.float32).view(np.int32)
+    out[:, TOP_K] = [p.top_k for p in chosen]
+    keys = np.asarray(keys, dtype=np.int64)
+    out[:, KEY] = keys if len(rows) == len(keys) else keys[rows]  # rows are increasing: all of them, in order
+    out[:, ROW] = rows
+    return torch.from_numpy(out)
+
+
+def _use_kernel(dev: torch.device) -> bool:
+    """On a GPU, temperature and top-p rows go to the Triton kernel (not in Triton's CPU interpreter,
+    where torch is faster)."""
+    if dev.type != "cuda":
+        return False
+    from minikv.kernels import interpreted
+    return not interpreted()
+
+
+def _gpu_sample_rows(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    from minikv.kernels.sample import sample_rows
+    return sample_rows(logits, packed)
 
 
 def _index(rows: list[int], dev: torch.device) -> torch.Tensor:
-    """Row indexes on the device without waiting for it (`torch.tensor(rows, device=dev)` copies
-    synchronously, after every kernel queued before it)."""
-    return torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=dev.type == "cuda")
+    """Row indexes on the device, without waiting for it."""
+    return _to_device(torch.tensor(rows, dtype=torch.long), dev)
 
 
-def _sample_filtered(scaled: torch.Tensor, key: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     max_k: int) -> torch.Tensor:
-    """Draws for rows with a top-k / top-p set, found among their CANDIDATES most likely tokens (a partial
-    top-k instead of sorting the vocabulary): 64 first, then 1,024 for the rows whose set may reach past
-    64. A row whose top-p set may reach past those too (a flat distribution) is redone exactly over the
-    whole sorted vocabulary. The noise is keyed by vocab id, not rank, so a row draws the same token
-    from any candidate list that holds its whole set: the batch it sits in changes nothing."""
-    vocab = scaled.shape[-1]
+def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on `dev` without waiting for the work queued there. From pageable memory
+    even a "non-blocking" copy may wait for the stream (CUDA's API synchronization notes: the driver may
+    synchronize with the stream to stage the copy into pinned memory), which would hold an overlapped
+    step until the step before it has run. So the copy goes from pinned memory, taken from torch's
+    caching host allocator (which keeps a block until the copies reading it are done)."""
+    if dev.type != "cuda":
+        return host
+    return host.pin_memory().to(dev, non_blocking=True)
+
+
+def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Draws for top-p rows without a top-k, on the CPU: a row's nucleus is looked for among its
+    CANDIDATES most likely tokens (a partial top-k instead of sorting the vocabulary), 64 first, then
+    1,024 for the rows whose nucleus may reach past 64. A row whose nucleus may reach past those too (a
+    flat distribution) is redone exactly over the whole sorted vocabulary. The noise is keyed by vocab
+    id, not rank, so a row draws the same token from any candidate list that holds its whole set: the
+    batch it sits in changes nothing."""
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    no_k = torch.zeros_like(key)
     choice = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
-    todo: torch.Tensor | None = None  # rows still to draw (None: all)
+    todo = torch.arange(scaled.shape[0], device=scaled.device)  # rows still to draw
     for n in CANDIDATES:
-        if n < max_k and n != CANDIDATES[-1]:
-            continue
-        k_cap = min(vocab, max(n, max_k))
-        sub = (lambda t: t) if todo is None else (lambda t: t[todo])
-        got, exact = _draw_among(sub(scaled), sub(lse), sub(key), sub(top_k), sub(top_p), k_cap)
-        if todo is None:
-            choice = got
-        else:
-            choice[todo] = got
-        if bool(exact.all()):
+        got, exact = _draw_among(scaled[todo], lse[todo], key[todo], no_k[todo], top_p[todo],
+                                 min(scaled.shape[-1], n))
+        choice[todo] = got
+        todo = todo[~exact]
+        if todo.numel() == 0:
             return choice
-        todo = (~exact).nonzero()[:, 0] if todo is None else todo[~exact]
-    allowed, order = allowed_logits(scaled[todo], torch.ones_like(top_p[todo]), top_k[todo], top_p[todo])
+    allowed, order = allowed_logits(scaled[todo], torch.ones_like(top_p[todo]), no_k[todo], top_p[todo])
     choice[todo] = order.gather(1, gumbel_argmax(allowed, key[todo], order)[:, None])[:, 0]
     return choice
 
