@@ -21,13 +21,23 @@ def attend(
 
     The queries are scattered into a padded [B, max_query_len] grid, one masked SDPA call runs
     over all sequences at once (no Python loop), and the result is gathered back to [T, ...].
+
+    A decode step (one query per sequence) needs no grid: the `group` query heads that share a KV
+    head become that head's query rows, so the keys are read as they are, not repeated per q head,
+
+        q [B, num_heads, head_dim]  ->  [B, num_kv_heads, group, head_dim]    q head h = kv * group + g
     """
     T, num_heads, head_dim = q.shape
     B, L, num_kv_heads, _ = keys.shape
-    q_pad = q.new_zeros(B, meta.max_query_len, num_heads, head_dim)
-    q_pad[meta.token_seq, meta.token_qpos] = q
     mask = causal_mask(meta, L, sliding_window, sink_tokens)
     group = num_heads // num_kv_heads  # grouped-query attention: each KV head serves `group` q heads
+    if meta.max_query_len == 1:  # T == B, token b is sequence b's
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, num_kv_heads, group, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None], scale=scale)  # [B, num_kv_heads, group, head_dim]
+        return out.reshape(T, num_heads, head_dim)
+    q_pad = q.new_zeros(B, meta.max_query_len, num_heads, head_dim)
+    q_pad[meta.token_seq, meta.token_qpos] = q
     k = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
     v = values.transpose(1, 2).repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
