@@ -21,9 +21,11 @@ def loop_reference(q, keys, values, meta, scale, window=None, sinks=0):
 
 
 @pytest.mark.parametrize("window, sinks", [(None, 0), (4, 0), (4, 2)])
-@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [9, 1, 5]), ([3, 1, 2], [9, 1, 5])])
-def test_attend_shares_each_kv_head_among_its_query_heads_for_decode_and_mixed_steps(query_lens, seq_lens, window,
-                                                                                   sinks):
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [9, 1, 5]),  # decode
+                                                  ([2, 2, 2], [9, 2, 5]),  # equal chunks: no padding
+                                                  ([3, 1, 2], [9, 1, 5])])  # ragged: a padded grid
+def test_attend_equals_a_loop_over_sequences_and_heads_for_decode_equal_and_ragged_steps(query_lens, seq_lens, window,
+                                                                                        sinks):
     g = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim = 6, 2, 8
     meta = AttentionMetadata.build(query_lens, seq_lens)
