@@ -20,20 +20,37 @@ def attend(
     (with a sliding window: the last `sliding_window` of them, plus the first `sink_tokens`).
 
     The queries are scattered into a padded [B, max_query_len] grid, one masked SDPA call runs
-    over all sequences at once (no Python loop), and the result is gathered back to [T, ...].
+    over all sequences at once (no Python loop), and the result is gathered back to [T, ...]. When
+    every sequence runs the same number of new tokens (one prompt, a batch of equal chunks), the
+    flat batch already is that grid, seen as [B, max_query_len, ...]: nothing to scatter or gather.
+
+    A decode step (one query per sequence) goes further: the `group` query heads that share a KV
+    head become that head's query rows, so the keys are read as they are, not repeated per q head,
+
+        q [B, num_heads, head_dim]  ->  [B, num_kv_heads, group, head_dim]    q head h = kv * group + g
     """
     T, num_heads, head_dim = q.shape
     B, L, num_kv_heads, _ = keys.shape
-    q_pad = q.new_zeros(B, meta.max_query_len, num_heads, head_dim)
-    q_pad[meta.token_seq, meta.token_qpos] = q
+    max_q = meta.max_query_len
     mask = causal_mask(meta, L, sliding_window, sink_tokens)
     group = num_heads // num_kv_heads  # grouped-query attention: each KV head serves `group` q heads
+    if max_q == 1:  # T == B, token b is sequence b's
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, num_kv_heads, group, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None], scale=scale)  # [B, num_kv_heads, group, head_dim]
+        return out.reshape(T, num_heads, head_dim)
+    padded = T < B * max_q
+    if padded:
+        q_pad = q.new_zeros(B, max_q, num_heads, head_dim)
+        q_pad[meta.token_seq, meta.token_qpos] = q
+    else:  # sequence b's tokens are [b * max_q, (b + 1) * max_q) of the batch
+        q_pad = q.reshape(B, max_q, num_heads, head_dim)
     k = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, num_heads, L, head_dim]
     v = values.transpose(1, 2).repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale
-    )  # [B, num_heads, max_q, head_dim]
-    return out.transpose(1, 2)[meta.token_seq, meta.token_qpos]
+    ).transpose(1, 2)  # [B, max_q, num_heads, head_dim]
+    return out[meta.token_seq, meta.token_qpos] if padded else out.reshape(T, num_heads, head_dim)
 
 
 def causal_mask(meta: AttentionMetadata, L: int, sliding_window: int | None, sink_tokens: int = 0) -> torch.Tensor:

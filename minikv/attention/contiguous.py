@@ -31,9 +31,20 @@ class ContiguousBackend:
         if meta.max_seq_len > self.pool.max_len:
             raise ValueError(f"sequence reached {meta.max_seq_len} tokens but cache rows hold {self.pool.max_len}")
         rows, k_cache, v_cache = meta.cache_rows, self.pool.k_cache[layer], self.pool.v_cache[layer]
-        k_cache[rows[meta.token_seq], meta.token_pos] = k
-        v_cache[rows[meta.token_seq], meta.token_pos] = v
+        slots = self.slots(meta)  # one index into the layer seen flat: index_copy_, cheaper than two indexes
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
         L = meta.max_seq_len
-        keys = k_cache[rows, :L]  # [B, L, num_kv_heads, head_dim]
-        values = v_cache[rows, :L]
+        keys = k_cache[:, :L].index_select(0, rows)  # [B, L, num_kv_heads, head_dim]
+        values = v_cache[:, :L].index_select(0, rows)
         return attend(q, keys, values, meta, scale, self.sliding_window)
+
+    def slots(self, meta: ContiguousMetadata) -> torch.Tensor:
+        """[T] where each new token goes in a layer's rows seen flat (computed once per step):
+
+            k_cache[layer]  [num_rows, max_len, ...]  ->  [num_rows * max_len, ...]
+            row r, position p                         ->  r * max_len + p
+        """
+        if "slots" not in meta.step_memo:
+            meta.step_memo["slots"] = meta.cache_rows[meta.token_seq] * self.pool.max_len + meta.token_pos
+        return meta.step_memo["slots"]
