@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     failures: list[str] = []
-    record = {"environment": environment(), "check": check(failures), "timing": []}
+    record = {"environment": environment("cuda"), "check": check(failures), "timing": []}
     samplers = {"new": sample_on_device}
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_sampler", args.baseline)

@@ -8,7 +8,11 @@
 #                                         defaults and tuned, beside transformers
 #   bash benchmarks/speed_gpu.sh llama    the same workload on Llama-3.1-8B shapes
 #   bash benchmarks/speed_gpu.sh sampler  the sampling kernel: tokens against the CPU path; time against
-#                                         greedy and against the sampler of commit 8fdf6df
+#                                         greedy and against the sampler of commit 8fdf6df (the machine
+#                                         has no git: first `git show 8fdf6df:minikv/engine/sampler.py >
+#                                         benchmarks/baseline_sampler.py` here, untracked, so it travels)
+#   bash benchmarks/speed_gpu.sh checks   the engine's tokens against transformers (torch and Triton
+#                                         attention, float32 and bf16) and CUDA graphs against eager
 #   bash benchmarks/speed_gpu.sh tiers    tier copy bandwidth (batched vs per block vs a raw copy) and
 #                                         time to first token of returning turns
 #
@@ -35,10 +39,26 @@ case "$1" in
     timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label fused_on 2>&1 | tail -2
     ;;
   sampler)
-    git -C "$NEW" show 8fdf6df:minikv/engine/sampler.py > /tmp/baseline_sampler.py 2>/dev/null \
-      || cp "$NEW/benchmarks/baseline_sampler.py" /tmp/baseline_sampler.py
+    cp "$NEW/benchmarks/baseline_sampler.py" /tmp/baseline_sampler.py
     timeout 300 python3 "$NEW/benchmarks/sampler_gpu.py" --baseline /tmp/baseline_sampler.py \
       --out "$OUT/sampler_gpu.json" 2>&1 | grep -v Warning | tail -45
+    # a decode step's profile, greedy and sampled; then sampled again with the earlier sampler put back
+    # (given today's vectorized draw_keys, which the engine now imports from it)
+    timeout 150 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label sampler_new 2>&1 | tail -2
+    INSTALLED=$(python3 -c "import minikv.engine.sampler as s; print(s.__file__)")
+    cp "$INSTALLED" /tmp/new_sampler.py
+    python3 - "$INSTALLED" <<'PY'
+import re, sys
+new = open("/tmp/new_sampler.py").read()
+keys = new[new.index("def _splitmix64_lanes"):new.index("_seed_hash = ")]
+open(sys.argv[1], "w").write(open("/tmp/baseline_sampler.py").read() + "\nimport numpy as np\n\n\n" + keys)
+PY
+    timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label sampler_before --modes sampled 2>&1 | tail -1
+    cp /tmp/new_sampler.py "$INSTALLED"
+    ;;
+  checks)
+    timeout 300 python3 -m minikv.bench.throughput --num-requests 8 --sampling greedy \
+      --skip triton_eager,defaults,hf_cb,hf_padded,torch 2>&1 | grep "^\[bench\] check" | cut -c1-400
     ;;
   qwen)
     timeout 580 python3 -m minikv.bench.throughput --hf-cap 45 --cap 120 --repeats 3 --out "$OUT/throughput_qwen.json" 2>&1 \

@@ -45,8 +45,8 @@ if interpreted():  # the interpreter has no libdevice
 else:
     @triton.jit
     def _log(x):
-        """The hardware's approximate log (lg2.approx, relative error ~2^-21). tl.log compiles to
-        libdevice's exact logf: a branchy call per element (see benchmarks/NOTES_sampler.md)."""
+        """The hardware's approximate log (lg2.approx, relative error ~2^-21); tl.log compiles to
+        libdevice's logf, a call with branches per element (benchmarks/NOTES_sampler.md)."""
         return libdevice.fast_logf(x)
 
 
