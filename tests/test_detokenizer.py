@@ -205,3 +205,25 @@ def test_smollm2_tokenizer_streams_multibyte_text_and_a_stop_string_across_token
     assert stopped and text == "The sea is a va" and "".join(deltas) == text
     deltas, text, stopped = run(tok, ids, ["広い."])
     assert stopped and text == "The sea is a vast, deep ocean 🌊 海は" and "".join(deltas) == text
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_loaded_without_autotokenizer_is_autotokenizers(smollm2_dir):
+    """SmolLM2's tokenizer is the generic fast tokenizer: built straight from tokenizer.json it must
+    encode, decode, apply the chat template and name its special tokens exactly as AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    from minikv.model.loader import load_tokenizer
+
+    ours, auto = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
+    assert type(ours).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    text = "The sea is a vast, deep ocean 🌊 海は広い. Naïve sailors!  Tabs\tand\nnewlines <|im_end|> 12345"
+    for add in (True, False):
+        assert ours.encode(text, add_special_tokens=add) == auto.encode(text, add_special_tokens=add)
+    ids = auto.encode(text)
+    assert ours.decode(ids) == auto.decode(ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+    assert len(ours) == len(auto)
