@@ -105,9 +105,9 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_divergences": [f for f in firsts if f is not None][:10]}
 
 
-def build(ckpt: Path, device: str, dtype: torch.dtype, small: bool) -> LLM:
+def build(ckpt: Path, device: str, dtype: torch.dtype, small: bool, max_num_seqs: int = 256) -> LLM:
     # the pool is sized for the workload (256 x 2,048 tokens), not the card: the float32 engine comes second
-    kw = dict(max_num_seqs=256, max_num_batched_tokens=16384, num_blocks=40_000) if not small else dict(
+    kw = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, num_blocks=40_000) if not small else dict(
         max_num_seqs=32, max_num_batched_tokens=2048, num_blocks=2048)
     return LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", max_model_len=2048, block_size=16,
                **({"attention": "torch"} if device == "cpu" else {}), **kw)
@@ -118,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny model and workload (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--num-requests", type=int, default=None, help="first N requests of the timed workload")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="the engine's seats (512: what LLM(ckpt) picks on an H100 or H200)")
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
     dev, small = args.device, args.small
     shape = SMALL_SHAPE if small else QWEN25_05B_SHAPE
     record: dict = {"benchmark": "async scheduling on vs off", **environment(dev), "shape": "small" if small else
-                    "qwen2.5-0.5b", "checks": {}, "runs": []}
+                    "qwen2.5-0.5b", "max_num_seqs": args.max_num_seqs, "checks": {}, "runs": []}
     timed = workload()[:args.num_requests or (24 if small else 256)]
     if small:
         timed = [(p[:120], min(n, 60)) for p, n in timed]
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_random_checkpoint(shape, Path(tmp) / "ckpt", dtype=torch.float32)
         for dtype in ([torch.float32] if small else [torch.bfloat16, torch.float32]):
-            llm = build(ckpt, dev, dtype, small)
+            llm = build(ckpt, dev, dtype, small, args.max_num_seqs)
             timer = ForwardTimer(llm)
             name = str(dtype).removeprefix("torch.")
             drive(llm, checks[:4], "greedy", timer)  # warm-up: kernels, autotuning, allocator

@@ -11,6 +11,9 @@
 #                                         greedy and against the sampler of commit 8fdf6df (the machine
 #                                         has no git: first `git show 8fdf6df:minikv/engine/sampler.py >
 #                                         benchmarks/baseline_sampler.py` here, untracked, so it travels)
+#   bash benchmarks/speed_gpu.sh seats    greedy against sampled, overlap off and on, one engine at 256 and
+#                                         at 512 seats (the defaults' count): where sampled runs under the
+#                                         defaults lose to greedy
 #   bash benchmarks/speed_gpu.sh checks   the engine's tokens against transformers (torch and Triton
 #                                         attention, float32 and bf16) and CUDA graphs against eager
 #   bash benchmarks/speed_gpu.sh tiers    tier copy bandwidth (batched vs per block vs a raw copy) and
@@ -55,6 +58,12 @@ open(sys.argv[1], "w").write(open("/tmp/baseline_sampler.py").read() + "\nimport
 PY
     timeout 120 python3 "$NEW/benchmarks/step_profile.py" --out "$OUT" --label sampler_before --modes sampled 2>&1 | tail -1
     cp /tmp/new_sampler.py "$INSTALLED"
+    ;;
+  seats)
+    for seats in 256 512; do
+      timeout 280 python3 "$NEW/benchmarks/async_scheduling_gpu.py" --max-num-seqs $seats \
+        --out "$OUT/async_scheduling_gpu_seats$seats.json" 2>&1 | grep -v Warning | tail -7
+    done
     ;;
   checks)
     timeout 300 python3 -m minikv.bench.throughput --num-requests 8 --sampling greedy \
