@@ -20,7 +20,7 @@ is one pass over the row; at top_p = 0.95 the first draw is accepted 95% of the 
 top-p (top_p = 1) take one pass and no probabilities. One program per row.
 
     logits    [B, V] any float dtype
-    packed    [R, 5] int64, a row per draw (minikv/engine/sampler.py's `_pack`): the float32 bits of
+    packed    [R, 5] int64, a row per draw (minikv/engine/sampler.py's `pack_draws`): the float32 bits of
               temperature and top_p, top_k (must be 0 here), the 63-bit draw key, the row of logits
     out       [R] int64, the drawn ids
 """

@@ -11,7 +11,7 @@ from minikv.kernels.sample import sample_rows
 
 def draws(params: list[SamplingParams], keys: list[int], rows: list[int] | None = None) -> torch.Tensor:
     """The packed settings the kernel reads: a draw for each of `rows` (default: every row, in order)."""
-    return sampler._pack(params, keys, list(range(len(params))) if rows is None else rows)
+    return sampler.pack_draws(params, keys, list(range(len(params))) if rows is None else rows)
 
 
 def rows_of_every_shape(n: int, vocab: int, seed: int) -> torch.Tensor:

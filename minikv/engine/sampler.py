@@ -150,7 +150,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
     if not sampled_rows:
         return logits.argmax(dim=-1)
     dev, vocab = logits.device, logits.shape[-1]
-    packed = _to_device(_pack(params, keys, sampled_rows), dev)
+    packed = _to_device(pack_draws(params, keys, sampled_rows), dev)
     rows = packed[:, ROW]
     if _use_kernel(dev):  # one kernel for the rows without a top-k
         groups = [(top_k_rows, "top_k"), (top_p_rows + plain_rows, "kernel")]
@@ -188,7 +188,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
 TEMPERATURE, TOP_P, TOP_K, KEY, ROW = range(5)
 
 
-def _pack(params: list[SamplingParams], keys, rows: list[int]) -> torch.Tensor:
+def pack_draws(params: list[SamplingParams], keys, rows: list[int]) -> torch.Tensor:
+    """[len(rows), 5] int64 on the host: a row per draw, the layout the sampling kernel reads (see above)."""
     chosen = [params[i] for i in rows]
     out = np.empty((len(rows), 5), dtype=np.int64)  # a column at a time: numpy converts flat lists fastest
     out[:, TEMPERATURE] = np.array([p.temperature for p in chosen], dtype=np.float32).view(np.int32)
