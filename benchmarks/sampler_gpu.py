@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         samplers["baseline"] = old.sample_on_device
-    print(f"\n{'rows':>5s} {'logits':7s} {'sampling':12s} {'sampler':9s} {'device ms':>10s} {'host ms':>9s} {'x greedy':>9s}")
+    print(f"\n{'rows':>5s} {'logits':7s} {'sampling':12s} {'sampler':9s} {'device ms':>10s} {'host ms':>9s} "
+          f"{'x greedy':>9s}")
     for n in (1, 64, 256):
         for kind in ("flat", "peaked"):
             buffers = [rows(n, kind, seed=s) for s in range(4)]
