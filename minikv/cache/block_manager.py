@@ -143,11 +143,13 @@ class BlockManager:
     def grow(self, seq: CachedRequest, num_tokens: int, holes: frozenset[int] = frozenset()) -> None:
         """Append blocks to seq.block_table until it can hold `num_tokens` tokens. Logical indexes in
         `holes` get NO_BLOCK instead (a windowed sequence swapped back in: those were given back)."""
-        start = len(seq.block_table)
-        need = self.num_new_blocks(seq, num_tokens) - sum(1 for i in holes if i >= start)
+        start, new = len(seq.block_table), self.num_new_blocks(seq, num_tokens)
+        if new == 0:  # most decode steps: the last block still has room
+            return
+        need = new - sum(1 for i in holes if i >= start)
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
-        for i in range(start, start + self.num_new_blocks(seq, num_tokens)):
+        for i in range(start, start + new):
             if i in holes:
                 seq.block_table.append(NO_BLOCK)
                 continue

@@ -129,8 +129,8 @@ class Scheduler:
 
         # 1. running sequences, oldest first (they hold blocks already)
         for seq in list(self.running):
-            if seq not in self.running:  # preempted earlier in this loop
-                continue
+            if seq in batch.preempted:  # preempted earlier in this loop (a short list, mostly empty; a
+                continue  # test of `in self.running` was O(running) per sequence: quadratic per step)
             n = self._tokens_to_run(seq, budget)
             if n == 0:
                 continue
@@ -140,7 +140,7 @@ class Scheduler:
                 preempted_now = True
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq in batch.preempted:
                 continue
             self.bm.grow(seq, seq.num_computed_tokens + n)
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
