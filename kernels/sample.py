@@ -51,11 +51,17 @@ else:
 
 
 @triton.jit
+def _scaled(logits_row, offs, vocab, inv_t):
+    """s = logits / T for one tile, -inf past the vocabulary."""
+    return tl.load(logits_row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+
+
+@triton.jit
 def _scores(logits_row, offs, vocab, inv_t, key):
     """s = logits / T and s + Gumbel noise of (key, id) for one tile; the hash is minikv.engine.sampler's
     `uniform_noise`, in uint64 lanes."""
     valid = offs < vocab
-    s = tl.load(logits_row + offs, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+    s = _scaled(logits_row, offs, vocab, inv_t)
     x = key ^ (offs.to(tl.uint64) * _GOLDEN)
     x = x + _GOLDEN
     x = (x ^ (x >> 30)) * _M1
@@ -89,7 +95,7 @@ def _sample_rows_kernel(
         total = tl.zeros([BLOCK], tl.float32)
         for start in range(0, vocab, BLOCK):
             offs = start + lanes
-            s = tl.load(logits_row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            s = _scaled(logits_row, offs, vocab, inv_t)
             m_new = tl.maximum(m, s)
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only -inf adds 0
             total = total * tl.exp(m - shift) + tl.exp(s - shift)
@@ -121,7 +127,7 @@ def _sample_rows_kernel(
             mass = tl.zeros([BLOCK], tl.float32)  # probability of the tokens before best_id in the order
             for start in range(0, vocab, BLOCK):
                 offs = start + lanes
-                s = tl.load(logits_row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                s = _scaled(logits_row, offs, vocab, inv_t)
                 ahead = (s > best_s) | ((s == best_s) & (offs < best_id))
                 mass += tl.where(ahead, tl.exp(s - lse), 0.0)
             if tl.sum(mass, 0) >= top_p:  # best_id lies outside the nucleus: so does everything after it

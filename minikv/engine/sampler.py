@@ -23,8 +23,6 @@ torch code here, which the CPU runs.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -43,7 +41,7 @@ def splitmix64(x: int) -> int:
 
 def draw_key(seed: int, position: int) -> int:
     """The key of the draw a request with this seed makes for its token number `position`."""
-    return splitmix64(_seed_hash(seed) ^ position) >> 1  # 63 bits: fits a signed int64 tensor
+    return splitmix64(splitmix64(seed) ^ position) >> 1  # 63 bits: fits a signed int64 tensor
 
 
 def _splitmix64_lanes(x: np.ndarray) -> np.ndarray:
@@ -62,8 +60,6 @@ def draw_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
         x = _splitmix64_lanes(_splitmix64_lanes(seeds64) ^ np.array(positions, dtype=np.uint64))
     return (x >> np.uint64(1)).astype(np.int64)
 
-
-_seed_hash = functools.lru_cache(maxsize=1 << 16)(splitmix64)  # a request's seed is hashed once, not every step
 
 
 def _as_int64(c: int) -> int:
