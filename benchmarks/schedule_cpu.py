@@ -20,6 +20,8 @@ def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args(argv)
+    if args.steps <= 10:
+        ap.error(f"--steps must be more than 10 (the first 10 are left out of the median), got {args.steps}")
     llm = LLM("tiny-random", device="cpu", kv_backend="paged", max_num_seqs=256, max_num_batched_tokens=4096,
               num_blocks=8192, block_size=16)
     rng = random.Random(0)

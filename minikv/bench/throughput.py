@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of phases to skip: checks,torch,triton,triton_eager,defaults,hf_cb,hf_padded")
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1 (runs of each minikv engine), got {args.repeats}")
     skip = set(filter(None, args.skip.split(",")))
     modes = [m for m in args.sampling.split(",") if m]
     if not modes or any(m not in SAMPLING for m in modes):
