@@ -192,6 +192,31 @@ def test_a_request_aborted_while_its_prefix_loads_gives_every_block_back(base, t
         assert llm.stats()["prefix_cache"]["hits_by_tier"]["disk"] == 4 * BS
 
 
+def test_a_sequence_swapped_out_while_a_load_holds_the_pool_comes_back_once_the_load_gives_way(base, tmp_path):
+    """The talker needs a block while DOC's reads hold the rest of the pool: it swaps itself out and the
+    step is empty, so the scheduler waits for the load. The loaded DOC may not pass the swapped talker and
+    gives its blocks back at the end of that pass, after the talker was found not to fit: the scheduler
+    must look again (it had stopped with both waiting: 'could run nothing this step')."""
+    want_doc = warm_directory(base, tmp_path)
+    want_talk = base.generate(TALKER, LONG)[0].token_ids
+    with checked(base.derive(num_blocks=8, preemption="swap", kv_offload_dir=str(tmp_path))) as llm:
+        gate = gate_reads(llm)
+        wait = llm.block_manager.wait_for_load
+
+        def open_then_wait(seq):  # the reads finish only once the scheduler waits for them: one interleaving
+            gate.set()
+            wait(seq)
+
+        llm.block_manager.wait_for_load = open_then_wait
+        talk = llm.add_request(TALKER, LONG)
+        llm.step()
+        reader = llm.add_request(DOC, GREEDY)
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.stats()["num_swaps"] >= 1 and gate.is_set()
+    assert talk.output_token_ids == want_talk and reader.output_token_ids == want_doc
+
+
 @pytest.mark.parametrize("how", ["raises", "hangs"])
 def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(base, tmp_path, monkeypatch, how):
     from minikv.cache import offload

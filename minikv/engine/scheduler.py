@@ -89,6 +89,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.loading: list[Sequence] = []  # waiting for their prefix to come back from disk (rung 9)
         self.finishing: list[Sequence] = []  # finished, blocks kept while a step on the device may write them
+        self.gave_back_loads = False  # the last pass freed loaded sequences it could not admit
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_swaps = 0
@@ -116,8 +117,11 @@ class Scheduler:
         if self.schedule_step is not None:
             return self._schedule_with(self.schedule_step)
         batch = self._schedule()
-        while not batch and self.loading:  # only loads are left: wait for the oldest, then admit it
-            self.bm.wait_for_load(self.loading[0])
+        while not batch and (self.loading or self.gave_back_loads):
+            if not self.gave_back_loads:  # only loads are left: wait for the oldest, then admit it
+                self.bm.wait_for_load(self.loading[0])
+            # else: loaded sequences that could not pass a swapped one gave their blocks back at the end of
+            # that pass, after the swapped one had been found not to fit: look again, it may fit now
             batch = self._schedule()
         self.step_index += 1
         return batch
@@ -195,9 +199,11 @@ class Scheduler:
             batch.blocks_to_copy += self.bm.copy_on_write(seq, seq.num_computed_tokens + n)
             batch.add(seq, seq.num_computed_tokens, n)
             budget -= n
+        self.gave_back_loads = False
         for seq in loaded:
             if seq.status == SequenceStatus.WAITING:  # not admitted this step: it holds no blocks while it waits
                 self.bm.free(seq)
+                self.gave_back_loads = True
         return batch
 
     def _finish_loads(self) -> list[Sequence]:
