@@ -34,7 +34,9 @@ its blocks go into the pool in one copy and it is admitted first, on its loaded 
 
     waiting --lookup hits disk--> loading --reads done--> front of waiting --> running
                                      |  abort: its blocks go back, its reads finish unseen
-    a step with nothing else to run waits for the oldest load instead of returning an empty batch
+    a step with nothing else to run waits for the oldest load instead of returning an empty batch;
+    a loaded sequence that is not admitted (a swapped one goes first) gives its blocks back at the
+    end of the pass, and an empty step then looks again: the swapped one may fit now
 
 Sliding window (rung 8): after every step (and on admission onto a cached prefix) the block
 manager gives back the blocks no later query of the sequence sees (`free_outside_window`); their
