@@ -40,6 +40,7 @@ from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
+from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
 from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
@@ -515,9 +516,10 @@ class LLM:
         seqs, events = self._submit(prompts, params)
         bar = Progress(seqs) if _show_progress(len(seqs), use_tqdm) else None
         try:
-            for event in self._follow(seqs, events):
-                if bar is not None:
-                    bar.see(event)
+            with frozen_heap():  # no full garbage collection walks the model and requests mid-run
+                for event in self._follow(seqs, events):
+                    if bar is not None:
+                        bar.see(event)
         finally:
             if bar is not None:
                 bar.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minikv.engine.fork import samples_of
+from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.sequence import Sequence
@@ -127,6 +128,10 @@ class EngineLoop:
         self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
 
     def _run(self) -> None:
+        with frozen_heap():  # what lived at start-up (the model, the tokenizer) is never walked by a full collection
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain()
             if self.llm.has_unfinished():

@@ -1,0 +1,98 @@
+"""generate() keeps the garbage collector off the objects that lived before it (gc.freeze), and gives
+them back to it afterwards, whatever happens; a heap the caller froze stays the caller's."""
+import gc
+import threading
+
+import pytest
+
+from minikv import LLM, SamplingParams
+from minikv.engine.gc_pause import frozen_heap
+
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=32)
+
+
+class FreezeSeen:
+    """An engine observer: the collector's frozen count at every step."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_step(self, llm, batch, events):
+        self.counts.append(gc.get_freeze_count())
+
+
+def test_the_heap_is_frozen_while_generate_runs_and_thawed_after(llm):
+    assert gc.get_freeze_count() == 0
+    seen = FreezeSeen()
+    remove = llm.add_observer(seen)
+    try:
+        llm.generate([[1, 2, 3], [4, 5]], PARAMS)
+    finally:
+        remove()
+    assert seen.counts and all(c > 0 for c in seen.counts)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_failing_run_thaws_the_heap_too(llm):
+    class Boom:
+        def on_step(self, llm, batch, events):
+            raise KeyboardInterrupt  # a learner's interrupt in the middle of a step
+
+    remove = llm.add_observer(Boom())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([1, 2, 3], PARAMS)
+    finally:
+        remove()
+    assert gc.get_freeze_count() == 0
+    assert llm.generate([1, 2, 3], PARAMS)[0].token_ids  # and the engine serves on
+
+
+def test_a_heap_the_caller_froze_stays_frozen(llm):
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        llm.generate([1, 2, 3], PARAMS)
+        assert gc.get_freeze_count() > before // 2 > 0  # (a frozen object freed by its refcount leaves the count)
+    finally:
+        gc.unfreeze()
+
+
+def test_overlapping_runs_thaw_once_the_last_ends():
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with frozen_heap():
+            inside.set()
+            leave.wait(timeout=10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(timeout=10)
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() > 0, "the first run still holds it"
+    leave.set()
+    t.join()
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_server_loop_keeps_its_start_up_heap_frozen_until_it_stops(llm):
+    import time
+
+    from minikv.serve.engine_loop import EngineLoop
+
+    loop = EngineLoop(llm).start()
+    try:
+        deadline = time.monotonic() + 10
+        while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.get_freeze_count() > 0
+    finally:
+        loop.stop()
+    assert gc.get_freeze_count() == 0
