@@ -35,8 +35,9 @@ its blocks go into the pool in one copy and it is admitted first, on its loaded 
     waiting --lookup hits disk--> loading --reads done--> front of waiting --> running
                                      |  abort: its blocks go back, its reads finish unseen
     a step with nothing else to run waits for the oldest load instead of returning an empty batch;
-    a loaded sequence that is not admitted (a swapped one goes first) gives its blocks back at the
-    end of the pass, and an empty step then looks again: the swapped one may fit now
+    a loaded sequence that is not admitted (a swapped one goes first, or a longer cached prefix with
+    "lpm") gives its blocks back at the end of the pass, and an empty step then looks again: the one
+    ahead of it may fit now
 
 Sliding window (rung 8): after every step (and on admission onto a cached prefix) the block
 manager gives back the blocks no later query of the sequence sees (`free_outside_window`); their
@@ -122,8 +123,9 @@ class Scheduler:
         while not batch and (self.loading or self.gave_back_loads):
             if not self.gave_back_loads:  # only loads are left: wait for the oldest, then admit it
                 self.bm.wait_for_load(self.loading[0])
-            # else: loaded sequences that could not pass a swapped one gave their blocks back at the end of
-            # that pass, after the swapped one had been found not to fit: look again, it may fit now
+            # else: loaded sequences that were not admitted (a swapped sequence goes first, or with "lpm" a
+            # preempted one with a longer cached prefix) gave their blocks back at the end of that pass,
+            # after the one ahead of them had been found not to fit: look again, it may fit now
             batch = self._schedule()
         self.step_index += 1
         return batch
