@@ -39,8 +39,8 @@ from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
-from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.gc_pause import frozen_heap
+from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
 from minikv.engine.prompts import is_single_prompt, parse_prompt
 from minikv.engine.runner import ModelRunner
