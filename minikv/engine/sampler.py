@@ -61,7 +61,6 @@ def draw_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
     return (x >> np.uint64(1)).astype(np.int64)
 
 
-
 def _as_int64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
