@@ -94,7 +94,7 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.send_at - time.perf_counter()))
     res = Result(req.tenant, len(req.prompt), req.max_tokens)
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # usage on a last chunk
     start = last = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body,
