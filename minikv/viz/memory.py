@@ -89,7 +89,7 @@ def calculator_lines(model: ModelShape | str, dtype_bytes: int, context_len: int
         f"per token: 2 x {m.num_layers} x {kv_heads} x {m.head_dim} x {dtype_bytes} B = {format_bytes(per_token)}",
         f"{batch_size} x {context_len:,} tokens: {format_bytes(total)}",
         f"weights in the same dtype: {format_bytes(weights)} (cache / weights = {total / weights:.2f})",
-        f"fits next to the weights on a {gpu_gib:g} GiB GPU: {'yes' if total + weights <= gpu_gib * GIB else 'no'}",
+        f"fits next to the weights on a GPU of {gpu_gib:g} GiB: {'yes' if total + weights <= gpu_gib * GIB else 'no'}",
     ]
     if m.num_kv_heads != m.num_heads:
         other = model_kv_bytes(m, context_len, batch_size, dtype_bytes, not mha)
