@@ -61,20 +61,25 @@ def test_task_09b_rule_bugs_are_caught_and_named(fn, words):
         check_window_rule(fn)
 
 
-def _engine(rule):
-    return LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=24, max_model_len=200,
-               max_num_batched_tokens=16, sliding_window=16, sink_tokens=4, window_free_rule=rule)
+def _engine(num_blocks: int = 24):
+    return LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=num_blocks, max_model_len=200,
+               max_num_batched_tokens=16, sliding_window=16, sink_tokens=4)
 
 
 def test_task_09b_engine_on_the_learners_rule_equals_its_own(capsys):
-    stats = check_window_in_engine(_engine(window_free_rule), max_tokens=40)
+    stats = check_window_in_engine(_engine(), window_free_rule, max_tokens=40)
     assert stats["window_freed_blocks"] > 0 and "the same tokens" in capsys.readouterr().out
 
 
 def test_task_09b_engine_refuses_an_unsafe_rule_and_reports_a_lazy_one():
     with pytest.raises(AssertionError, match="(?s)the engine refused your answer.*still sees"):
-        check_window_in_engine(_engine(first_position_only), max_tokens=40)
-    roomy = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=64, max_model_len=200,
-                sliding_window=16, sink_tokens=4, window_free_rule=never)
+        check_window_in_engine(_engine(), first_position_only, max_tokens=40)
     with pytest.raises(AssertionError, match="(?s)gave back .* blocks"):
-        check_window_in_engine(roomy, max_tokens=40)
+        check_window_in_engine(_engine(num_blocks=64), never, max_tokens=40)
+
+
+def test_task_09b_the_check_runs_the_rule_it_is_given_not_one_the_llm_was_built_with():
+    """A learner who fixes the rule and re-runs only the check cell gets the fixed rule checked."""
+    stale = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=24, max_model_len=200,
+                max_num_batched_tokens=16, sliding_window=16, sink_tokens=4, window_free_rule=first_position_only)
+    check_window_in_engine(stale, window_free_rule, max_tokens=40)

@@ -84,6 +84,31 @@ def test_exercise_and_solution_do_not_drift(name):
     assert {"exercise", "check"} <= kinds, f"{name}: needs at least one exercise cell and one check cell"
 
 
+def used_names(source: str) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_only_check_cells_hand_the_learners_code_to_the_engine(name):
+    """A cell that builds an engine around the learner's function keeps the function it saw: fix the
+    function, re-run only the check, and the check still runs the old one ("does check 1 pass?" forever).
+    So the learner's names appear only in their own cells and in check cells, which pass them to the
+    checker when they run (the checker builds the engine: `llm.derive(seam=fn)`)."""
+    cells = load("exercises", name).cells
+    learner: set[str] = set()
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "code":
+            continue
+        if "exercise" in tags(cell):
+            learner |= {n for n in defined_names(cell.source)}
+            continue
+        stale = used_names(cell.source) & learner
+        assert "check" in tags(cell) or not stale, (
+            f"{name} cell {i} uses {sorted(stale)}, defined by the learner, outside a check cell: it keeps "
+            "the version it saw when it ran. Pass the function in the check cell instead "
+            "(check_..._in_engine(llm, fn, ...) builds llm.derive(seam=fn) itself)")
+
+
 HINT_TITLES = ("Hint 1 — a nudge", "Hint 2 — the idea", "Hint 3 — the formula")
 
 

@@ -12,17 +12,21 @@ points), and back.
 
 Three stages, each stopping at the first problem with a message that says where:
   1. quantize_block on random blocks and on the blocks that break naive quantizers (an outlier
-     channel, a row of zeros, a row whose largest value is negative, a row of one sign, huge and tiny
-     magnitudes): shapes and dtypes, the scale and zero point (not a wider range, which wastes
-     levels, not a narrower one, which clips), and the round-trip error (half a step of the grid at most)
+     channel, a row of zeros, an all-zero block, a constant block, a row whose largest value is
+     negative, a row of one sign, huge and tiny magnitudes): shapes and dtypes, the scale and zero
+     point (not a wider range, which wastes levels, not a narrower one, which clips), and the
+     round-trip error (half a step of the grid at most). A NaN or inf that reaches the conversion to
+     8 bits fails, whatever the conversion makes of it: float -> int8 of NaN is undefined, and this
+     CPU happens to give 0, which would hide a missing zero-range guard
   2. dequantize_block against q * scale + zero
   3. (check_kv_quant_in_engine) SmolLM2 on an int8 pool whose K/V are stored by your quantize_block
-     (`LLM(..., kv_cache_dtype="int8", kv_quantizer=quantize_block)`): the same greedy tokens as the
-     engine's own quantizer
+     (`llm.derive(kv_quantizer=quantize_block)`, built when the check runs, so it always runs the
+     function you defined last): the same greedy tokens as the engine's own quantizer
 """
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from minikv.cache.quant import QMAX
 from minikv.cache.quant import dequantize_block as reference_dequantize
@@ -45,10 +49,33 @@ def blocks(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     negative[:, :, 7] = -25  # the largest magnitude of every row is negative
     one_sign = r().abs() + 3  # every value in [3, 7]: a grid symmetric around 0 wastes half its levels
     mixed = r() * torch.logspace(-3, 3, BLOCK[0])[:, None, None]  # tokens of very different sizes
+    constant = torch.arange(BLOCK[0] * BLOCK[1], dtype=torch.float32).reshape(BLOCK[:2])[..., None] / 4 - 5
+    constant = constant.expand(BLOCK).contiguous()  # every row one value (-5 .. 6.75): range 0, scale 0
     return [("a random block", r()), ("a random block with large values", r(300)),
             ("an outlier channel (channel 5 is 40x the others)", outlier), ("a row of zeros (token 3, head 1)", zeros),
+            ("an all-zero block", torch.zeros(BLOCK)), ("a constant block (each row one value, -5 to 6.75)", constant),
             ("rows whose largest magnitude is negative", negative), ("rows of one sign (values in [3, 7])", one_sign),
             ("tokens from 1e-3 to 1e3", mixed)]
+
+
+class _WatchConversions(TorchFunctionMode):
+    """Sees every torch call of the learner's function: the first one that makes an 8-bit tensor out of a
+    float tensor holding NaN or inf is kept in `bad`. What such a conversion returns is undefined (this
+    CPU turns NaN into int8 0, others into -128), so the output alone cannot tell a guard from luck."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.bad = dtype, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.bad is None and isinstance(out, torch.Tensor) and out.dtype == self.dtype:
+            inputs = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            for a in inputs:
+                if a.is_floating_point() and not torch.isfinite(a).all():
+                    self.bad = (getattr(func, "__name__", str(func)), int((~torch.isfinite(a)).sum()))
+                    break
+        return out
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +110,16 @@ def check_quantize_block(quantize_block, dtypes=("int8", "fp8")) -> None:
         int8 = dtype == torch.int8
         for lesson, x in blocks():
             case = f"{name}, {lesson}: x {list(x.shape)} [block_size, num_kv_heads, head_dim]"
-            out = _call(case, quantize_block, x.clone(), dtype)
+            with _WatchConversions(dtype) as watch:
+                out = _call(case, quantize_block, x.clone(), dtype)
+            if watch.bad is not None:
+                op, count = watch.bad
+                fail(case, f"{count} NaN or inf values reached the conversion to {dtype} (in {op})",
+                     "a row whose values are all equal has range 0, so its scale is 0 and (x - zero) / scale is "
+                     "0 / 0 = NaN. What converting NaN gives is undefined: 0 on some CPUs, -128 on others, NaN "
+                     "in fp8; the stored value is then luck, not your code",
+                     "divide by the scale only where it is > 0 (torch.where(half > 0, qmax / half, 0)): a "
+                     "constant row gets q 0 and keeps its value exactly in the zero point (fp8: scale 0, q 0)")
             if not (isinstance(out, tuple) and len(out) == 3):
                 fail(case, f"quantize_block returned {type(out).__name__}"
                            + (f" of {len(out)}" if isinstance(out, tuple) else ""),
@@ -105,6 +141,10 @@ def check_quantize_block(quantize_block, dtypes=("int8", "fp8")) -> None:
                 fail(case, f"zero is {_describe(zero)}", "expected None: fp8 is symmetric around 0",
                      "e4m3's levels are densest near 0; shifting a row would move its small values where the "
                      "steps are coarse. Return (q, scale, None)")
+            for what, t in (("scale", scale), ("zero", zero if int8 else None)):
+                if t is not None and not torch.isfinite(t).all():
+                    fail(case, f"{what} holds NaN or inf", "every row's scale and zero point must be finite numbers "
+                         "(a constant row: scale 0)", "compute them from the row's max and min only")
             xf = x.float()
             if int8:
                 hi, lo = xf.amax(-1), xf.amin(-1)
@@ -128,6 +168,14 @@ def check_quantize_block(quantize_block, dtypes=("int8", "fp8")) -> None:
             if not torch.isfinite(got).all():
                 fail(case, "q * scale has NaN or inf", "a row of zeros (or any constant row) has scale 0: q must be 0",
                      "divide by the scale only where it is > 0 (torch.where)")
+            # rows of one value (int8) or of zeros (fp8): q 0 must give them back exactly
+            flat = (xf.amax(-1) == xf.amin(-1)) if int8 else (xf.abs().amax(-1) == 0)
+            if flat.any() and not torch.equal(got[flat], xf[flat]):
+                i = [int(v) for v in torch.nonzero(flat & (got != xf).any(-1))[0]]
+                fail(case, f"a constant row does not come back exactly (token {i[0]}, head {i[1]})",
+                     f"x = {xf[i[0], i[1], 0].item():.6g} in every dim, dequantized {got[i[0], i[1]][:4].tolist()} ...",
+                     "a row of one value has scale 0: its q must be 0 and its zero point the value itself"
+                     if int8 else "a row of zeros has scale 0: its q must be 0")
             err, bound = (got - xf).abs(), _bound(xf, scale, zero, dtype)
             over = err > bound
             if over.any():
@@ -162,22 +210,24 @@ def check_dequantize_block(dequantize_block) -> None:
     passed(n, "dequantize_block gives q * scale + zero in float32")
 
 
-def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> dict:
-    """`llm` runs an int8 (or fp8) pool whose K/V your kv_quantizer stored: its greedy tokens must equal
-    those of the engine's own quantizer on the same pool (`llm.derive(kv_quantizer=None)`). Returns the
-    tokens before the first difference from a full-precision pool, yours and the engine's."""
+def check_kv_quant_in_engine(llm, quantize_block, prompts: list[str], max_tokens: int = 12) -> dict:
+    """Your quantize_block fills an int8 (or fp8) pool: `llm.derive(kv_quantizer=quantize_block)`, built
+    here from `llm`'s weights and options each time the check runs, so a fixed function is checked
+    without rebuilding anything. Its greedy tokens must equal those of the engine's own quantizer on the
+    same pool (`llm.derive(kv_quantizer=None)`). Returns the tokens before the first difference from a
+    full-precision pool, yours and the engine's."""
     from minikv import SamplingParams
     from minikv.bench import first_divergence
 
     cfg = llm.engine_config
-    if cfg.kv_quantizer is None or cfg.kv_cache_dtype == "auto":
-        raise ValueError("build the LLM with kv_backend='paged', kv_cache_dtype='int8' and kv_quantizer=quantize_block")
+    if cfg.kv_cache_dtype == "auto":
+        raise ValueError("build the LLM with kv_backend='paged' and kv_cache_dtype='int8' (or 'fp8'): the check "
+                         "stores its K/V with your quantize_block")
     calls = []
-    learner = cfg.kv_quantizer
 
     def counted(x, dtype):
         calls.append(x.shape[0])
-        return learner(x, dtype)
+        return quantize_block(x, dtype)
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     mine = [o.token_ids for o in llm.derive(kv_quantizer=counted).generate(prompts, params)]
@@ -185,7 +235,7 @@ def check_kv_quant_in_engine(llm, prompts: list[str], max_tokens: int = 12) -> d
     full = [o.token_ids for o in llm.derive(kv_quantizer=None, kv_cache_dtype="auto").generate(prompts, params)]
     if not calls:
         fail("the engine run", "your quantizer was never called", "the pool stored K/V without it",
-             "pass it as LLM(..., kv_quantizer=quantize_block) with kv_cache_dtype='int8'")
+             "the engine calls its kv_quantizer on every K and V it stores: is the pool quantized?")
     for prompt, got, want in zip(prompts, mine, engine):
         if got != want:
             i = first_divergence(got, want)

@@ -16,7 +16,8 @@ Three stages, each stopping at the first problem with a message that says where:
   2. release and the queue together on taught scenarios (tail first, partial blocks, shared blocks,
      two requests, a hit in between), against the same steps done by the engine's rules
   3. (check_lru_in_engine) SmolLM2 on a small pool with the hash chain keeping its unused blocks in
-     your FreeBlockQueue: same tokens, hits and evictions as the engine's own HashChainCache
+     your FreeBlockQueue (an engine the check builds each time it runs, so a fixed class is the one
+     checked): same tokens, hits and evictions as the engine's own HashChainCache
 """
 from __future__ import annotations
 
@@ -369,14 +370,16 @@ def learner_hash_cache(block_size: int, queue_cls) -> HashChainCache:
 
 def check_lru_in_engine(llm, queue_cls, system: str, questions: list[str], long_prompt: str,
                         max_tokens: int = 6) -> dict:
-    """`llm` runs learner_hash_cache(block_size, queue_cls) on a small pool: a chat, the same questions
-    asked fresh, then a long request that evicts. Tokens, hits and the number of evicted blocks must
+    """The hash chain keeps its unused blocks in your queue: `llm.derive(prefix_caching=learner_hash_cache(
+    block_size, queue_cls))`, built here from `llm`'s weights and small pool each time the check runs
+    (so a fixed class is checked without rebuilding anything). A chat, the same questions asked fresh,
+    then a long request that evicts. Tokens, hits and the number of evicted blocks must
     equal the engine's HashChainCache on the same requests (`llm.derive(prefix_caching="hash")`)."""
     from minikv.checks.radix import chat_then_evict
 
-    if not isinstance(llm.prefix_cache, LearnerHashChainCache):
-        raise ValueError("build the LLM with prefix_caching=learner_hash_cache(block_size, FreeBlockQueue)")
-    llm.reset_prefix_cache()
+    if llm.block_size is None:
+        raise ValueError("build the LLM with kv_backend='paged': the prefix cache keeps whole blocks")
+    llm = llm.derive(prefix_caching=learner_hash_cache(llm.block_size, queue_cls))
     mine = chat_then_evict(llm, system, questions, long_prompt, max_tokens, learner=True)
     stats, kept = llm.prefix_cache.stats(), sorted(llm.prefix_cache.cached_blocks())
     ref_engine = llm.derive(prefix_caching="hash")

@@ -6,7 +6,9 @@
 
 Each checker runs hand-picked cases first (each teaches one rule and its failure names that rule),
 then random ones against the engine's own functions, then plugs the learner's function into a
-running engine: the tokens must equal caching off, and the cache must hit where it should.
+running engine (built by the check each time it runs, from the weights of the LLM it is given, so a
+fixed function is the one checked): the tokens must equal caching off, and the cache must hit where
+it should.
 """
 from __future__ import annotations
 
@@ -138,12 +140,18 @@ def check_block_hashes(block_hashes, hash_block, num_random: int = 200, seed: in
     passed(len(cases), "block_hashes chains every full block from its parent, with the salt in the first")
 
 
-def check_hash_chain_in_engine(llm, block_hashes, system: str, questions: list[str]) -> None:
-    """`llm` runs HashChainCache(hash_fn=the learner's hash_block). Two tenants ask questions after a
-    shared system prompt: every answer must equal caching off, a tenant must hit on its own earlier
-    prompts and never on the other's, and the keys the engine stored must be block_hashes' keys."""
+def check_hash_chain_in_engine(llm, hash_block, block_hashes, system: str, questions: list[str]) -> None:
+    """The engine hashes with your hash_block: `llm.derive(prefix_caching=HashChainCache(block_size,
+    hash_fn=hash_block))`, built here from `llm`'s weights each time the check runs (so a fixed
+    function is checked without rebuilding anything). Two tenants ask questions after a shared system
+    prompt: every answer must equal caching off, a tenant must hit on its own earlier prompts and never
+    on the other's, and the keys the engine stored must be block_hashes' keys."""
     from minikv import SamplingParams
+    from minikv.cache.hash_chain import HashChainCache
 
+    if llm.block_size is None:
+        raise ValueError("build the LLM with kv_backend='paged': the prefix cache keeps whole blocks")
+    llm = llm.derive(prefix_caching=HashChainCache(llm.block_size, hash_fn=hash_block))
     cache, bs = llm.prefix_cache, llm.block_size
     sp = SamplingParams(max_tokens=8)
     prompts = [llm.chat_prompt(q, system=system) for q in questions]
@@ -267,11 +275,16 @@ def _tree_text(cache: RadixCache) -> list[str]:
     return lines or ["(empty)"]
 
 
-def check_radix_in_engine(llm, system: str, turns: list[str], max_tokens: int = 12) -> None:
-    """`llm` runs RadixCache(match_fn=the learner's match_prefix). A chat of several turns: every
-    answer must equal caching off, and each turn must hit on everything before its new message
-    (the earlier questions AND answers: generated tokens are in the tree too)."""
+def check_radix_in_engine(llm, match_prefix, system: str, turns: list[str], max_tokens: int = 12) -> None:
+    """Every lookup is your walk: `llm.derive(prefix_caching=RadixCache(block_size, match_fn=match_prefix))`,
+    built here from `llm`'s weights each time the check runs. A chat of several turns: every answer
+    must equal caching off, and each turn must hit on everything before its new message (the earlier
+    questions AND answers: generated tokens are in the tree too)."""
     from minikv import SamplingParams
+
+    if llm.block_size is None:
+        raise ValueError("build the LLM with kv_backend='paged': the radix tree keeps whole blocks")
+    llm = llm.derive(prefix_caching=RadixCache(llm.block_size, match_fn=match_prefix))
 
     sp = SamplingParams(max_tokens=max_tokens)
     encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731

@@ -13,7 +13,8 @@ Three stages, each stopping at the first problem with a message that says where:
      compared with the one the engine's own RadixCache builds from the same requests
   3. (check_radix_insert_in_engine) SmolLM2 with `learner_radix_cache` (your three functions doing
      every change of the tree) against the engine's RadixCache: same tokens, same cache hits, a small
-     pool so that leaves are evicted, and the cache's invariants after every request
+     pool so that leaves are evicted, and the cache's invariants after every request. The check
+     builds that engine itself each time it runs, so it always runs the functions defined last
 """
 from __future__ import annotations
 
@@ -465,15 +466,17 @@ def chat_then_evict(engine, system: str, questions: list[str], long_prompt: str,
 
 def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions: list[str],
                                  long_prompt: str, max_tokens: int = 6) -> dict:
-    """`llm` runs learner_radix_cache(block_size, insert, evict_leaf) on a small pool. A chat of
+    """Your functions change the tree: `llm.derive(prefix_caching=learner_radix_cache(block_size, insert,
+    evict_leaf))`, built here from `llm`'s weights and small pool each time the check runs (so a fixed
+    function is checked without rebuilding anything; insert calls the split defined last). A chat of
     len(questions) turns after `system`, the same questions asked fresh (the tree splits where they
     leave the chat), then `long_prompt`, which needs more blocks than are empty (leaves are evicted).
     Each answer and each request's cache hit must equal those of the engine's RadixCache
     (`llm.derive(prefix_caching="radix")`, the same weights), and the cache's invariants must hold
     after every request."""
-    if not isinstance(llm.prefix_cache, LearnerRadixCache):
-        raise ValueError("build the LLM with prefix_caching=learner_radix_cache(block_size, insert, evict_leaf)")
-    llm.reset_prefix_cache()
+    if llm.block_size is None:
+        raise ValueError("build the LLM with kv_backend='paged': the radix tree keeps whole blocks")
+    llm = llm.derive(prefix_caching=learner_radix_cache(llm.block_size, insert, evict_leaf))
     mine = chat_then_evict(llm, system, questions, long_prompt, max_tokens, learner=True)
     stats, kept = llm.prefix_cache.stats(), sorted(llm.prefix_cache.cached_blocks())
     ref_engine = llm.derive(prefix_caching="radix")

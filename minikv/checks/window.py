@@ -13,7 +13,7 @@ Two stages, each stopping at the first problem with a message that says where:
      mid-block, the window's first position, entries already given back, no sinks) and 300 random
      ones, against the engine's rule (minikv/cache/window.py)
   2. check_window_in_engine: the engine runs a long generation with the learner's rule plugged in
-     (`LLM(..., window_free_rule=fn)`): the same tokens, the same blocks given back and the same peak
+     (`llm.derive(window_free_rule=fn)`, built when the check runs): the same tokens, the same blocks given back and the same peak
      as with the engine's own rule
 """
 from __future__ import annotations
@@ -147,16 +147,18 @@ def _run(llm, prompts, params) -> tuple[list[list[int]], int, int]:
     return [o.token_ids for o in outs], st["window_freed_blocks"], st["peak_used_blocks"]
 
 
-def check_window_in_engine(llm, prompts=None, max_tokens: int = 60) -> dict:
-    """Stage 2: `llm` was built with `window_free_rule=` the learner's function; run a long generation
-    and compare it with the same engine on the engine's own rule. Returns the learner's engine stats."""
+def check_window_in_engine(llm, window_free_rule, prompts=None, max_tokens: int = 60) -> dict:
+    """Stage 2: the engine asks your rule: `llm.derive(window_free_rule=window_free_rule)`, built here from
+    `llm`'s weights and options each time the check runs (so a fixed rule is checked without rebuilding
+    anything). A long generation, compared with the same engine on its own rule. Returns the stats of
+    the engine on your rule."""
     from minikv.engine.sampling_params import SamplingParams
 
+    if llm.engine_config.sliding_window is None:
+        fail("check 2", "the engine has no sliding window",
+             "build it with LLM(..., kv_backend='paged', sliding_window=W, sink_tokens=S)")
+    llm = llm.derive(window_free_rule=window_free_rule)
     cfg = llm.engine_config
-    if cfg.window_free_rule is None or cfg.sliding_window is None:
-        fail("check 2", "the engine has no window rule of yours",
-             "build it with LLM(..., kv_backend='paged', sliding_window=W, sink_tokens=S, "
-             "window_free_rule=window_free_rule)")
     prompts = prompts or [list(range(1, 30)), list(range(40, 52))]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     label = (f"check 2: {len(prompts)} requests, {max_tokens} tokens each, block_size {cfg.block_size}, "
