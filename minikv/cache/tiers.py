@@ -16,9 +16,16 @@ A block is stored under a key that must make a wrong hit impossible:
                 (block size, layout, each pool tensor's dtype and shape per block)
 
 Another model, another kv dtype, another block size or another tenant computes other keys, so it
-never hits. Each file repeats the identity and the key in its header and carries a checksum of its
+never hits. The weights' fingerprint follows the weights: `weights_fingerprint` hashes every byte
+again whenever a tensor's storage, version counter or sampled bytes moved (an in-place change), so
+an engine built or derived after a change gets a new identity. Each file repeats the identity and the key in its header and carries a checksum of its
 payload: a corrupted or truncated file is skipped (deleted, counted), never loaded. Files are written
 under a temporary name and renamed, so two engines sharing a directory never read half a file.
+
+The disk budget holds for the directory, not for one engine: eviction measures what the directory
+holds (every identity's files, and temporary files of writes in progress), so engines sharing it keep
+to the budget together. A temporary file whose writer died (kill -9) is removed when the directory is
+measured. A directory deleted under a running engine is created again at the next write.
 
 A value is what `KVPool.read_blocks` returns for one block: a tuple of tensors, each
 [num_layers, block_size, ...]. The store treats it as opaque bytes. Blocks move in batches, shaped
@@ -44,7 +51,10 @@ import hashlib
 import json
 import os
 import queue
+import sys
 import threading
+import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +68,9 @@ FORMAT = "minikv-kv-1"  # bump when the file layout or the key's recipe changes
 MAGIC = b"MINIKV-KV1\n"
 HEADER_BYTES = 512  # the JSON header is padded to this size; the payload follows
 DEFAULT_DISK_BYTES = 2**30
+STALE_TMP_S = 600.0  # a temporary file this old is a write that died (one block's write takes far less)
+RESCAN_S = 1.0  # while writing, the directory's usage is measured again at least this often
+FINGERPRINT_SAMPLES = 256  # elements of each tensor whose bytes stamp the weights between full hashes
 
 Value = tuple  # tensors of one block: (k [num_layers, block_size, kv_heads, head_dim], v [...])
 
@@ -85,6 +98,39 @@ def fingerprint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy() if t.numel() else b"")  # the buffer, no copy
     return h.hexdigest()
+
+
+def weights_stamp(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A cheap stamp that moves whenever a weight may have changed: each tensor's storage address,
+    version counter (bumped by every in-place op, under no_grad too), dtype, shape, and the bytes of
+    FINGERPRINT_SAMPLES evenly spaced elements (a write through `.data` bypasses the counter)."""
+    h = hashlib.sha256()
+    for name, t in named:
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.data_ptr()}|{t._version}|".encode())
+        if t.numel():
+            flat = t.reshape(-1)
+            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+            sample = torch.cat([flat[::step], flat[-1:]]).to("cpu").contiguous()
+            h.update(sample.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (stamp, sha256)
+
+
+def weights_fingerprint(model: torch.nn.Module, fresh: bool = False) -> str:
+    """`fingerprint_tensors` of the model's weights, hashed again only when `weights_stamp` moved (or
+    `fresh`): an engine derived after an in-place change never takes the old weights' identity, while
+    engines derived from unchanged weights skip hashing every byte again (a real model's weights are
+    hundreds of MB). A change no stamp sees (one element written through `.data` outside the sample)
+    needs `reset_prefix_cache()`, which hashes every byte again."""
+    stamp = weights_stamp(model.state_dict().items())
+    known = _FINGERPRINTS.get(model)
+    if fresh or known is None or known[0] != stamp:
+        known = (stamp, fingerprint_tensors(model.state_dict().items()))
+        _FINGERPRINTS[model] = known
+    return known[1]
 
 
 def pool_format(pool) -> dict:
@@ -262,23 +308,67 @@ def file_bytes(block_bytes: int) -> int:
     return HEADER_BYTES + block_bytes
 
 
+def _writer_alive(pid: int) -> bool:
+    """Is the process that named a temporary file still running (on this machine)?"""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process (PermissionError): alive
+        return True
+    return True
+
+
+def stale_tmp(name: str, mtime: float, now: float) -> bool:
+    """A temporary file `<name>.<pid>.<thread>.tmp` left by a write that will never finish: its
+    process is gone (kill -9 mid-write), or it is older than STALE_TMP_S (another machine's, a pid
+    reused)."""
+    if now - mtime > STALE_TMP_S:
+        return True
+    parts = name.split(".")
+    try:
+        return not _writer_alive(int(parts[-3]))
+    except (IndexError, ValueError):
+        return False
+
+
+def _is_hex(name: str, n: int) -> bool:
+    return len(name) == n and all(c in "0123456789abcdef" for c in name)
+
+
 class DiskTier:
-    """One file per block under `root/<identity[:16]>/`, LRU within `budget` bytes of files.
+    """One file per block under `root/<identity[:16]>/`, LRU within `budget` bytes for the whole of
+    `root` (engines sharing it keep to the budget together):
+
+        root/                       kv_offload_dir: the budget counts every file below
+          <identity[:16]>/          one model and pool format
+            <key>.kv                one block: header + payload
+            <key>.kv.<pid>.<tid>.tmp   a write in progress (renamed to <key>.kv when complete)
 
     `put` queues the block for a writer thread (its bytes stay readable from memory until written);
     `close()` writes what is queued and stops the thread. At start the directory's files are indexed
-    (oldest first by modification time) and loaded only on a hit, checked against their checksum.
-    `read_async` reads and checks files on reader threads; `get` is the same read, waited for."""
+    (oldest first by modification time: a hit touches its file, so the order is LRU across engines)
+    and loaded only on a hit, checked against their checksum. `read_async` reads and checks files on
+    reader threads; `get` is the same read, waited for.
+
+    Eviction measures the directory (`measure`): at start, at close, whenever this engine's own
+    writes since the last measure could take it over the budget, and at least every RESCAN_S while
+    writing. Between two measures the directory may go over by what other engines wrote meanwhile,
+    until one of them measures. Measuring also removes temporary files whose writer died, and makes
+    the index follow the directory (files others evicted leave it, files others wrote join it)."""
 
     def __init__(self, root: str | os.PathLike, identity: str, budget: int, block_bytes: int):
         if budget < file_bytes(block_bytes):
             raise ValueError(f"kv_offload_disk_bytes={budget:,} holds no block file of {file_bytes(block_bytes):,} "
                              f"bytes; give at least {file_bytes(block_bytes):,}")
         self.identity, self.budget = identity, budget
-        self.dir = Path(root).expanduser() / identity[:16]
+        self.root = Path(root).expanduser()
+        self.dir = self.root / identity[:16]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}"
+            probe = self.dir / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
@@ -286,22 +376,20 @@ class DiskTier:
                              "give a directory you can create files in") from None
         self.lock = threading.Lock()
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
-        files = []
-        for f in self.dir.glob("*.kv"):
-            try:
-                files.append((f.stat().st_mtime, bytes.fromhex(f.stem), f.stat().st_size))
-            except (OSError, ValueError):
-                continue
-        for _, key, size in sorted(files):
-            self.index[key] = size
+        self.forgotten: set[bytes] = set()  # reads failed or hung: never listed again by this engine
         self.pending: dict[bytes, tuple[list, bytes]] = {}  # queued, not yet on disk: (tensors, payload)
         self.num_writes = self.bytes_written = self.num_reads = self.bytes_read = 0
-        self.num_corrupt = self.num_evicted = 0
+        self.num_corrupt = self.num_evicted = self.num_failed_writes = self.num_stale_tmp = 0
+        self.num_recreated = 0  # times the directory was gone at a write and created again
+        self.error: str | None = None  # the last write error, if writes fail
+        self.dir_bytes = 0  # what the whole of root held at the last measure
+        self._measured_at = float("-inf")
+        self._written_since = 0  # bytes this engine wrote since the last measure
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._readers: ThreadPoolExecutor | None = None
         self.closed = False
-        self._trim()
+        self.measure()
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
@@ -362,6 +450,10 @@ class DiskTier:
                 self.num_corrupt += 1
             self.drop(key)
             return None
+        try:
+            os.utime(self.path(key))  # recently used, for every engine measuring the directory
+        except OSError:
+            pass
         with self.lock:
             self.num_reads += 1
             self.bytes_read += len(data)
@@ -379,6 +471,7 @@ class DiskTier:
         """Stop listing a block whose read failed or hung (its file stays: another engine may read it)."""
         with self.lock:
             self.index.pop(key, None)
+            self.forgotten.add(key)
 
     def drop(self, key: bytes) -> None:
         with self.lock:
@@ -406,33 +499,123 @@ class DiskTier:
         data = block_file(self.identity, key, *queued)
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, final)  # atomic: a reader sees the old file, the new one, or none
-        except OSError:
+        error = None
+        for attempt in range(2):
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, final)  # atomic: a reader sees the old file, the new one, or none
+                error = None
+                break
+            except FileNotFoundError as e:  # the directory was deleted under us: create it again, once
+                error = e
+                if attempt == 0 and self._recreate():
+                    continue
+            except OSError as e:  # a full disk, lost permissions: counted and reported once
+                error = e
             tmp.unlink(missing_ok=True)
-            with self.lock:
-                self.pending.pop(key, None)
-            return
+            break
         with self.lock:
             self.pending.pop(key, None)
-            self.index[key] = len(data)
-            self.num_writes += 1
-            self.bytes_written += len(data)
+            if error is not None:
+                self.num_failed_writes += 1
+                first, self.error = self.error is None, f"{type(error).__name__}: {error.strerror or error}"
+            else:
+                self.index[key] = len(data)
+                self.num_writes += 1
+                self.bytes_written += len(data)
+                self._written_since += len(data)
+        if error is not None:
+            if first:
+                print(f"minikv: the KV disk tier cannot write to {self.dir} ({self.error}); blocks it misses are "
+                      "computed again; free disk space or fix the directory (stats() counts failed writes)",
+                      file=sys.stderr)
+            return
         self._trim()
 
-    def _trim(self) -> None:
-        """Delete the least recently used files until the rest fit the budget."""
-        while True:
+    def _recreate(self) -> bool:
+        """The directory vanished (deleted under a running engine): create it again and forget the files
+        it held. Returns False if it cannot be created."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        with self.lock:
+            self.num_recreated += 1
+        self.measure()
+        return True
+
+    def refresh(self) -> None:
+        """If the directory vanished, forget its files now (stats() must not list them)."""
+        if not self.dir.is_dir():
             with self.lock:
-                if sum(self.index.values()) <= self.budget or not self.index:
-                    return
-                key, _ = self.index.popitem(last=False)
-                self.num_evicted += 1
+                self.index.clear()
+                self.dir_bytes = 0
+
+    def _trim(self) -> None:
+        """Measure the directory (and evict) if this engine's writes may have taken it over the budget,
+        or the last measure is older than RESCAN_S."""
+        with self.lock:
+            fresh = time.monotonic() - self._measured_at < RESCAN_S
+            if fresh and self.dir_bytes + self._written_since <= self.budget:
+                return
+        self.measure()
+
+    def measure(self) -> int:
+        """Measure every file of the store under root (all identities; temporary files of live writes
+        count, those of dead writers are removed), delete the least recently used block files until the
+        total fits the budget, and make the index list this identity's files. Returns the bytes held."""
+        now, files, total = time.time(), [], 0
+        try:
+            subdirs = [d for d in os.scandir(self.root) if _is_hex(d.name, 16) and d.is_dir(follow_symlinks=False)]
+        except OSError:
+            subdirs = []
+        for d in subdirs:
             try:
-                self.path(key).unlink()
+                entries = list(os.scandir(d.path))
             except OSError:
-                pass
+                continue
+            for e in entries:
+                if not e.name.endswith((".kv", ".tmp")):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # gone since the listing
+                if e.name.endswith(".tmp") and stale_tmp(e.name, st.st_mtime, now):
+                    try:
+                        os.unlink(e.path)
+                        with self.lock:
+                            self.num_stale_tmp += 1
+                    except OSError:
+                        pass
+                    continue
+                total += st.st_size
+                if e.name.endswith(".kv"):
+                    files.append((st.st_mtime, st.st_size, d.name, e.name[:-3]))
+        files.sort()
+        evicted = []
+        while total > self.budget and files:
+            _, size, sub, stem = files.pop(0)
+            try:
+                os.unlink(self.root / sub / f"{stem}.kv")
+                evicted.append(stem)
+            except FileNotFoundError:
+                pass  # another engine evicted it first
+            except OSError:
+                continue
+            total -= size
+        mine = self.identity[:16]
+        with self.lock:
+            self.num_evicted += len(evicted)
+            index = OrderedDict()
+            for _, size, sub, stem in files:
+                if sub == mine and _is_hex(stem, 64):
+                    key = bytes.fromhex(stem)
+                    if key not in self.forgotten:
+                        index[key] = size
+            self.index = index
+            self.dir_bytes, self._written_since, self._measured_at = total, 0, time.monotonic()
+        return total
 
     def flush(self) -> None:
         """Wait until every queued block is on disk."""
@@ -440,7 +623,8 @@ class DiskTier:
             self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer. Idempotent."""
+        """Write what is queued, stop the writer, and measure the directory a last time (the budget
+        holds when the engine is gone). Idempotent."""
         if self.closed:
             return
         self.flush()
@@ -452,6 +636,7 @@ class DiskTier:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        self.measure()
 
 
 # ---- the two tiers together ----------------------------------------------------------------------
@@ -539,9 +724,12 @@ class TieredStore:
             out["cpu"] = {"blocks": len(self.cpu), "bytes": self.cpu.used_bytes, "budget": self.cpu.budget}
         if self.disk is not None:
             d = self.disk
+            d.refresh()
+            # bytes: this identity's block files; dir_bytes: the whole directory at the last measure
             out["disk"] = {"blocks": len(d), "bytes": d.used_bytes, "budget": d.budget, "pending": len(d.pending),
                            "writes": d.num_writes, "bytes_written": d.bytes_written, "reads": d.num_reads,
                            "bytes_read": d.bytes_read, "corrupt_files": d.num_corrupt, "evicted": d.num_evicted,
-                           "dir": str(d.dir)}
+                           "dir_bytes": d.dir_bytes, "failed_writes": d.num_failed_writes, "error": d.error,
+                           "recreated": d.num_recreated, "stale_tmp_removed": d.num_stale_tmp, "dir": str(d.dir)}
         out["dropped"] = self.dropped
         return out

@@ -31,7 +31,7 @@ from minikv.cache.pool import KVPool, RowPool
 from minikv.cache.prefix_cache import PrefixCache
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.swap import SwapSpace
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, fingerprint_tensors, store_identity
+from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, store_identity, weights_fingerprint
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ModelShape
@@ -52,7 +52,7 @@ from minikv.engine.simple_scheduler import SimpleScheduler
 from minikv.model.loader import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
-_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its weights' sha256
+CLOSED_MESSAGE = "the engine is closed (close() or the end of its `with` block); build a new LLM"
 
 
 def pair_requests(prompts, params) -> tuple[list[Prompt], list[SamplingParams]]:
@@ -357,17 +357,28 @@ class LLM:
         return disk
 
     def _weights_fingerprint(self, fresh: bool = False) -> str:
-        """sha256 of every weight (once per loaded model; again after a reset, the weights may have changed)."""
-        if fresh or self.model not in _FINGERPRINTS:
-            _FINGERPRINTS[self.model] = fingerprint_tensors(self.model.state_dict().items())
-        return _FINGERPRINTS[self.model]
+        """sha256 of every weight, taken again whenever the weights moved since the last time (an
+        engine derived after an in-place change gets a new identity; see tiers.weights_fingerprint),
+        and always after a reset."""
+        return weights_fingerprint(self.model, fresh)
 
     def close(self) -> None:
-        """Finish the offload tiers' disk writes and stop the writer thread. The engine takes no new
-        requests afterwards. `with LLM(...) as llm:` calls it on leaving."""
-        if isinstance(self.offload_store, TieredStore):
-            self.offload_store.close()
-        self._closed = True
+        """Abort every request not finished yet (finish reason "abort": a stream of one gets its last
+        event), queue the cached blocks not yet written through, finish the offload tiers' disk writes
+        and stop the writer thread. Afterwards `step()`, `generate()` and `add_request()` raise
+        CLOSED_MESSAGE. Idempotent; `with LLM(...) as llm:` calls it on leaving."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # first: a request submitted from now on is refused
+            for seq in list(self._requests.values()):
+                self.abort(seq)
+            self._drain()  # an overlapped step still on the device: wait for it, give its blocks back
+            offload = self.block_manager.offload if self.block_manager is not None else None
+            if offload is not None:
+                offload.flush()  # cached blocks queued for write-through go to the store before it closes
+            if isinstance(self.offload_store, TieredStore):
+                self.offload_store.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -452,7 +463,7 @@ class LLM:
     # ---- running -------------------------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         if self._closed:
-            raise RuntimeError("this LLM was closed (close() or the end of its `with` block); build a new one")
+            raise RuntimeError(CLOSED_MESSAGE)
         ids, text, salt = self.encode(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (or a list of them, one per prompt), "
@@ -578,6 +589,8 @@ class LLM:
         notebook, a learner's function, a fault), the engine starts over from a state that is right by
         construction (see `_recover`) before the exception goes on to the caller."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError(CLOSED_MESSAGE)
             try:
                 return self._step()
             except BaseException:
