@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prepare":
         from minikv.model.named import prepare_smollm2
 
-        print(prepare_smollm2())
+        try:
+            print(prepare_smollm2())
+        except _user_errors() as e:
+            return _error(e)
         return 0
 
     from minikv import LLM, SamplingParams
@@ -84,11 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prompt if args.no_chat else llm.chat_prompt(args.prompt)
         for ev in llm.stream(prompt, params):
             print(ev.text_delta if llm.tokenizer else f"{ev.token_id} ", end="", flush=True)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except _user_errors() as e:
+        return _error(e)
     print()
     return 0
+
+
+# ---- a user's mistake is one line, never a traceback ------------------------------------------------
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can cause: ValueError (a bad option, model or file; the message names the cause and
+    the fix), OSError (a path missing, not a directory, not permitted), DownloadError (offline before
+    the model is in place). Anything else is a bug and keeps its traceback."""
+    from minikv.model.named import DownloadError
+
+    return ValueError, OSError, DownloadError
+
+
+def _error(e: BaseException) -> int:
+    """Print `error: <cause>; <fix>` on one line of stderr; the exit status is 2."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:  # raw, from the OS: no fix in it
+        message = f"{e.strerror}: {e.filename}; check the path and its permissions"
+    else:
+        message = str(e)
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return 2
 
 
 # ---- for interview preparation ----------------------------------------------------------------------
@@ -140,20 +162,43 @@ def _serve(args) -> int:
             print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
     try:
+        _check_listen(args.host, args.port)  # before the model loads: a bad port fails at once
         llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend="paged",
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
                   prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except _user_errors() as e:
+        return _error(e)
     name = args.served_model_name or args.model
     print(f"minikv: serving {name!r} at http://{args.host}:{args.port}/v1 (policy {args.schedule_policy}"
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
     run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
         args.log_level)
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """A ValueError naming the cause and the fix if the server could not listen on host:port (a port out
+    of range, a host that does not resolve, a port in use or not permitted)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}; pick a free port such as 8000 (0: any free port)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e.strerror or e}); give an address such as "
+                         "127.0.0.1 or 0.0.0.0") from None
+    if port == 0:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server sets it
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port, or stop "
+                             "what listens there") from None
 
 
 # ---- for the classroom ---------------------------------------------------------------------------

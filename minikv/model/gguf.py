@@ -45,12 +45,32 @@ def converted_gguf(path: Path, cache: Path) -> Path:
     out = cache / "gguf" / f"{path.stem}-{content_key(path)}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
+    from minikv.model.named import writable_dir
+
+    writable_dir(out.parent)
     tmp = out.with_name(out.name + ".partial")  # a conversion cut short is never taken for a finished one
     shutil.rmtree(tmp, ignore_errors=True)
-    convert_gguf(path.parent, path.name, tmp)
+    try:
+        convert_gguf(path.parent, path.name, tmp)
+    except Exception as e:  # noqa: BLE001  the GGUF reader fails deep inside ("cannot reshape array ...")
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"could not convert {path} ({kind(e)}: {first_line(e)}); the file is truncated, "
+                         "corrupt or not a Llama-family model: download or copy it again") from e
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def kind(e: BaseException) -> str:
+    """The exception's class, with its module unless built in ("struct.error", not "error")."""
+    cls = type(e)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, cut to `limit` characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:

