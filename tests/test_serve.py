@@ -1,5 +1,10 @@
 """The server (rung 10): a real HTTP server on a free loopback port, driven by the official `openai`
-client and by plain HTTP. tiny-random (with a byte tokenizer for the text and chat routes) keeps it fast."""
+client and by plain HTTP. tiny-random (with a byte tokenizer for the text and chat routes) keeps it fast.
+
+No test depends on the machine's speed: where a state must last ("A's request still runs while B
+arrives"), a Gate holds the engine thread at the end of a step until the test opens it, and the test
+waits for states (polling the server's own counters), never for time to pass. The time limits below
+only turn a hang into a failure."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,6 +30,7 @@ from minikv.serve.tiny import tiny_random_with_text
 
 MODEL = "tiny-random"
 ROOT = Path(__file__).resolve().parents[1]
+HANG_S = 120  # a limit that only turns a hang into a failure: no test waits for it to pass
 
 
 def engine(**options) -> LLM:
@@ -31,10 +39,64 @@ def engine(**options) -> LLM:
     return LLM(tiny_random_with_text(), **{**base, **options})
 
 
+class Gate:
+    """An engine observer: while closed, the engine thread waits at the end of each step until the test
+    opens it. So the test, not the machine's speed, decides how long a request runs. It also records
+    the size of every batch."""
+
+    def __init__(self, closed: bool = False):
+        self._open = threading.Event()
+        if not closed:
+            self._open.set()
+        self.holding = threading.Event()  # set while the engine waits at the gate
+        self.batch_sizes: list[int] = []
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def on_step(self, llm, batch, events):
+        self.batch_sizes.append(len(batch.seqs))
+        if self._open.is_set():
+            return
+        self.holding.set()
+        try:
+            if not self._open.wait(HANG_S):
+                raise RuntimeError(f"the test never opened the gate ({HANG_S} s)")
+        finally:
+            self.holding.clear()
+
+
+def wait_until(condition, what: str) -> None:
+    """Poll for a state of the server; fail (never pass) on the hang limit."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {HANG_S} s: {what}")
+        time.sleep(0.002)
+
+
 @pytest.fixture(scope="module")
-def server():
-    with Server(engine(schedule_policy="vtc"), served_name=MODEL, isolate_tenants=True) as s:
-        yield s
+def gated():
+    gate = Gate()
+    llm = engine(schedule_policy="vtc")
+    llm.add_observer(gate)
+    with Server(llm, served_name=MODEL, isolate_tenants=True) as s:
+        yield s, gate
+
+
+@pytest.fixture(scope="module")
+def server(gated):
+    return gated[0]
+
+
+@pytest.fixture
+def gate(gated):
+    """The module server's gate, open again after the test whatever happens."""
+    yield gated[1]
+    gated[1].open()
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +106,13 @@ def reference(server):
 
 
 _clients: dict = {}
-HTTP = httpx.Client(timeout=30)  # one connection pool for the plain-HTTP calls
+HTTP = httpx.Client(timeout=HANG_S)  # one connection pool for the plain-HTTP calls
 
 
 def client(server, key: str = "alice") -> openai.OpenAI:
     """One client per (server, API key): building one loads TLS certificates, a good part of a second."""
     if (server.url, key) not in _clients:
-        _clients[server.url, key] = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        _clients[server.url, key] = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=HANG_S)
     return _clients[server.url, key]
 
 
@@ -87,7 +149,7 @@ def test_stream_is_server_sent_events_that_join_to_the_whole_answer_and_end_with
     body = {"model": MODEL, "prompt": "the cache", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     lines = []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
@@ -95,7 +157,7 @@ def test_stream_is_server_sent_events_that_join_to_the_whole_answer_and_end_with
     ids = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     want = reference.generate("the cache", SamplingParams(max_tokens=10, ignore_eos=True))[0]
     assert ids == want.token_ids and "".join(ch["text"] for c in chunks for ch in c["choices"]) == want.text
-    assert chunks[-1]["usage"]["completion_tokens"] == 10  # usage in a streamed answer too
+    assert all("usage" not in c for c in chunks)  # only stream_options.include_usage asks for it
     # the openai client reads the same stream, chat included
     deltas = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=6, temperature=0, stream=True)
@@ -103,11 +165,10 @@ def test_stream_is_server_sent_events_that_join_to_the_whole_answer_and_end_with
     assert len(pieces) >= 2
 
 
-def test_sixteen_concurrent_clients_each_get_their_own_answer(server, reference):
+def test_twenty_concurrent_clients_each_get_their_own_answer_batched_together(server, reference, gate):
     n = 20
     want = reference.generate([prompt_ids(i, 8 + i) for i in range(n)], SamplingParams(max_tokens=12, ignore_eos=True))
     extra = {"return_token_ids": True, "ignore_eos": True}
-    running_seen = []
 
     async def ask(c: openai.AsyncOpenAI, i: int) -> list[int]:
         kw = dict(model=MODEL, prompt=prompt_ids(i, 8 + i), max_tokens=12, temperature=0, extra_body=extra)
@@ -116,26 +177,22 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(server, reference)
         return [t async for ch in await c.completions.create(stream=True, **kw) for c_ in ch.choices
                 for t in c_.model_extra["token_ids"]]
 
-    async def watch(http: httpx.AsyncClient, done: asyncio.Event) -> None:
-        while not done.is_set():
-            running_seen.append(parse_metrics((await http.get(server.url + "/metrics")).text)
-                                ["minikv:num_requests_running"])
-            await asyncio.sleep(0.01)
-
     async def main() -> list:
-        clients = [openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=f"tenant-{k}", max_retries=0)
-                   for k in range(4)]
-        done = asyncio.Event()
-        async with httpx.AsyncClient() as http:
-            watcher = asyncio.create_task(watch(http, done))
-            got = await asyncio.gather(*(ask(clients[i % 4], i) for i in range(n)))
-            done.set()
-            await watcher
-        return got
+        clients = [openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=f"tenant-{k}", max_retries=0,
+                                      timeout=HANG_S) for k in range(4)]
+        asks = [asyncio.create_task(ask(clients[i % 4], i)) for i in range(n)]
+        # the engine runs the first arrivals' step and waits at the gate: the others all queue meanwhile
+        await asyncio.to_thread(wait_until, lambda: gate.holding.is_set() and
+                                server.engine.num_queued() + len(server.engine.llm.scheduler.running) == n,
+                                "the engine holds a step while every request is in")
+        gate.open()
+        return await asyncio.gather(*asks)
 
+    gate.close()
+    sizes_before = len(gate.batch_sizes)
     got = asyncio.run(main())
     assert got == [w.token_ids for w in want]
-    assert max(running_seen) > 1  # they were batched together, not served one by one
+    assert max(gate.batch_sizes[sizes_before:]) > 1  # they were batched together, not served one by one
 
 
 BAD_REQUESTS = [  # (what, route, raw body, status, words the message must contain)
@@ -181,39 +238,46 @@ def test_the_openai_client_raises_its_own_errors(server):
         client(server).completions.create(model=MODEL, prompt=[1], max_tokens=-1)
 
 
-def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(server):
+def settled(server) -> dict[str, float]:
+    """The metrics once nothing runs and no block is held."""
+    wait_until(lambda: (lambda m: m["minikv:num_requests_running"] == 0 and m["minikv:kv_cache_usage_perc"] == 0)
+               (metrics(server)), "no request runs and every block is back")
+    return metrics(server)
+
+
+def test_a_client_that_disconnects_has_its_request_aborted_and_its_blocks_freed(server, gate):
     before = metrics(server).get('minikv:request_success_total{finished_reason="abort"}', 0)
+    asked = server.engine.num_aborts_asked
     body = {"model": MODEL, "prompt": prompt_ids(5, 40), "max_tokens": 900, "ignore_eos": True, "temperature": 0,
             "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
         got = 0
         for line in r.iter_lines():
             got += line.startswith("data: ")
             if got == 3:
+                gate.close()  # the request cannot finish while its client goes away
+                wait_until(gate.holding.is_set, "the engine holds the request's next step")
                 held = metrics(server)["minikv:kv_cache_usage_perc"]  # its blocks, while it runs
                 break
-    # the connection is closed: within a few steps the request is gone and its blocks are back
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        m = metrics(server)
-        if m["minikv:num_requests_running"] == 0 and m["minikv:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.02)
-    assert held > 0 and m["minikv:kv_cache_usage_perc"] == 0 and m["minikv:num_requests_running"] == 0
+    # the connection is closed: the handler asks the engine to abort it; the step ends; it is gone
+    wait_until(lambda: server.engine.num_aborts_asked > asked, "the server saw the client go")
+    gate.open()
+    m = settled(server)
+    assert held > 0
     assert m['minikv:request_success_total{finished_reason="abort"}'] == before + 1
     assert m['minikv:generation_tokens_total{tenant="anonymous"}'] < 900  # it did not run to the end
 
 
-def test_a_client_that_gives_up_on_a_whole_answer_has_its_request_aborted_too(server):
+def test_a_client_that_gives_up_on_a_whole_answer_has_its_request_aborted_too(server, gate):
     before = metrics(server).get('minikv:request_success_total{finished_reason="abort"}', 0)
+    asked = server.engine.num_aborts_asked
     body = {"model": MODEL, "prompt": prompt_ids(6, 40), "max_tokens": 900, "ignore_eos": True}
+    gate.close()  # the answer cannot come before the client gives up
     with pytest.raises(httpx.TimeoutException):  # not streamed: the client waits, then hangs up
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-    deadline = time.time() + 10
-    while time.time() < deadline and metrics(server)["minikv:num_requests_running"] > 0:
-        time.sleep(0.02)
-    m = metrics(server)
-    assert m["minikv:kv_cache_usage_perc"] == 0
+    wait_until(lambda: server.engine.num_aborts_asked > asked, "the server saw the client go")
+    gate.open()
+    m = settled(server)
     assert m['minikv:request_success_total{finished_reason="abort"}'] == before + 1
 
 
@@ -238,53 +302,67 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
                  "minikv:inter_token_latency_seconds_count"):
         assert name in m, name
     assert "# TYPE minikv:time_to_first_token_seconds histogram" in text
-    assert m['minikv:generation_tokens_total{tenant="carol"}'] == 3
-    assert m['minikv:prompt_tokens_total{tenant="carol"}'] == 3
-    assert m['minikv:tenant_service_tokens{tenant="carol"}'] >= 3 + 2 * 3  # the fair scheduler's counter
+    carol = server.tenant_id("carol")  # a keyed hash of the API key: /metrics never shows a key
+    assert "carol" not in text and carol.startswith("t-")
+    assert m[f'minikv:generation_tokens_total{{tenant="{carol}"}}'] == 3
+    assert m[f'minikv:prompt_tokens_total{{tenant="{carol}"}}'] == 3
+    assert m[f'minikv:tenant_service_tokens{{tenant="{carol}"}}'] >= 3 + 2 * 3  # the fair scheduler's counter
     assert m['minikv:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["minikv:time_to_first_token_seconds_count"]
 
 
-class SlowSteps:
-    """An observer that makes every engine step last at least `seconds`: a tiny model on an idle machine
-    would otherwise finish a long answer before the test's next request arrives."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def on_step(self, llm, batch, events):
-        time.sleep(self.seconds)
+def post_as(url: str, key: str, body: dict) -> httpx.Response:
+    with httpx.Client(timeout=HANG_S) as http:
+        return http.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
 def test_overload_gets_429_for_the_flooding_tenant_and_503_for_all_instead_of_an_unbounded_queue():
     llm = engine(max_num_seqs=1)
-    llm.add_observer(SlowSteps(0.02))  # A's first answer takes 20 s or more: it runs while the others arrive
-    with Server(llm, served_name=MODEL, max_waiting=2, max_waiting_per_tenant=1) as s:
-        # long answers (the most max_model_len allows), so that A's first still runs while the others arrive
-        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}
-        with httpx.Client(timeout=30) as http:
-            def post(key: str, stream: bool):
-                kw = dict(json={**body, "stream": stream}, headers={"Authorization": f"Bearer {key}"})
-                if not stream:
-                    return http.post(s.url + "/v1/completions", **kw)
-                st = http.stream("POST", s.url + "/v1/completions", **kw)
-                st.__enter__()
-                streams.append(st)
-                return st
+    gate = Gate(closed=True)  # A's first request holds the one seat until the test opens the gate
+    llm.add_observer(gate)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+    with Server(llm, served_name=MODEL, max_waiting=2, max_waiting_per_tenant=1) as s, ThreadPoolExecutor(3) as pool:
+        def waiting(key: str | None = None) -> int:
+            return s.engine.num_waiting(None if key is None else s.tenant_id(key))
 
-            streams = []
-            post("A", True), post("A", True)  # A's first runs (one seat), its second waits
-            too_many = post("A", False)  # A already has 1 waiting: A is refused, not everyone
-            post("B", True)  # B may still queue: 2 waiting now, the server's limit
-            full = post("C", False)
-            for st in streams:
-                st.__exit__(None, None, None)
+        try:
+            a1 = pool.submit(post_as, s.url, "A", body)
+            wait_until(gate.holding.is_set, "A's first request runs (in the one seat)")
+            a2 = pool.submit(post_as, s.url, "A", body)
+            wait_until(lambda: waiting("A") == 1, "A's second request waits for the seat")
+            too_many = post_as(s.url, "A", body)  # A already has 1 waiting: A is refused, not everyone
+            b = pool.submit(post_as, s.url, "B", body)  # B may still queue: 2 waiting, the server's limit
+            wait_until(lambda: waiting() == 2, "B's request waits too")
+            full = post_as(s.url, "C", body)
+        finally:
+            gate.open()
+        assert [f.result().status_code for f in (a1, a2, b)] == [200, 200, 200]
         assert too_many.status_code == 429 and too_many.headers["retry-after"] == "1"
-        assert "tenant 'A' already has 1 requests waiting" in too_many.json()["error"]["message"]
+        assert f"tenant {s.tenant_id('A')} already has 1 requests waiting" in too_many.json()["error"]["message"]
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert "overloaded" in full.json()["error"]["message"]
         m = parse_metrics(httpx.get(s.url + "/metrics").text)
         assert m['minikv:requests_rejected_total{reason="overloaded"}'] == 1
         assert m['minikv:requests_rejected_total{reason="tenant_limit"}'] == 1
+
+
+def test_requests_that_take_free_seats_do_not_count_as_waiting_for_the_tenant_limit():
+    llm = engine(max_num_seqs=5)
+    gate = Gate(closed=True)  # X holds one seat; 4 are free; nothing moves until the test opens the gate
+    llm.add_observer(gate)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+    with Server(llm, served_name=MODEL, max_waiting_per_tenant=3) as s, ThreadPoolExecutor(8) as pool:
+        try:
+            x = pool.submit(post_as, s.url, "X", body)
+            wait_until(gate.holding.is_set, "X's request runs")
+            # 4 take the free seats at the next step, 3 more wait: the tenant's limit, not over it
+            mine = [pool.submit(post_as, s.url, "T", body) for _ in range(7)]
+            wait_until(lambda: s.engine.num_queued(s.tenant_id("T")) == 7, "T's 7 requests are queued")
+            assert s.engine.num_waiting(s.tenant_id("T")) == 3
+            over = post_as(s.url, "T", body)
+        finally:
+            gate.open()
+        assert [f.result().status_code for f in [x, *mine]] == [200] * 8
+        assert over.status_code == 429, over.text
 
 
 @pytest.mark.slow
@@ -305,11 +383,11 @@ def test_minikv_serve_starts_from_the_command_line_and_stops_on_sigterm():
             except httpx.TransportError:
                 time.sleep(0.1)
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                         json={"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=10).json()
+                         json={"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=HANG_S).json()
         assert out["usage"]["completion_tokens"] >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=20)  # uvicorn shuts down, then re-raises the signal it caught
+        code = proc.wait(timeout=HANG_S)  # uvicorn shuts down, then re-raises the signal it caught
     out = proc.stdout.read()
     assert code in (0, -signal.SIGTERM) and "serving 'tiny-random'" in out and "Traceback" not in out
 

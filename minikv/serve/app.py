@@ -6,10 +6,22 @@
     GET  /health                 200 while the engine loop runs
     GET  /metrics                Prometheus text (minikv/serve/metrics.py)
 
-A stream is server-sent events, one `data: {chunk}` per engine step that gave the request tokens,
-then `data: [DONE]`. Tenants: the `user` field names one, else the API key (`Authorization: Bearer
-KEY`), else "anonymous". With isolate_tenants, each tenant's prompts are salted with its name, so
-two tenants never share a cached block (nor learn, from a fast first token, what the other sent).
+A stream is server-sent events, one `data: {chunk}` per engine step that gave the request tokens
+(the last content chunk of a sample carries its finish_reason), then `data: [DONE]`: always, an
+error included (`data: {"error": ...}` first). With stream_options.include_usage, a chunk with
+no choices and the usage comes just before [DONE].
+
+Tenants (minikv/serve/tenants.py): a keyed hash of the API key (`Authorization: Bearer KEY`), never
+the key itself. With isolate_tenants, each tenant's prompts are salted with its id, so two tenants
+never share a cached block (nor learn, from a fast first token, what the other sent), and only the
+credential names the tenant.
+
+A request's life in a handler, before the engine sees it:
+
+    body (<= max_body_bytes, else 413) -> JSON -> checked fields (400) -> tenant, queue limits (429/503)
+    -> chat template + tokenizer on a worker thread, length checked (400) -> engine.submit(token ids)
+
+so a huge or malformed request costs its own handler, never the engine thread nor the other streams.
 
     server = Server(LLM("tiny-random", kv_backend="paged"), port=0).start()   # a thread, a free port
     openai.OpenAI(base_url=server.url + "/v1", api_key="alice").completions.create(...)
@@ -21,50 +33,95 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minikv.engine.llm import LLM
 from minikv.serve.engine_loop import EngineLoop, Event
 from minikv.serve.metrics import ServerMetrics
 from minikv.serve.protocol import ApiError, Parsed, choice, envelope, new_id, now, parse_request, usage
+from minikv.serve.tenants import Tenants
 
 log = logging.getLogger("minikv.serve")
 DEFAULT_MAX_WAITING = 256  # requests queued for a seat before the server answers 503 (Retry-After)
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a request body over this gets 413 (--max-body-bytes)
 POLL_DISCONNECT_S = 0.25  # how often a non-streaming handler checks that its client is still there
+TOKENIZER_THREADS = 2  # handlers tokenize here, never on the engine thread
 
 
-def tenant_of(request: Request, parsed: Parsed) -> str:
-    if parsed.user:
-        return parsed.user
-    auth = request.headers.get("authorization", "")
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-    return key or "anonymous"
+def error_response(e: ApiError) -> Response:
+    return Response(e.json(), status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it is known to be over `limit` bytes."""
+    def too_large(size: str) -> ApiError:
+        return ApiError(413, f"the request body is {size} bytes, over this server's limit of {limit:,}; "
+                             "send a shorter prompt, or start the server with a larger --max-body-bytes",
+                        type="invalid_request_error", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(f"{int(declared):,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"over {limit:,}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The longest token's text in UTF-8 bytes: a text of more than max_model_len times this (with a
+    margin for normalizers) has more than max_model_len tokens, known without tokenizing it."""
+    if tokenizer is None:
+        return 0
+    try:
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001  a tokenizer without a vocabulary to read: no early check
+        return 0
 
 
 def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = False,
-              max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None) -> FastAPI:
-    """max_waiting: requests waiting for a seat before anyone gets 503. max_waiting_per_tenant: before
-    that tenant gets 429 (so a flood is refused to the tenant who floods, not to everyone)."""
+              max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastAPI:
+    """max_waiting: requests waiting for a seat (beyond the free seats) before anyone gets 503.
+    max_waiting_per_tenant: before that tenant gets 429 (so a flood is refused to the tenant who
+    floods, not to everyone). max_body_bytes: a larger body gets 413. tenants: who sent a request
+    (minikv/serve/tenants.py; a fresh key if None)."""
     llm, metrics = engine.llm, engine.metrics
+    tenants = tenants or Tenants(isolate=isolate_tenants)
     app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tenants = tenants
     created = now()
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="minikv-tokenize")
+    text_limit = 4 * max_token_bytes(llm.tokenizer) * llm.max_model_len  # bytes of text that surely overflow
+    admitting: Counter[str] = Counter()  # past the queue limits, not yet submitted (tokenizing): they count
+
+    def num_waiting(tenant: str | None = None) -> int:
+        """Requests that will wait for a seat: queued (or being admitted) beyond the free seats."""
+        extra = admitting[tenant] if tenant is not None else sum(admitting.values())
+        return max(0, engine.num_queued(tenant) + extra - engine.free_seats())
 
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         msg = f"{request.method} {request.url.path}: {e.detail}"
         if e.status_code == 404:
             msg += "; routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics"
-        return JSONResponse(ApiError(e.status_code, msg).body(), status_code=e.status_code)
+        return error_response(ApiError(e.status_code, msg))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -83,55 +140,104 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
     async def handle(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return await admit(request, chat)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001  a bug of ours: still an OpenAI-shaped answer, and the server goes on
+            log.exception("request failed")
+            raise ApiError(500, f"the server failed on this request ({type(e).__name__}); it serves on",
+                           type="server_error") from None
+
+    async def admit(request: Request, chat: bool):
+        raw = await read_body(request, max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, an int of 4,300+ digits, deep nesting
             metrics.rejected_request("bad_request")
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            why = "it nests too deeply" if isinstance(e, RecursionError) else f"{e}"[:200]
+            raise ApiError(400, f"the request body is not valid JSON: {why}") from None
         try:
             parsed = parse_request(body, chat, [served_name])
-            prompt = engine_prompt(parsed, chat)
+            check_max_tokens(parsed, chat)
         except ApiError as e:
             metrics.rejected_request("bad_request" if e.status < 404 else "not_found")
             raise
-        tenant = tenant_of(request, parsed)
-        if max_waiting_per_tenant is not None and engine.num_waiting(tenant) >= max_waiting_per_tenant:
+        tenant = tenants.of(request.headers.get("authorization", ""), parsed.user)
+        if max_waiting_per_tenant is not None and num_waiting(tenant) >= max_waiting_per_tenant:
             metrics.rejected_request("tenant_limit")
-            raise ApiError(429, f"tenant {tenant!r} already has {max_waiting_per_tenant} requests waiting for a seat "
+            raise ApiError(429, f"tenant {tenant} already has {max_waiting_per_tenant} requests waiting for a seat "
                                 "(--max-waiting-per-tenant); retry after a second", type="rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        if engine.num_waiting() >= max_waiting:
+        if num_waiting() >= max_waiting:
             metrics.rejected_request("overloaded")
             raise ApiError(503, f"the server is overloaded: {max_waiting} requests are already waiting for a seat "
                                 "(--max-waiting); retry after a second", type="server_overloaded",
                            headers={"Retry-After": "1"})
-        salt = "/".join(s for s in (tenant if isolate_tenants else None, parsed.cache_salt) if s) or None
-        if salt is not None:
-            prompt = {**prompt, "cache_salt": salt}
+        if not engine.alive:
+            raise ApiError(503, "the engine has stopped; the server is shutting down", type="server_error")
         rid, loop, events = new_id(chat), asyncio.get_running_loop(), asyncio.Queue()
-        engine.submit(prompt, parsed.params, tenant, rid, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        first: Event = await events.get()
+        admitting[tenant] += 1
+        try:
+            ids = await loop.run_in_executor(tokenizer_pool, token_ids, parsed, chat)
+            prompt = {"prompt_token_ids": ids}
+            salt = tenants.cache_salt(tenant, parsed.cache_salt)
+            if salt is not None:
+                prompt["cache_salt"] = salt
+            engine.submit(prompt, parsed.params, tenant, rid,
+                          lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        except ApiError:
+            metrics.rejected_request("bad_request")
+            raise
+        finally:
+            admitting[tenant] -= 1
+            if not admitting[tenant]:
+                del admitting[tenant]
+        try:
+            first: Event = await events.get()
+        except asyncio.CancelledError:  # the client went away before the engine took it
+            engine.abort(rid)
+            raise
         if first.kind == "rejected":
             metrics.rejected_request("bad_request")
             raise ApiError(400, str(first.error), param="messages" if chat else "prompt")
+        if first.kind == "failed":
+            raise ApiError(503 if not engine.alive else 500, f"the engine could not run this request: {first.error}",
+                           type="server_error")
         if parsed.stream:
             return StreamingResponse(stream(rid, chat, parsed, events, first.prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await collect(request, rid, chat, parsed, events)
 
-    def engine_prompt(parsed: Parsed, chat: bool) -> dict:
+    def check_max_tokens(parsed: Parsed, chat: bool) -> None:
         if parsed.params.max_tokens > llm.max_model_len:
             raise ApiError(400, f"'max_tokens' is {parsed.params.max_tokens:,} but this model's context is "
                                 f"{llm.max_model_len:,} tokens (prompt included); lower max_tokens", param="max_tokens")
-        if not parsed.max_tokens_given and chat:
-            parsed.params.max_tokens = llm.max_model_len  # until EOS or the context is full
-        if not chat:
-            key = "prompt" if isinstance(parsed.prompt, str) else "prompt_token_ids"
-            return {key: parsed.prompt}
-        tok = llm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if chat and (llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None)):
             raise ApiError(400, f"model {served_name!r} has no chat template; use /v1/completions "
                                 "(with token ids if it has no tokenizer)", param="messages")
-        return {"prompt": tok.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)}
+        if not parsed.max_tokens_given and chat:
+            parsed.params.max_tokens = llm.max_model_len  # until EOS or the context is full
+
+    def token_ids(parsed: Parsed, chat: bool) -> list[int]:
+        """(On a tokenizer thread.) The prompt's token ids, checked against max_model_len and the
+        vocabulary; a text far too long is refused before it is tokenized."""
+        param = "messages" if chat else "prompt"
+        prompt = parsed.prompt
+        if chat:
+            prompt = llm.tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
+        if isinstance(prompt, str) and text_limit and len(prompt) > text_limit // 4:
+            size = len(prompt.encode("utf-8"))
+            if size > text_limit:
+                raise ApiError(400, f"prompt has {size:,} bytes of text, more than {llm.max_model_len:,} tokens "
+                                    f"(max_model_len) can hold; shorten the prompt", param=param)
+        if isinstance(prompt, list) and len(prompt) > llm.max_model_len:
+            raise ApiError(400, f"prompt has {len(prompt):,} tokens but max_model_len is {llm.max_model_len:,}; "
+                                "shorten the prompt", param=param)
+        try:
+            ids, _, _ = llm.encode(prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
+        return ids
 
     async def collect(request: Request, rid: str, chat: bool, parsed: Parsed, events: asyncio.Queue) -> dict:
         n = parsed.params.n
@@ -168,29 +274,39 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
     async def stream(rid: str, chat: bool, parsed: Parsed, events: asyncio.Queue,
                      prompt_tokens: int) -> AsyncIterator[str]:
-        created_at, done = now(), False
+        """The chunks of one answer; it always ends with [DONE], an engine failure included."""
+        created_at, done, generated = now(), False, 0
 
         def sse(choices: list[dict], usage_: dict | None = None) -> str:
-            return f"data: {json.dumps(envelope(chat, rid, served_name, created_at, choices, True, usage_))}\n\n"
+            chunk = envelope(chat, rid, served_name, created_at, choices, True, usage_)
+            if parsed.include_usage or parsed.continuous_usage:
+                chunk.setdefault("usage", None)  # as OpenAI: null on every chunk but the usage one
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        def so_far() -> dict | None:
+            return usage(prompt_tokens, generated, 0) if parsed.continuous_usage else None
 
         try:
             if chat:  # the first chunk names the role, as OpenAI's do
                 yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None} for i in range(parsed.params.n)])
+                            "finish_reason": None} for i in range(parsed.params.n)], so_far())
             while True:
                 ev: Event = await events.get()
                 if ev.kind == "tokens":
+                    generated += len(ev.token_ids)
                     yield sse([choice(chat, ev.index, ev.text, ev.finish_reason,
-                                      ev.token_ids if parsed.return_token_ids else None, delta=True)])
+                                      ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
                 elif ev.kind == "failed":
+                    done = True  # the engine has forgotten it already
                     err = ApiError(500, f"the engine failed on this request: {ev.error}", type="server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                elif ev.kind == "end":
-                    u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                    # usage in every answer: on a last chunk with no choices, as with include_usage
-                    yield sse([], u)
+                    yield f"data: {err.json().decode()}\n\n"
                     yield "data: [DONE]\n\n"
+                    return
+                elif ev.kind == "end":
                     done = True
+                    if parsed.include_usage:  # the last chunk: no choices, the whole usage
+                        yield sse([], usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+                    yield "data: [DONE]\n\n"
                     return
         finally:
             if not done:  # the client went away (or the server stops): free its blocks now
@@ -209,26 +325,35 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
 class Server:
     """The server on a thread of this process, on a free loopback port by default (tests, notebooks,
-    benchmarks). `minikv serve` runs the same app in the foreground."""
+    benchmarks). `minikv serve` runs the same app in the foreground. Should the engine loop end
+    (a bug), the HTTP server stops too: clients are refused, not left hanging."""
 
     def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 0, served_name: str | None = None,
                  isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
-                 max_waiting_per_tenant: int | None = None, log_level: str = "warning"):
+                 max_waiting_per_tenant: int | None = None, log_level: str = "warning",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_key: bytes | str | None = None):
         self.metrics = ServerMetrics()
         self.engine = EngineLoop(llm, self.metrics)
         self.served_name = served_name or str(llm.loaded.source)
-        self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant)
+        self.tenants = Tenants(tenant_key, isolate=isolate_tenants)
+        self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant,
+                             max_body_bytes, self.tenants)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.engine.on_death.append(lambda error: setattr(self._uvicorn, "should_exit", True))
         self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve(sockets=[self._sock])),
                                         name="minikv-http", daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def tenant_id(self, api_key: str) -> str:
+        """The tenant id (engine, /metrics) of requests sent with this API key."""
+        return self.tenants.id_of(api_key)
 
     def start(self, timeout: float = 30.0) -> "Server":
         self.engine.start()
@@ -256,13 +381,21 @@ class Server:
 
 def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool = False,
         max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
-        log_level: str = "info") -> None:
-    """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM."""
+        log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM. If the engine loop ends
+    (a bug), the server stops and the process exits with status 1, for a supervisor to restart it."""
     metrics = ServerMetrics()
-    engine = EngineLoop(llm, metrics).start()
-    app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant)
+    engine = EngineLoop(llm, metrics)
+    app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=2))
+    engine.on_death.append(lambda error: setattr(server, "should_exit", True))
+    engine.start()
     try:
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                      timeout_graceful_shutdown=2)).run()
+        server.run()
     finally:
         engine.stop()
+    if engine.error is not None:
+        print(f"minikv: the engine loop ended ({type(engine.error).__name__}: {engine.error}); exiting with "
+              "status 1", file=sys.stderr, flush=True)
+        raise SystemExit(1)

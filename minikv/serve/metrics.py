@@ -17,6 +17,11 @@
     minikv:requests_rejected_total        counter    refused before running, by reason
 
 Gauges are read from the engine when scraped; counters and histograms are fed by the engine loop.
+
+Tenant labels are the server's tenant ids (minikv/serve/tenants.py: a keyed hash, never an API key),
+and there are at most MAX_TENANT_LABELS of them: the first tenants seen keep their own label, every
+later one counts under tenant="other". A label is cut to MAX_LABEL_CHARS. So /metrics stays small,
+whoever sends what.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0)  # vLLM's
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+MAX_TENANT_LABELS = 64
+MAX_LABEL_CHARS = 64
+OTHER = "other"
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
 
@@ -72,24 +80,35 @@ class ServerMetrics:
         self.prompt_tokens: dict[str, int] = defaultdict(int)
         self.generation_tokens: dict[str, int] = defaultdict(int)
         self.rejected: dict[str, int] = defaultdict(int)
+        self._labels: dict[str, str] = {}  # tenant -> its label (itself, cut; or OTHER once the labels are full)
+
+    def label(self, tenant: str) -> str:
+        """The tenant's label: its own for the first MAX_TENANT_LABELS tenants, then "other"."""
+        got = self._labels.get(tenant)
+        if got is None:
+            own = len(set(self._labels.values()) - {OTHER}) < MAX_TENANT_LABELS
+            got = tenant[:MAX_LABEL_CHARS] if own else OTHER
+            if len(self._labels) < 16 * MAX_TENANT_LABELS:  # remember some; the rest are "other" anyway
+                self._labels[tenant] = got
+        return got
 
     # ---- fed by the engine loop and the handlers --------------------------------------------------
     def tokens_generated(self, tenant: str, n: int) -> None:
         with self._lock:
-            self.generation_tokens[tenant] += n
+            self.generation_tokens[self.label(tenant)] += n
 
     def request_done(self, tenant: str, seq: Sequence, reason: str) -> None:
         times = seq.token_times
         with self._lock:
             self.finished[reason] += 1
-            self.prompt_tokens[tenant] += seq.num_prompt_tokens
+            self.prompt_tokens[self.label(tenant)] += seq.num_prompt_tokens
             if times:
                 self.ttft.observe(times[0] - seq.arrival_time)
                 self.e2e.observe(times[-1] - seq.arrival_time)
                 for a, b in zip(times, times[1:]):
                     self.itl.observe(b - a)
 
-    def rejected_request(self, reason: str) -> None:
+    def rejected_request(self, reason: str) -> None:  # reason: one of the server's own words
         with self._lock:
             self.rejected[reason] += 1
 
@@ -118,8 +137,10 @@ class ServerMetrics:
         metric("minikv:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
         metric("minikv:prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start.",
                hits / queries if queries else 0.0)
-        fair = sch.fair.counters if sch.fair is not None else {}
+        fair: dict[str, float] = defaultdict(float)
         with self._lock:
+            for tenant, value in list((sch.fair.counters if sch.fair is not None else {}).items()):
+                fair[self.label(str(tenant))] += value
             for name, doc, hist in (
                     ("minikv:time_to_first_token_seconds", "Time to first token.", self.ttft),
                     ("minikv:inter_token_latency_seconds", "Time between consecutive tokens.", self.itl),

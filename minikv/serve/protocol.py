@@ -10,7 +10,9 @@ return_token_ids, and a prompt given as token ids.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +32,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def json(self) -> bytes:
+        """The body as bytes, ASCII-escaped: a message quoting a client's bad text always encodes."""
+        return json.dumps(self.body(), ensure_ascii=True).encode()
+
 
 @dataclass
 class Parsed:
@@ -40,10 +46,34 @@ class Parsed:
     params: SamplingParams
     max_tokens_given: bool
     stream: bool
-    include_usage: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage and no choices
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage (so far) on every chunk
     user: str | None
     cache_salt: str | None
     return_token_ids: bool
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(body: Any) -> str | None:
+    """The path of the first string (or key) in a parsed JSON body holding a lone UTF-16 surrogate
+    (JSON "\\ud83d" alone: not Unicode text, no tokenizer takes it), or None. Walks without recursion."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            if _SURROGATE.search(x):
+                return path or "the body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if _SURROGATE.search(k):
+                    return sub
+                stack.append((sub, v))
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+    return None
 
 
 def _is_int(x: Any) -> bool:
@@ -118,6 +148,11 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> Parsed:
     """Check one /v1/completions or /v1/chat/completions body; raise ApiError on the first problem."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        raise ApiError(400, f"'{bad:.80}' holds a lone UTF-16 surrogate (such as \\ud83d without its pair), which "
+                            "is not Unicode text; send valid UTF-8 (both halves of a surrogate pair)",
+                       param=bad[:80])
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(400, "'model' is required: a string naming a served model "
@@ -154,12 +189,15 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> Parsed:
     options = _field(body, "stream_options", "dict", {})
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with stream: true", param="stream_options")
+    for name in ("include_usage", "continuous_usage_stats"):
+        _field(options, name, "bool", False)
     try:
         params = SamplingParams(max_tokens=max_tokens or 16, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, n=n, ignore_eos=ignore_eos, stop=stop, priority=priority)
     except ValueError as e:
         raise ApiError(400, str(e), param=str(e).split(" ")[0]) from None
     return Parsed(prompt, messages, params, max_tokens is not None, stream, bool(options.get("include_usage")),
+                  bool(options.get("continuous_usage_stats")),
                   _field(body, "user", "str"), _field(body, "cache_salt", "str"),
                   _field(body, "return_token_ids", "bool", False))
 
