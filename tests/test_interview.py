@@ -279,3 +279,109 @@ def test_new_drill_checkers_name_the_classic_mistakes():
 
     with pytest.raises(CheckFailed, match="freed"):
         check_rollback(keep_everything, num_random=0)
+
+
+# ---- minikv quiz --notebook ------------------------------------------------------------------------
+
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_notebook_has_a_model_answer_for_each_question_it_asks(name):
+    """Read from the notebook as it is now (a new appendix, a reworded or moved question included)."""
+    from minikv.interview import asked
+
+    found, _ = asked.asked(ROOT / "notebooks" / name, ROOT, QUESTIONS)
+    assert found, f"notebooks/{name} asks no question the finder sees (a '## Questions ...' list at its end)"
+    missing = [f"Q{a.number}: {a.text[:70]}" for a in found if a.entry is None]
+    assert not missing, (f"notebooks/{name} asks questions the bank has no answer for: {missing}; answer each in "
+                         f"instructor/notebooks/{Path(name).stem}.md, then run python instructor/bank_import.py")
+
+
+def test_the_quiz_finds_the_questions_the_instructor_key_finds():
+    from minikv.interview import asked
+
+    for folder in ("notebooks", "exercises"):
+        for path in sorted((ROOT / folder).glob("*.ipynb")):
+            assert asked.questions_in(path) == [q.text for q in key.questions_in(path)], path.name
+
+
+def test_quiz_notebook_prints_each_question_with_its_model_answer(capsys):
+    from minikv.interview import asked
+
+    assert main(["quiz", "--notebook", "06"]) == 0
+    out = capsys.readouterr().out
+    found, more = asked.asked(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, QUESTIONS)
+    assert out.startswith(f"notebooks/06_prefix_caching.ipynb: {len(found)} questions")
+    for a in found:
+        assert _flat(a.text) in _flat(out), f"Q{a.number}"
+        assert a.entry is None or _flat(a.entry.answer) in _flat(out), f"the answer to Q{a.number}"
+    for q in more:
+        assert _flat(q.question) in _flat(out) and _flat(q.answer) in _flat(out), q.id
+    assert out.count("\nA:  ") == len(found) + len(more)
+    assert "minikv quiz --notebook 06a" in out  # its exercises are named
+
+
+def test_quiz_notebook_adds_the_banks_questions_tagged_with_the_notebook():
+    from minikv.interview import asked
+
+    _, more = asked.asked(ROOT / "notebooks" / "05_continuous_batching.ipynb", ROOT, QUESTIONS)
+    assert "beyond-chunked-prefill-tradeoff" in {q.id for q in more}
+    assert all(q.notebook == "notebooks/05_continuous_batching.ipynb" for q in more)
+
+
+@pytest.mark.parametrize("same, as_", [("5", "05"), ("05_continuous_batching", "05"),
+                                       ("notebooks/05_continuous_batching.ipynb", "05"),
+                                       ("8b", "08b_triton_performance_appendix")])
+def test_quiz_notebook_accepts_short_full_and_zero_less_ids(same, as_, capsys):
+    assert main(["quiz", "--notebook", same]) == 0
+    a = capsys.readouterr().out
+    assert main(["quiz", "--notebook", as_]) == 0
+    assert a == capsys.readouterr().out and a.startswith("notebooks/")
+
+
+def test_quiz_notebook_names_an_exercise_where_no_notebook_takes_the_id(capsys):
+    assert main(["quiz", "--notebook", "06a"]) == 0
+    assert capsys.readouterr().out.startswith("exercises/06a_block_hash_chain.ipynb: ")
+    assert main(["quiz", "--notebook", "08b"]) == 0  # the appendix notebook, not exercise 08b
+    assert capsys.readouterr().out.startswith("notebooks/08b_triton_performance_appendix.ipynb: ")
+
+
+def test_quiz_notebook_unknown_id_is_one_error_line_naming_the_valid_ids(capsys):
+    assert main(["quiz", "--notebook", "99"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no notebook '99'")
+    for valid in ("00b", "05", "08b", "12", "06a"):
+        assert f" {valid}," in lines[0] or f" {valid};" in lines[0] or f" {valid} " in lines[0], valid
+
+
+def test_quiz_notebook_reads_an_appendix_at_run_time_and_keeps_a_moved_questions_answer(tmp_path):
+    """A question that moved from 05 into a new appendix keeps its answer; a new one says it has none."""
+    from minikv.interview import asked
+
+    moved = asked.questions_in(ROOT / "notebooks" / "05_continuous_batching.ipynb")[0]
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "exercises").mkdir()
+    cell = {"cell_type": "markdown", "metadata": {}, "source": (
+        "## Questions an interviewer might ask\n\n1. " + moved + "\n2. Why would a sampler run on its own\n"
+        "   stream, and what must it wait for?\n")}
+    (tmp_path / "notebooks" / "05b_sampler_and_async_appendix.ipynb").write_text(json.dumps({"cells": [cell]}))
+    path = asked.resolve("5b", tmp_path)
+    found, _ = asked.asked(path, tmp_path, QUESTIONS)
+    assert [a.text for a in found] == [moved, "Why would a sampler run on its own stream, and what must it wait for?"]
+    assert found[0].entry.notebook == "notebooks/05_continuous_batching.ipynb" and found[1].entry is None
+    assert "no model answer in the bank yet" in asked.render(path, tmp_path, QUESTIONS)
+
+
+def test_quiz_notebook_export_json_gives_each_question_and_its_entry(capsys):
+    assert main(["quiz", "--notebook", "06", "--export", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["notebook"] == "notebooks/06_prefix_caching.ipynb"
+    assert [q["number"] for q in data["questions"]] == list(range(1, len(data["questions"]) + 1))
+    assert all(q["entry"] is None or q["entry"]["answer"] for q in data["questions"])

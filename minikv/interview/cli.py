@@ -10,7 +10,9 @@ from pathlib import Path
 QUIZ_HELP = """Interview questions with model answers: the course's own (with the notebook and section that teach
 each) and questions beyond the course (MLA, speculative decoding, disaggregation, ...). Press a key for
 the answer and the follow-ups, then grade yourself (y / p / n); scores are kept in
-$MINIKV_HOME/quiz_scores.json (default ~/.minikv), and questions you missed come back first."""
+$MINIKV_HOME/quiz_scores.json (default ~/.minikv), and questions you missed come back first.
+`--notebook 05` prints the questions notebook 05 asks, each with its model answer (8b, 06a, or a
+notebook's file name work too)."""
 
 DRILL_HELP = """Timed coding drills, the exercises interviews give (KV cache, block manager, radix tree, ...).
 `start NAME` writes drill_NAME.py into the current folder, prints the statement and starts the clock;
@@ -38,6 +40,8 @@ def add_parsers(sub) -> None:
     q.add_argument("--export", choices=["json"], help="print the bank (after the filters) and exit")
     q.add_argument("--topics", action="store_true", help="list the topics with their number of questions")
     q.add_argument("--scores", action="store_true", help="print your scores per topic")
+    q.add_argument("--notebook", metavar="ID", help="print the questions one notebook asks, with their model "
+                   "answers, and exit: 05, 8b, 05_continuous_batching, 06a (an exercise)")
 
     d = sub.add_parser("drill", help="timed coding drills checked on hidden random cases",
                        description=DRILL_HELP, formatter_class=fmt)
@@ -88,6 +92,8 @@ def _quiz(args) -> int:
     from minikv.interview import bank, quiz
 
     questions = bank.load()
+    if args.notebook is not None:
+        return _quiz_notebook(args.notebook, questions, as_json=args.export == "json")
     chosen = bank.select(questions, args.topic, args.difficulty, True if args.beyond else None)
     if args.export:
         print(bank.export_json(chosen))
@@ -105,6 +111,20 @@ def _quiz(args) -> int:
         return _err(f"-n must be at least 1, got {args.num}")
     picked = quiz.order(chosen, quiz.load_scores(), args.num, args.seed)
     quiz.run(picked, sys.stdin, sys.stdout)
+    return 0
+
+
+def _quiz_notebook(name: str, questions, as_json: bool) -> int:
+    from minikv.interview import asked
+
+    root = asked.course_root()
+    if root is None:
+        return _err("no notebooks/ folder here: run it in the course's checkout")
+    try:
+        path = asked.resolve(name, root)
+    except KeyError as e:
+        return _err(e.args[0])
+    print(asked.export(path, root, questions) if as_json else asked.render(path, root, questions))
     return 0
 
 

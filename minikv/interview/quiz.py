@@ -5,6 +5,8 @@
     minikv quiz --difficulty hard            only one difficulty
     minikv quiz --export json                the whole bank (after the filters) as JSON, then exit
     minikv quiz --scores                     what the score file holds, per topic
+    minikv quiz --notebook 05                the questions notebook 05 asks, with their model answers
+                                             (minikv/interview/asked.py)
 
 For each question: read it, answer aloud or on paper, press Enter (or any key) for the model answer
 and the follow-ups, then say how it went: y (got it), p (partly), n (missed), q (stop). Scores go to
