@@ -1,0 +1,185 @@
+"""The GPU ratios a change to the step, the server, the prefix cache or the kernels must be checked
+against: one call (well inside 10 minutes on an H100), every figure beside its baseline from the same
+process and card, tokens checked before anything is timed.
+
+    python3 benchmarks/ratios_gpu.py --out $OUT/ratios_gpu.json [--label before|after]
+
+1. prefix hit: Qwen2.5-0.5B shapes (random bf16), `LLM(ckpt, kv_backend="paged", prefix_caching=...)`
+   with the GPU defaults, 8 requests one at a time sharing a prefix + 32 new tokens, engines taking
+   turns request by request; warm median time to first token of off / hash / radix at 8,192 and
+   2,048 prefix tokens. Ratio = off / cached. Goals: >= 10x at 8,192, >= 5x at 2,048, a hit < 3 ms.
+2. server vs engine: the nano-vllm workload (256 requests, prompts and outputs 100-1,024, EOS
+   ignored; greedy) offline through `LLM(ckpt).generate`, then through `minikv serve --model ckpt`
+   (its own process) with 256 streaming clients at once; output tok/s and TTFT p50 of each.
+   Goal: server >= 0.85 of offline.
+3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
+
+Prints one table of ratios and writes a JSON record (device, versions, commit, every raw figure).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minikv import LLM, SamplingParams
+from minikv.bench import environment
+from minikv.bench.prefix_ttft import build_prompts
+from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint, workload
+
+
+def prefix_hits(ckpt: str, prefix_len: int, requests: int = 8, suffix_len: int = 32) -> dict:
+    max_len = prefix_len + suffix_len + 4
+    # room for one request, the cached prefix and every question's blocks (nothing evicted); the rest of
+    # the options are the GPU defaults (Triton attention, CUDA graphs, the fitted token budget)
+    num_blocks = 2 * -(-max_len // 16) + requests * (-(-suffix_len // 16) + 2)
+    engines = {str(m): LLM(ckpt, kv_backend="paged", prefix_caching=m, max_model_len=max_len, block_size=16,
+                           num_blocks=num_blocks) for m in (None, "hash", "radix")}
+    first = engines["None"]
+    prompts = build_prompts(None, first.config.vocab_size, prefix_len, suffix_len, requests)
+    warm = build_prompts(None, first.config.vocab_size, prefix_len + suffix_len - 1, 1, 1)[0]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for llm in engines.values():  # kernels, graphs and the allocator warmed on an unrelated prompt
+        llm.generate([(t + 17) % 10000 for t in warm], sp)
+        if llm.prefix_cache is not None:
+            llm.reset_prefix_cache()
+    ttft = {k: [] for k in engines}
+    tokens = {k: [] for k in engines}
+    cached = {k: [] for k in engines}
+    for prompt in prompts:
+        for k, llm in engines.items():
+            out = llm.generate(prompt, sp)[0]
+            ttft[k].append(out.time_to_first_token)
+            tokens[k].append(out.token_ids)
+            cached[k].append(out.num_cached_tokens)
+    for llm in engines.values():
+        llm.close()
+    del engines
+    gc.collect()
+    torch.cuda.empty_cache()
+    med = {k: statistics.median(v[1:]) for k, v in ttft.items()}
+    return {"prefix_tokens": prefix_len, "ttft_s": ttft, "warm_median_s": med, "cached_tokens": cached,
+            "tokens_identical": {k: tokens[k] == tokens["None"] for k in ("hash", "radix")},
+            "ratio": {k: med["None"] / med[k] for k in ("hash", "radix")}}
+
+
+def offline_vs_server(ckpt: str, tmp: Path) -> dict:
+    from minikv.bench.serve import Req, ServerProcess, pct, run_load
+
+    reqs = workload()  # [(prompt ids, output length)]: the nano-vllm workload
+    # the server first, in its own process, so that its pool is fitted to an empty card
+    server = ServerProcess(ckpt, [], tmp / "server.log").wait_ready()
+    try:
+        name = server_name(server)
+        run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
+        load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(reqs)]
+        results, duration = run_load(server.url, name, load)
+    finally:
+        server.stop()
+    llm = LLM(ckpt)
+    prompts = [p for p, _ in reqs]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    offline_s = time.perf_counter() - t0
+    offline_tokens = sum(len(o.token_ids) for o in outs)
+    offline_ttft = [o.time_to_first_token for o in outs]
+    llm.close()
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    ok = [r for r in results if r.ok]
+    served_tokens = sum(r.output_tokens for r in ok)
+    return {"offline": {"seconds": offline_s, "output_tokens": offline_tokens, "tok_s": offline_tokens / offline_s,
+                        "ttft_p50_s": pct(offline_ttft, 50)},
+            "server": {"seconds": duration, "output_tokens": served_tokens, "tok_s": served_tokens / duration,
+                       "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
+                       "errors": sorted({r.error for r in results if not r.ok})[:3]},
+            "output_tokens_equal": served_tokens == offline_tokens}
+
+
+def server_name(server) -> str:
+    import httpx
+
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def second_engine(ckpt: str) -> dict:
+    first = LLM(ckpt)
+    n1 = first.stats()["config"]["num_blocks"]
+    first.close()
+    del first
+    gc.collect()
+    torch.cuda.empty_cache()
+    second = LLM(ckpt)
+    n2 = second.stats()["config"]["num_blocks"]
+    second.close()
+    return {"first_num_blocks": n1, "second_num_blocks": n2, "ratio": n2 / n1}
+
+
+class Rows(list):
+    """The table's rows, each also printed as it is measured (a part that fails leaves the others)."""
+
+    def append(self, row: tuple[str, str, str]) -> None:
+        super().append(row)
+        print(f"[ratios] {row[0]}: {row[1]} ({row[2]})", flush=True)
+
+    def table(self) -> None:
+        print(f"\n{'ratio':44s} {'value':>8s}  detail")
+        for name, value, detail in self:
+            print(f"{name:44s} {value:>8s}  {detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--parts", default="prefix,serve,second", help="comma-separated: prefix, serve, second")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device; this script measures the GPU ratios (run it on the GPU machine)", file=sys.stderr)
+        return 2
+    parts = set(args.parts.split(","))
+    tmp = Path(tempfile.mkdtemp())
+    ckpt = str(make_random_checkpoint(QWEN25_05B_SHAPE, tmp / "qwen2.5-0.5b-random", dtype=torch.bfloat16))
+    record = {"benchmark": "ratios_gpu", "label": args.label, **environment("cuda", args.commit)}
+    rows = Rows()
+    if "prefix" in parts:
+        for n in (8192, 2048):
+            r = prefix_hits(ckpt, n)
+            record[f"prefix_{n}"] = r
+            for k in ("hash", "radix"):
+                rows.append((f"prefix hit TTFT {n}, {k}: off / hit", f"{r['ratio'][k]:.2f}x",
+                             f"off {r['warm_median_s']['None'] * 1e3:.1f} ms, hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
+                             f"tokens identical {r['tokens_identical'][k]}"))
+    if "serve" in parts:
+        r = offline_vs_server(ckpt, tmp)
+        record["serve"] = r
+        rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
+                     f"server {r['server']['tok_s']:,.0f}, offline {r['offline']['tok_s']:,.0f} tok/s, "
+                     f"failed {r['server']['failed']}"))
+        rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
+                     f"server {r['server']['ttft_p50_s']:.2f} s, offline {r['offline']['ttft_p50_s']:.2f} s"))
+    if "second" in parts:
+        r = second_engine(ckpt)
+        record["second_engine"] = r
+        rows.append(("second engine num_blocks / first", f"{r['ratio']:.3f}",
+                     f"{r['second_num_blocks']:,} / {r['first_num_blocks']:,}"))
+    rows.table()
+    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
