@@ -57,6 +57,11 @@ POLL_DISCONNECT_S = 0.25  # how often a non-streaming handler checks that its cl
 TOKENIZER_THREADS = 2  # handlers tokenize here, never on the engine thread
 
 
+def describe(error: BaseException | None) -> str:
+    """An engine error for a client: its words, and its type unless it is the engine's own RuntimeError."""
+    return str(error) if type(error) is RuntimeError else f"{type(error).__name__}: {error}"
+
+
 def error_response(e: ApiError) -> Response:
     return Response(e.json(), status_code=e.status, headers=e.headers, media_type="application/json")
 
@@ -201,7 +206,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             metrics.rejected_request("bad_request")
             raise ApiError(400, str(first.error), param="messages" if chat else "prompt")
         if first.kind == "failed":
-            raise ApiError(503 if not engine.alive else 500, f"the engine could not run this request: {first.error}",
+            raise ApiError(503 if not engine.alive else 500, f"the engine could not run this request ({describe(first.error)})",
                            type="server_error")
         if parsed.stream:
             return StreamingResponse(stream(rid, chat, parsed, events, first.prompt_tokens),
@@ -262,7 +267,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                     ids[ev.index] += ev.token_ids
                     reasons[ev.index] = ev.finish_reason or reasons[ev.index]
                 elif ev.kind == "failed":
-                    raise ApiError(500, f"the engine failed on this request: {ev.error}", type="server_error")
+                    raise ApiError(500, f"the engine failed on this request ({describe(ev.error)})", type="server_error")
                 elif ev.kind == "end":
                     choices = [choice(chat, i, texts[i], reasons[i], ids[i] if parsed.return_token_ids else None,
                                       delta=False) for i in range(n)]
@@ -298,7 +303,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                                       ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
                 elif ev.kind == "failed":
                     done = True  # the engine has forgotten it already
-                    err = ApiError(500, f"the engine failed on this request: {ev.error}", type="server_error")
+                    err = ApiError(500, f"the engine failed on this request ({describe(ev.error)})", type="server_error")
                     yield f"data: {err.json().decode()}\n\n"
                     yield "data: [DONE]\n\n"
                     return

@@ -1,0 +1,127 @@
+"""Streamed answers as the OpenAI API specifies them: every chunk's fields and types, the role on chat's
+first chunk, finish_reason on the last content chunk, usage only when asked (stream_options), and
+`data: [DONE]` last; and the official `openai` client reading them as applications do."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_serve import HANG_S, MODEL, engine
+
+from minikv import SamplingParams
+from minikv.serve import Server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(engine(), served_name=MODEL) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    return server.engine.llm.derive()
+
+
+def sse(server, route: str, body: dict) -> list[dict]:
+    """The chunks of one stream, checked as server-sent events that end with `data: [DONE]`."""
+    with httpx.stream("POST", f"{server.url}/v1/{route}", json={"model": MODEL, "stream": True, **body},
+                      timeout=HANG_S) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def check_chunk(chunk: dict, chat: bool, usage_expected: str) -> None:
+    """One chunk against the spec. usage_expected: "absent", "null" or "object"."""
+    assert isinstance(chunk["id"], str) and chunk["id"].startswith("chatcmpl-" if chat else "cmpl-")
+    assert chunk["object"] == ("chat.completion.chunk" if chat else "text_completion")
+    assert isinstance(chunk["created"], int) and chunk["model"] == MODEL
+    assert isinstance(chunk["choices"], list)
+    for c in chunk["choices"]:
+        assert isinstance(c["index"], int) and c["finish_reason"] in (None, "stop", "length")
+        if chat:
+            assert set(c["delta"]) <= {"role", "content"} and isinstance(c["delta"].get("content", ""), str)
+        else:
+            assert isinstance(c["text"], str)
+    if usage_expected == "absent":
+        assert "usage" not in chunk
+    elif usage_expected == "null":
+        assert chunk["usage"] is None
+    else:
+        u = chunk["usage"]
+        assert all(isinstance(u[k], int) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_without_stream_options_has_no_usage_chunk_and_every_chunk_follows_the_spec(server, reference,
+                                                                                              chat):
+    body = {"max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    if chat:
+        msgs = [{"role": "user", "content": "hello"}]
+        chunks = sse(server, "chat/completions", {**body, "messages": msgs})
+        prompt = reference.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        chunks = sse(server, "completions", {**body, "prompt": "the cache"})
+        prompt = "the cache"
+    for c in chunks:
+        check_chunk(c, chat, "absent")
+        assert len(c["choices"]) == 1  # no chunk without choices: nobody asked for usage
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    if chat:  # the first chunk names the role, the others carry content only
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}  # on the last content chunk, only there
+    text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks)
+    assert text == reference.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True))[0].text
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_include_usage_adds_one_last_chunk_with_usage_and_no_choices(server, chat):
+    body = {"max_tokens": 5, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [4, 5, 6]})
+    chunks = sse(server, "chat/completions" if chat else "completions", body)
+    for c in chunks[:-1]:
+        check_chunk(c, chat, "null")
+        assert len(c["choices"]) == 1
+    last = chunks[-1]
+    check_chunk(last, chat, "object")
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    if not chat:
+        assert last["usage"]["prompt_tokens"] == 3
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    chunks = sse(server, "completions", {"prompt": [4, 5, 6], "max_tokens": 6, "ignore_eos": True,
+                                         "stream_options": {"continuous_usage_stats": True}})
+    for c in chunks:
+        check_chunk(c, False, "object")
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far == sorted(so_far) and so_far[-1] == 6 and chunks[-1]["usage"]["prompt_tokens"] == 3
+
+
+def test_stream_options_must_be_true_or_false(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [1], "stream": True,
+                                                          "stream_options": {"include_usage": "yes"}}, timeout=HANG_S)
+    assert r.status_code == 400 and "include_usage" in r.json()["error"]["message"]
+
+
+def test_the_openai_client_reads_every_chunk_as_applications_do(server, reference):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=HANG_S)
+    msgs = [{"role": "user", "content": "hi"}]
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)  # raises nothing: choices never empty
+    prompt = reference.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == reference.generate(prompt, SamplingParams(max_tokens=6))[0].text
+    pieces = [chunk.choices[0].text for chunk in
+              c.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, stream=True)]
+    assert "".join(pieces) == reference.generate("abc", SamplingParams(max_tokens=4))[0].text
+    with_usage = list(c.completions.create(model=MODEL, prompt="abc", max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 4
