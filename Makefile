@@ -22,8 +22,21 @@ model: $(STAMP)
 # Jupyter refuses to start as root unless told to (containers, cloud notebooks): pass --allow-root there.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# `make lab` opens learners' copies: my_notebooks/ (git-ignored by its own .gitignore) gets a copy of each
+# notebook it lacks, so running and saving (JupyterLab autosaves) never rewrites a tracked notebook and
+# `git pull` never conflicts; delete a copy to get the course's newest version. Exercises stay in place:
+# they are the learner's own work, graded and committed there (classroom/README.md). $(LAB_SETTINGS)
+# (overrides.json) makes the widget manager save widget state with the notebook, so a saved notebook
+# reopens with its views, never "Error displaying widget: model not found". Kernels get one torch thread
+# unless OMP_NUM_THREADS is set (two threads per kernel on a busy 2-core machine thrash, as in `make test`).
+LAB_COPIES   := my_notebooks
+LAB_SETTINGS := lab/settings
+
 lab: model
-	$(VENV)/bin/jupyter lab --notebook-dir=. $(ALLOW_ROOT) notebooks/00_tour.ipynb
+	mkdir -p $(LAB_COPIES) && printf '*\n' > $(LAB_COPIES)/.gitignore
+	for nb in notebooks/*.ipynb; do test -e $(LAB_COPIES)/$${nb##*/} || cp $$nb $(LAB_COPIES)/; done
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/jupyter lab --notebook-dir=. $(ALLOW_ROOT) \
+	  --LabApp.app_settings_dir=$(CURDIR)/$(LAB_SETTINGS) $(LAB_COPIES)/00_tour.ipynb
 
 # unit + equivalence + property tests, and every notebook, exercise and solution through nbval
 # (--dist loadfile keeps each notebook's cells in order on one worker)
