@@ -129,3 +129,24 @@ def test_every_stub_is_followed_by_three_collapsed_hints_before_its_check(name):
         assert len(hints) == len(HINT_TITLES), f"{name}: the stub in cell {i} needs its three hints"
         nxt = next((j for j in range(i + 1, len(cells)) if tags(cells[j]) & {"check", "exercise"}), None)
         assert nxt is None or "check" in tags(cells[nxt]), f"{name}: the stub in cell {i} has no check after its hints"
+
+
+def test_a_fixed_function_passes_when_only_its_cell_and_the_check_are_rerun():
+    """The learner's path in 09b (tiny-random, seconds): run the exercise top to bottom (the checks fail on
+    the stub), write the function, re-run its cell and the last check only: the check passes."""
+    ex, sol = load("exercises", "09b_window_blocks.ipynb"), load("solutions", "09b_window_blocks.ipynb")
+    ns: dict = {}
+    checks = []
+    for i, cell in enumerate(ex.cells):
+        if cell.cell_type != "code":
+            continue
+        try:
+            exec(compile(cell.source, f"<cell {i}>", "exec"), ns)
+        except (AssertionError, NotImplementedError):
+            assert "check" in tags(cell), f"cell {i} failed outside a check cell"
+        if "check" in tags(cell):
+            checks.append(i)
+    for i, cell in enumerate(sol.cells):
+        if "exercise" in tags(cell):
+            exec(compile(cell.source, f"<cell {i}>", "exec"), ns)
+    exec(compile(ex.cells[checks[-1]].source, f"<cell {checks[-1]}>", "exec"), ns)
