@@ -110,7 +110,7 @@ def budget_lines(model: str, context: int, users: int, dtype: str = "bf16", wind
     one = cache_bytes(m, context, 1, dtype, window)
     total = cache_bytes(m, context, users, dtype, window)
     if m.latent_dim:
-        shape = f"{m.num_layers} layers x {m.latent_dim} latent values"
+        shape = f"{m.num_layers} layers x {m.latent_dim} latent"
     else:
         shape = f"2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim}"
     unit = "2 B" if dtype == "bf16" else "1 B + scale and zero point"
@@ -121,8 +121,8 @@ def budget_lines(model: str, context: int, users: int, dtype: str = "bf16", wind
              f"{users} users: {format_bytes(total)} = {total / (GPU_GIB * GIB):.1f} x an {GPU_GIB} GiB GPU, "
              "for the cache alone"]
     if m.latent_dim:
-        lines.append(f"the same model with MHA would store {format_bytes(mha_equivalent_bytes(m))} per token "
-                     f"({mha_equivalent_bytes(m) / (2 * m.values_per_token()):.0f}x more)")
+        lines.append(f"the same model with MHA would store {format_bytes(mha_equivalent_bytes(m))} per token in bf16 "
+                     f"({mha_equivalent_bytes(m) / per_token:.0f}x this cache)")
     return lines
 
 
