@@ -150,6 +150,7 @@ def _serve_parsers(sub) -> None:
                    help="requests waiting for a seat before new ones get 503 with Retry-After")
     s.add_argument("--max-waiting-per-tenant", type=int, default=None,
                    help="requests of one tenant waiting for a seat before that tenant's new ones get 429")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="a larger request body gets 413")
     s.add_argument("--log-level", default="info")
 
 
@@ -174,7 +175,7 @@ def _serve(args) -> int:
     print(f"minikv: serving {name!r} at http://{args.host}:{args.port}/v1 (policy {args.schedule_policy}"
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
     run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
-        args.log_level)
+        args.log_level, max_body_bytes=args.max_body_bytes)
     return 0
 
 

@@ -103,6 +103,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     max_waiting_per_tenant: before that tenant gets 429 (so a flood is refused to the tenant who
     floods, not to everyone). max_body_bytes: a larger body gets 413. tenants: who sent a request
     (minikv/serve/tenants.py; a fresh key if None)."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     llm, metrics = engine.llm, engine.metrics
     tenants = tenants or Tenants(isolate=isolate_tenants)
     app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
@@ -389,6 +391,9 @@ def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool 
         log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM. If the engine loop ends
     (a bug), the server stops and the process exits with status 1, for a supervisor to restart it."""
+    if max_body_bytes < 1:
+        print(f"error: --max-body-bytes must be at least 1, got {max_body_bytes}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     metrics = ServerMetrics()
     engine = EngineLoop(llm, metrics)
     app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes)
