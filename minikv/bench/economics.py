@@ -110,7 +110,8 @@ def replay_cost(prompt_tokens: list[int], cached_prefixes: list[int], prices: Ca
                 cache: bool = True) -> float:
     """Dollars for the input of a sequence of requests (what a replay on the engine measured)."""
     if len(prompt_tokens) != len(cached_prefixes):
-        raise ValueError(f"{len(prompt_tokens)} prompts but {len(cached_prefixes)} cached prefixes; give one per prompt")
+        raise ValueError(f"{len(prompt_tokens)} prompts but {len(cached_prefixes)} cached prefixes; "
+                         "give one per prompt")
     return sum(request_bill(n, c, prices, cache).cost(prices) for n, c in zip(prompt_tokens, cached_prefixes))
 
 
