@@ -81,7 +81,9 @@ def tier_lines(snap: TierSnapshot) -> list[str]:
     for name, row in snap.rows.items():
         marks = "".join("P" if p else "C" if c else "D" if d else "." for p, c, d in row)
         lines.append(f"  {name:>8} [{marks}]")
-    lines.append("  " + ", ".join(f"{t} {n}/{cap} blocks" for t, (n, cap) in snap.occupancy.items()))
+    lines.append("  blocks held / room: " + ", ".join(f"{t} {n:,}/{cap:,}" for t, (n, cap) in snap.occupancy.items())
+                 + (" (the disk's room: kv_offload_disk_bytes, 1 GiB by default, over one file's size)"
+                    if "disk" in snap.occupancy else ""))
     return lines
 
 
@@ -102,20 +104,21 @@ def plot_tiers(snap: TierSnapshot, ax=None, max_blocks: int | None = None):
     ax.set_xlim(-4, width + 0.5)
     ax.set_ylim(-len(snap.rows) + 0.3, 0.5)
     ax.axis("off")
-    occ = "   ".join(f"{t}: {n}/{cap}" for t, (n, cap) in snap.occupancy.items())
-    ax.set_title(f"{snap.label}\nblocks held: {occ}", fontsize=10, loc="left")
+    occ = "   ".join(f"{t}: {n:,}/{cap:,}" for t, (n, cap) in snap.occupancy.items())
+    ax.set_title(f"{snap.label}\nblocks held / room: {occ}", fontsize=10, loc="left")
     ax.legend(handles=[Patch(color=COLORS[t], label=f"{t} (band {i + 1})") for i, t in enumerate(TIERS)],
               loc="upper right", fontsize=8, ncol=3, bbox_to_anchor=(1, 0))
     return ax
 
 
 def tiers_widget(snaps: list[TierSnapshot], step: int = 0):
-    """A slider over the snapshots: the picture and the rows in words."""
+    """A slider over the snapshots, numbered from 1 as the requests are (`step` is the index of the one
+    shown first): the picture and the rows in words."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
 
     width = max(len(r) for s in snaps for r in s.rows.values())
-    slider = w.IntSlider(value=step, min=0, max=len(snaps) - 1, description="request", continuous_update=False)
+    slider = w.IntSlider(value=step + 1, min=1, max=len(snaps), description="request", continuous_update=False)
     image = w.Image(format="png")
     text = w.HTML(layout=w.Layout(height="160px", overflow="auto"))
 
@@ -126,10 +129,11 @@ def tiers_widget(snaps: list[TierSnapshot], step: int = 0):
         return figure_png(fig, tight=False)
 
     def update(_=None):
-        image.value = picture(slider.value)
-        text.value = "<pre style='font-size:12px; margin:0'>" + html.escape("\n".join(tier_lines(snaps[slider.value]))) + "</pre>"
+        image.value = picture(slider.value - 1)
+        text.value = ("<pre style='font-size:12px; margin:0'>" + html.escape("\n".join(tier_lines(snaps[slider.value - 1])))
+                      + "</pre>")
 
     slider.observe(update, names="value")
     update()
     return view([slider, image, text], f"a slider over the {len(snaps)} requests of this run",
-                details=lambda: "\n".join(tier_lines(snaps[slider.value])), picture=lambda: image.value)
+                details=lambda: "\n".join(tier_lines(snaps[slider.value - 1])), picture=lambda: image.value)
