@@ -385,3 +385,12 @@ def test_quiz_notebook_export_json_gives_each_question_and_its_entry(capsys):
     assert data["notebook"] == "notebooks/06_prefix_caching.ipynb"
     assert [q["number"] for q in data["questions"]] == list(range(1, len(data["questions"]) + 1))
     assert all(q["entry"] is None or q["entry"]["answer"] for q in data["questions"])
+
+
+def test_quiz_notebook_in_a_student_copy_says_the_answers_are_held_back():
+    from minikv.interview import asked
+
+    beyond_only = [q for q in QUESTIONS if q.id.startswith("beyond-")]  # what a student copy's bank holds
+    text = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, beyond_only)
+    assert "not part of a student copy" in text and "no model answer in the bank yet" not in text
+    assert text.count("\nQ") >= len(asked.questions_in(ROOT / "notebooks" / "06_prefix_caching.ipynb"))

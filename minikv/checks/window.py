@@ -13,8 +13,8 @@ Two stages, each stopping at the first problem with a message that says where:
      mid-block, the window's first position, entries already given back, no sinks) and 300 random
      ones, against the engine's rule (minikv/cache/window.py)
   2. check_window_in_engine: the engine runs a long generation with the learner's rule plugged in
-     (`llm.derive(window_free_rule=fn)`, built when the check runs): the same tokens, the same blocks given back and the same peak
-     as with the engine's own rule
+     (`llm.derive(window_free_rule=fn)`, built when the check runs): the same tokens, the same blocks
+     given back and the same peak as with the engine's own rule
 """
 from __future__ import annotations
 

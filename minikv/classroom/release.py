@@ -28,7 +28,7 @@ from minikv.classroom.check import number
 from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_of
 
 MARKER = ".minikv-student-release"
-TOP_FILES = ["README.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
+TOP_FILES = ["README.md", "GLOSSARY.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
 FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks"]
 NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 # Answers that live inside the package for self-study (`minikv quiz`, `drill check --reference`, `bugs check

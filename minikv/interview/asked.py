@@ -149,7 +149,8 @@ class Asked:
     entry: bank.Question | None  # the bank's entry with the model answer; None: the bank has none
 
 
-def asked(path: Path, root: Path, questions: list[bank.Question] | None = None) -> tuple[list[Asked], list[bank.Question]]:
+def asked(path: Path, root: Path,
+          questions: list[bank.Question] | None = None) -> tuple[list[Asked], list[bank.Question]]:
     """(the notebook's questions with their bank entries, the bank's other questions filed under this
     notebook)."""
     questions = bank.load() if questions is None else questions
@@ -172,6 +173,11 @@ def asked(path: Path, root: Path, questions: list[bank.Question] | None = None) 
     return out, [q for q in mine if q.id not in used and not q.id.startswith(stale)]
 
 
+def _imported(q: bank.Question) -> bool:
+    """An entry of course.json: the instructor key's answer to a question a notebook asks ('05_...-q3')."""
+    return q.notebook is not None and q.id.startswith(Path(q.notebook).stem + "-q")
+
+
 def _wrap(text: str, indent: str) -> str:
     """Re-flow each paragraph to 96 columns under `indent`; words keep their hyphens whole."""
     pad = " " * len(indent)
@@ -186,7 +192,7 @@ def render(path: Path, root: Path, questions: list[bank.Question] | None = None)
     questions = bank.load() if questions is None else questions
     found, extra = asked(path, root, questions)
     rel = path.relative_to(root).as_posix()
-    has_course = any(not q.beyond_course for q in questions)
+    has_course = any(_imported(q) for q in questions)  # a student copy holds back course.json
     lines = [f"{rel}: {len(found)} question{'s' * (len(found) != 1)}"]
     if not has_course:
         lines.append("(the model answers are the instructor's and not part of a student copy: ask your instructor)")
