@@ -394,3 +394,20 @@ def test_quiz_notebook_in_a_student_copy_says_the_answers_are_held_back():
     text = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, beyond_only)
     assert "not part of a student copy" in text and "no model answer in the bank yet" not in text
     assert text.count("\nQ") >= len(asked.questions_in(ROOT / "notebooks" / "06_prefix_caching.ipynb"))
+
+
+def test_glossary_names_only_notebooks_and_sections_that_exist():
+    """GLOSSARY.md says where each term is taught: every notebook it names exists, and every section number
+    it gives is a numbered heading of that notebook."""
+    import re
+
+    text = (ROOT / "GLOSSARY.md").read_text()
+    names = set(re.findall(r"`(\d\d[a-z]?_[a-z0-9_]+)`", text))
+    assert len(names) >= 15
+    for name in names:
+        found = [ROOT / folder / f"{name}.ipynb" for folder in ("notebooks", "exercises")]
+        assert any(p.is_file() for p in found), f"GLOSSARY.md names {name}, which is neither in notebooks/ nor in exercises/"
+    for name, sections in re.findall(r"`(\d\d[a-z]?_[a-z0-9_]+)` \(sections? ([0-9, and]+)\)", text):
+        heads = {h.split(".")[0] for h in bank.notebook_headings(ROOT / "notebooks" / f"{name}.ipynb")}
+        for n in re.findall(r"\d+", sections):
+            assert n in heads, f"GLOSSARY.md points to section {n} of {name}, which has no such heading"
