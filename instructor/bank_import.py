@@ -6,7 +6,8 @@ The bank (minikv/interview/data/) ships with the package, so `minikv quiz` works
 folder. Every question the course asks and the key answers becomes one entry, with the notebook that
 asks it and the heading of the section that teaches it (the section whose words best match the
 question and its answer). What the key does not hold (difficulty, topic, follow-ups) is kept from
-the entry already in the bank for the same notebook and question text; a question new to the bank
+the entry already in the bank for the same notebook and question text (or for the same text in
+another notebook: a question moved into an appendix keeps them); a question new to the bank
 gets the notebook's topic, "standard", and no follow-up yet: the script lists them, and
 tests/test_interview.py fails until each has one.
 """
@@ -91,13 +92,14 @@ def teaching_heading(path: Path, text: str) -> str:
 
 def build(old: list[dict]) -> tuple[list[dict], list[str]]:
     kept = {(e["notebook"], questions.normalise(e["question"])): e for e in old}
+    moved = {questions.normalise(e["question"]): e for e in old if e["notebook"]}  # a question that changed notebook
     entries, new = [], []
     for q in questions.all_questions(ROOT):
         answers = questions.key_entries(q.key_file)
         text = questions.normalise(q.text)
         if text not in answers:
             raise SystemExit(f"{q.source} Q{q.number} has no answer in {q.key_file}; answer it there first")
-        prev = kept.get((q.source, text), {})
+        prev = kept.get((q.source, text)) or moved.get(text, {})
         entry = {
             "id": f"{Path(q.source).stem}-q{q.number}",
             "question": text,
