@@ -5,6 +5,7 @@
 app.py          the routes (FastAPI), streaming, errors, tenants; `Server` runs it on a thread
 engine_loop.py  the one thread that owns the LLM; handlers submit to it and await their events
 protocol.py     the OpenAI request fields, checked, and the response shapes
+tenants.py      who sent a request: a keyed hash of the API key; cache salts per tenant
 metrics.py      GET /metrics in Prometheus text, named as vLLM's
 """
 from minikv.serve.app import Server, build_app, run
