@@ -11,13 +11,14 @@ fresh profile; never a browser Playwright downloads) check three things:
 2. the views: tests/browser/widgets.ipynb builds every ipywidgets view the course uses on small
    inputs and is Run All'd; every control of every view is moved (a slider one step, a dropdown to
    another option, a checkbox, toggle buttons, a play button), the view must change (its text less
-   the controls, and the bytes of its pictures) and follow the control back;
+   the controls, and the bytes of its pictures) and follow the control back; a control of a kind
+   this test cannot move is reported;
 3. reopening: the harness is then saved, closed, its kernel shut down, and opened again, as a learner
    does the next day: every view comes back from the widget state saved with it, none says
    "Error displaying widget: model not found".
 
-A self-test notebook (a dead widget, an error) runs beside them: the run must report exactly what is
-wrong with it. `test_every_course_view_is_in_the_harness` (no browser) fails when a notebook calls a
+A self-test notebook (a widget's repr, a view saved without its widget state, an error, a dead
+widget) runs beside them: the run must report exactly what is wrong with it. `test_every_course_view_is_in_the_harness` (no browser) fails when a notebook calls a
 view the harness does not build. Screenshots go to $MINIKV_SCREENSHOTS (default
 .pytest_cache/browser/) with times.txt. `-k 05_` opens one notebook. Without Chromium or Playwright
 the browser tests skip and say why; MINIKV_CHROMIUM names the browser (empty: skip).
@@ -289,6 +290,11 @@ CONTROLS = {
     "play": ".widget-play",
     "radio": ".widget-radio-box",
 }
+# Anything a learner can operate that no CONTROLS selector covers (a new kind of control): reported.
+UNMOVABLE_JS = """(el) => Array.from(el.querySelectorAll('input, select, button, textarea, .noUi-handle'))
+  .filter(n => !n.closest('.widget-slider, .widget-dropdown, .widget-checkbox, .widget-toggle-button, '
+                          + '.widget-toggle-buttons, .widget-play, .widget-radio-box'))
+  .map(n => n.tagName.toLowerCase() + (n.closest('.jupyter-widgets') ? ' in ' + n.closest('.jupyter-widgets').className : ''))"""
 # What is left of a view once its controls (and their readouts) are taken out: its text and the
 # bytes of its pictures (a hash), which must change when a control moves.
 VIEW_JS = """async (el) => {
@@ -521,6 +527,8 @@ async def check_widgets(page, stem: str, state: dict, shots: Path, result: Resul
     for w in range(n):
         output = outputs.nth(w)
         await output.scroll_into_view_if_needed()
+        for other in await output.evaluate(UNMOVABLE_JS):
+            result.problems.append(f"widget {w + 1}: a control this test cannot move ({other})")
         moved = 0
         for kind, selector in CONTROLS.items():
             controls = output.locator(selector)
@@ -612,6 +620,7 @@ async def run_notebook(browser, lab: Lab, nb: Path, shots: Path, result: Result,
                                        f"(state: {state and state['kernel']})")
                 return
             await asyncio.sleep(0.5)
+        state = await wait_shown(page, rel, views=True) or state  # a saved view shown, or why not
         result.problems += shown_problems(state, "on opening")
         await page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
         await page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
@@ -706,12 +715,15 @@ SELFTEST_CELLS = [
      "    c.observe(say, names='value')\n"
      "say()\n"
      "w.VBox(controls + [said])", []),
+    ("# saved with a view whose widget state was not saved with it\nNone", []),
     ("raise ValueError('this cell is meant to fail')", ["raises-exception"]),
     ("1 / 0", []),
 ]
 SELFTEST_EXPECTED = [
     "on opening, an output reads as a widget's repr: 'VBox(children='",
-    "cell 5 ('1 / 0') raised ZeroDivisionError: division by zero",
+    "on opening, cell 4 ('# saved with a view whose widget state was not saved with it') shows "
+    "'Error displaying widget: model not found'",
+    "cell 6 ('1 / 0') raised ZeroDivisionError: division by zero",
     "widget 2 slider 1: the view did not change in 5 s after the control moved",
 ]
 SELFTEST_MOVES = ["widget 1 slider 1: changed", "widget 2 slider 1: no change", "widget 3 dropdown 1: changed",
@@ -719,8 +731,11 @@ SELFTEST_MOVES = ["widget 1 slider 1: changed", "widget 2 slider 1: no change", 
                   "widget 3 play 1: changed", "widget 3 radio 1: changed"]
 
 
-def write_selftest() -> Path:
+def write_selftest(data_dir: Path) -> Path:
+    """The self-test notebook, signed with the secret of the server's `data_dir` (trusted, as a notebook
+    a learner saved in JupyterLab: its widget outputs are drawn by the widget manager)."""
     import nbformat
+    from nbformat.sign import NotebookNotary
 
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
@@ -729,6 +744,11 @@ def write_selftest() -> Path:
     nb.cells[1].outputs = [nbformat.v4.new_output(  # the dead view, saved as ipywidgets would save it
         "execute_result", {"text/plain": "VBox(children=(IntSlider(value=0, description='dead', max=5), HTML(..)))"},
         execution_count=2)]
+    nb.cells[3].outputs = [nbformat.v4.new_output(  # a view whose model is nowhere: "model not found"
+        "execute_result", {WIDGET_MIME: {"model_id": "0" * 32, "version_major": 2, "version_minor": 0},
+                           "text/plain": "[interactive view]"}, execution_count=4)]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    NotebookNotary(data_dir=str(data_dir)).sign(nb)
     path = WORK / "selftest.ipynb"
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
@@ -756,12 +776,13 @@ def browser_run(tmp_path_factory, request):
     harness = harness_copy() if names & {"test_every_view_answers_its_controls",
                                          "test_saved_views_show_again_after_reopening",
                                          "test_browser_saved_only_the_harness"} else None
-    selftest = write_selftest() if "test_browser_test_can_fail" in names else None
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    selftest = write_selftest(tmp / "data") if "test_browser_test_can_fail" in names else None
     shots = Path(os.environ.get("MINIKV_SCREENSHOTS") or ROOT / ".pytest_cache" / "browser")
     shots.mkdir(parents=True, exist_ok=True)
     for old in shots.glob("*.png"):
         old.unlink()
-    lab = start_lab(tmp_path_factory.mktemp("jupyterlab"))
+    lab = start_lab(tmp)
     t0 = time.monotonic()
     try:
         results = asyncio.run(run_browser(lab, notebooks, harness, selftest, shots))
@@ -812,7 +833,8 @@ def test_saved_views_show_again_after_reopening(browser_run):
 
 @pytest.mark.slow
 def test_browser_test_can_fail(browser_run):
-    """On a notebook made to fail, the run names the dead widget and the error, and nothing else."""
+    """On a notebook made to fail, the run names the widget repr, the view whose state was not saved,
+    the error and the dead widget, and nothing else."""
     results, _ = browser_run
     r = results["selftest"]
     assert r.problems == SELFTEST_EXPECTED, r.problems
