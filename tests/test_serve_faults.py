@@ -5,7 +5,13 @@ Faults are injected with engine observers (as tests/test_faults.py does inside t
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -13,7 +19,7 @@ import pytest
 from test_serve import HANG_S, MODEL, Gate, engine, wait_until
 
 from minikv import SamplingParams
-from minikv.serve import Server
+from minikv.serve import Server, run
 from minikv.serve.engine_loop import Event
 
 
@@ -74,8 +80,8 @@ def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
 
 def assert_still_serves(server, reference) -> None:
     assert HTTP.get(server.url + "/health").status_code == 200
-    r = post(server, "completions", {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 5, "ignore_eos": True, "temperature": 0,
-                                     "return_token_ids": True})
+    r = post(server, "completions", {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 5, "ignore_eos": True,
+                                     "temperature": 0, "return_token_ids": True})
     want = reference.generate([7, 8, 9], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
 
@@ -251,3 +257,56 @@ def test_a_text_far_over_max_model_len_is_refused_before_it_is_tokenized(server)
         assert_openai_error(r, 400, "2,000 tokens", "max_model_len")
     finally:
         del server.engine.llm.tokenizer.encode
+
+
+DYING_SERVER = """
+import sys
+from minikv import LLM
+from minikv.serve import run
+from minikv.serve.engine_loop import EngineLoop
+from minikv.serve.tiny import tiny_random_with_text
+
+def broken(self):  # the loop's own code fails after its first step: a bug, not a request's fault
+    raise RuntimeError("the loop's bookkeeping broke")
+
+EngineLoop._publish = broken
+llm = LLM(tiny_random_with_text(), kv_backend="paged", block_size=16, num_blocks=64, max_model_len=256)
+run(llm, "127.0.0.1", int(sys.argv[1]), "tiny-random", log_level="warning")
+"""
+
+
+@pytest.mark.slow
+def test_minikv_serve_exits_with_status_1_when_its_engine_loop_dies():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, str(port)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=HANG_S).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.05)
+                return False
+
+        wait_until(up, "the server answers /health")
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 20, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=HANG_S) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and "the engine loop ended" in lines[-2]
+        assert proc.wait(timeout=HANG_S) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "exiting with status 1" in proc.stdout.read()
+
+
+def test_run_refuses_a_body_limit_below_one_byte(capsys):
+    with pytest.raises(SystemExit) as e:
+        run(engine(), "127.0.0.1", 0, MODEL, max_body_bytes=0)
+    assert e.value.code == 2 and "--max-body-bytes must be at least 1" in capsys.readouterr().err

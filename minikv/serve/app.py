@@ -208,7 +208,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             metrics.rejected_request("bad_request")
             raise ApiError(400, str(first.error), param="messages" if chat else "prompt")
         if first.kind == "failed":
-            raise ApiError(503 if not engine.alive else 500, f"the engine could not run this request ({describe(first.error)})",
+            raise ApiError(503 if not engine.alive else 500,
+                           f"the engine could not run this request ({describe(first.error)})",
                            type="server_error")
         if parsed.stream:
             return StreamingResponse(stream(rid, chat, parsed, events, first.prompt_tokens),
