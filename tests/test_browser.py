@@ -376,7 +376,7 @@ async def wait_shown(page, path: str, views: bool = False, timeout: float = OPEN
 
 
 async def check_opening(page, lab: Lab, nb: Path, result: Result) -> None:
-    """Open `nb` in the page's JupyterLab (its kernel is never asked to run anything): every stored output
+    """Open `nb` in the page's JupyterLab (no kernel starts: NO_KERNEL_JS): every stored output
     shows, and none is a widget's repr, an error or a widget that failed to display."""
     t0 = time.monotonic()
     rel = nb.relative_to(ROOT).as_posix()
@@ -900,7 +900,11 @@ def test_make_lab_saves_widget_state_and_runs_kernels_on_one_thread():
     env, args = make_lab_command()
     overrides = json.loads((lab_settings_dir() / "overrides.json").read_text())
     assert overrides["@jupyter-widgets/jupyterlab-manager:plugin"]["saveState"] is True
-    assert env.get("OMP_NUM_THREADS") == "${OMP_NUM_THREADS:-1}", env
+    assert "OMP_NUM_THREADS" in env, f"`make lab` leaves OMP_NUM_THREADS to torch (all cores): {env}"
+    for given, expected in ((None, "1"), ("3", "3")):  # as the shell running the recipe reads it
+        shell_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": given} if given else {})
+        said = subprocess.run(["sh", "-c", f'echo {env["OMP_NUM_THREADS"]}'], env=shell_env, capture_output=True, text=True)
+        assert said.stdout.strip() == expected, (given, env["OMP_NUM_THREADS"], said.stdout)
     opened = [a for a in args if a.endswith(".ipynb")]
     assert opened and not opened[0].startswith("notebooks/"), f"`make lab` opens a tracked notebook: {opened}"
 
