@@ -69,7 +69,7 @@ def error_response(e: ApiError) -> Response:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, or 413 as soon as it is known to be over `limit` bytes."""
     def too_large(size: str) -> ApiError:
-        return ApiError(413, f"the request body is {size} bytes, over this server's limit of {limit:,}; "
+        return ApiError(413, f"the request body ({size} bytes) is over this server's limit of {limit:,} bytes; "
                              "send a shorter prompt, or start the server with a larger --max-body-bytes",
                         type="invalid_request_error", code="request_too_large")
 
@@ -80,7 +80,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large(f"over {limit:,}")
+            raise too_large(f"{size:,} so far")
         chunks.append(chunk)
     return b"".join(chunks)
 
