@@ -247,6 +247,15 @@ def test_design_calculators_match_the_formulas():
         Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=12, tp=8)
 
 
+def test_decode_step_is_bounded_by_its_bytes_and_by_its_flops():
+    from minikv.interview.design import GPUS, MODELS, Deployment
+
+    d = Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=8, tp=8)
+    few, many = d.decode_step_seconds(8, 4096), d.decode_step_seconds(4096, 128)
+    assert few == d.decode_step_bytes_seconds(8, 4096) > d.decode_step_compute_seconds(8, 4096)
+    assert many == d.decode_step_compute_seconds(4096, 128) > d.decode_step_bytes_seconds(4096, 128)
+
+
 def test_new_drill_checkers_name_the_classic_mistakes():
     import torch
 

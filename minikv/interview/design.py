@@ -1,11 +1,11 @@
 """Back-of-the-envelope calculators for system-design questions: KV bytes under tensor parallelism,
-the pool a GPU can hold, the batch that fits, and the memory-bound step time.
+the pool a GPU can hold, the batch that fits, and the step time its bytes and FLOPs bound.
 
     d = Deployment(MODELS["Llama-3-70B"], GPUS["H100-SXM"], num_gpus=8, tp=8)
     d.kv_bytes_per_token_per_gpu      K/V of one token on one GPU (KV heads split by TP, replicated past it)
     d.pool_tokens_per_replica         tokens of KV one model replica holds after weights and activations
     d.max_sequences(8192)             concurrent sequences of 8k tokens, all replicas together
-    d.decode_step_seconds(64, 4096)   lower bound of one decode step: bytes read / HBM bandwidth
+    d.decode_step_seconds(64, 4096)   lower bound of one decode step: max(bytes / HBM bandwidth, FLOPs / peak)
 
 Every figure is a lower bound on time and an upper bound on capacity: real engines lose 10-30% to
 kernel efficiency, communication, CUDA graphs and fragmentation (the worksheet notebook says where).
@@ -88,11 +88,28 @@ class Deployment:
         blocks = self.pool_tokens_per_replica // block_size
         return self.replicas * (blocks // math.ceil(tokens_per_sequence / block_size))
 
-    def decode_step_seconds(self, batch: int, context: int) -> float:
-        """Memory-bound lower bound of one decode step of one replica: every weight and every cached
-        token read once from HBM (per GPU, in parallel)."""
+    def decode_step_bytes_seconds(self, batch: int, context: int) -> float:
+        """One decode step's bytes over HBM bandwidth: every weight and every cached token read once
+        (per GPU, in parallel)."""
         per_gpu = self.weights_per_gpu + batch * context * self.kv_bytes_per_token_per_gpu
         return per_gpu / self.gpu.hbm_bytes_per_s
+
+    def decode_step_flops(self, batch: int, context: int) -> float:
+        """One decode step's FLOPs over the replica: 2 per parameter per sequence (the matmuls), plus
+        attention, QK^T and PV over each sequence's context: 2 x 2 x layers x heads x head_dim x context."""
+        m = self.model
+        return batch * (2 * m.num_params + 4 * m.num_layers * m.num_heads * m.head_dim * context)
+
+    def decode_step_compute_seconds(self, batch: int, context: int) -> float:
+        """One decode step's FLOPs at the replica's peak (fp8 weights run on fp8 tensor cores, twice bf16's)."""
+        peak = self.gpu.bf16_flops * (2 if self.weight_bytes == 1 else 1)
+        return self.decode_step_flops(batch, context) / (self.tp * peak)
+
+    def decode_step_seconds(self, batch: int, context: int) -> float:
+        """Lower bound of one decode step of one replica: it can go no faster than its bytes allow nor
+        than its FLOPs allow, max(bytes / HBM bandwidth, FLOPs / peak). A few sequences read far more
+        than they compute; a few hundred per replica bring the FLOPs level (notebook 05)."""
+        return max(self.decode_step_bytes_seconds(batch, context), self.decode_step_compute_seconds(batch, context))
 
     def prefill_flops(self, tokens: int) -> float:
         """2 FLOPs per parameter per token (the matmuls), plus causal attention: QK^T and PV over the
@@ -129,5 +146,6 @@ def worksheet_lines(d: Deployment, context: int, batch: int) -> list[str]:
         f"pool: {d.pool_tokens_per_replica:,} tokens per replica; {d.max_sequences(context):,} sequences of "
         f"{context:,} tokens in all",
         f"decode step at batch {batch} x {context:,} tokens: >= {step * 1e3:.1f} ms "
-        f"({batch / step:,.0f} tokens/s per replica at best)",
+        f"({batch / step:,.0f} tokens/s per replica at best; bytes {d.decode_step_bytes_seconds(batch, context) * 1e3:.1f} ms, "
+        f"FLOPs at peak {d.decode_step_compute_seconds(batch, context) * 1e3:.1f} ms)",
     ]
