@@ -13,9 +13,10 @@ fresh profile; never a browser Playwright downloads) check three things:
    another option, a checkbox, toggle buttons, a play button), the view must change (its text less
    the controls, and the bytes of its pictures) and follow the control back; a control of a kind
    this test cannot move is reported;
-3. reopening: the harness is then saved, closed, its kernel shut down, and opened again, as a learner
-   does the next day: every view comes back from the widget state saved with it, none says
-   "Error displaying widget: model not found".
+3. reopening: the harness is then saved, closed and opened again with its kernel running (the views
+   come back live), then closed, its kernel shut down, and opened again as on a learner's next day:
+   every view comes back from the widget state saved with it; none says "Error displaying widget:
+   model not found".
 
 A self-test notebook (a widget's repr, a view saved without its widget state, an error, a dead
 widget) runs beside them: the run must report exactly what is wrong with it. `test_every_course_view_is_in_the_harness` (no browser) fails when a notebook calls a
@@ -566,14 +567,31 @@ async def check_widgets(page, stem: str, state: dict, shots: Path, result: Resul
             result.problems.append(f"widget {w + 1} has no control this test can move")
 
 
+async def reopen_once(page, lab: Lab, rel: str, when: str, expected_views: int, shot: Path, result: Result) -> int:
+    """Open `rel` again, wait for its views: the problems of what it shows, and how many views came back."""
+    await page.evaluate(OPEN_JS, rel)
+    state = await wait_shown(page, rel, views=True)
+    await page.screenshot(path=str(shot))
+    result.screenshots.append(shot.name)
+    if state is None:
+        state = await notebook_state(page, rel)
+        result.problems.append(f"{when}, the outputs did not all show in {OPEN_TIMEOUT:.0f} s")
+    views = sum(c["views"] for c in state["cells"]) if state else 0
+    if state is not None:
+        result.problems += shown_problems(state, when)
+    if views != expected_views:
+        result.problems.append(f"{when}, {views} of the {expected_views} views show again")
+    return views
+
+
 async def reopen(page, lab: Lab, nb: Path, expected_views: int, shots: Path, result: Result) -> None:
-    """Save the notebook, close it, shut its kernel down, open it again: every view it showed comes
-    back from the widget state saved with it (a learner's next day), none says "model not found"."""
+    """Save the notebook and close it; open it again while its kernel runs (the views come back live),
+    then close it, shut its kernel down and open it once more, as on a learner's next day (the views
+    come back from the widget state saved with it). Never "Error displaying widget: model not found"."""
     rel = nb.relative_to(ROOT).as_posix()
     if not await page.evaluate(SAVE_AND_CLOSE_JS, rel):
-        result.problems.append("the notebook was not open to save")
+        result.problems.append("saved, but the notebook was not open to save")
         return
-    lab.shut_down(rel)
     saved = json.loads(nb.read_text())
     state_ids = set(saved["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
                     .get("state", {}))
@@ -582,19 +600,12 @@ async def reopen(page, lab: Lab, nb: Path, expected_views: int, shots: Path, res
     if missing := [i for i in shown_ids if i not in state_ids]:
         result.problems.append(f"saved, {len(missing)} of the {len(shown_ids)} widget outputs have no widget "
                                "state in the notebook's metadata.widgets (reopened, they cannot display)")
-    await page.evaluate(OPEN_JS, rel)
-    state = await wait_shown(page, rel, views=True)
-    shot = shots / f"{nb.stem}.reopened.png"
-    await page.screenshot(path=str(shot), full_page=True)
-    result.screenshots.append(shot.name)
-    if state is None:
-        state = await notebook_state(page, rel)
-        result.problems.append(f"reopened, the outputs did not all show in {OPEN_TIMEOUT:.0f} s")
-    if state is not None:
-        result.saved_views = sum(c["views"] for c in state["cells"])
-        result.problems += shown_problems(state, "reopened")
-        if result.saved_views != expected_views:
-            result.problems.append(f"reopened, {result.saved_views} of the {expected_views} views show again")
+    await reopen_once(page, lab, rel, "reopened, its kernel running", expected_views,
+                      shots / f"{nb.stem}.reopened-live.png", result)
+    await page.evaluate(CLOSE_JS, rel)
+    lab.shut_down(rel)
+    result.saved_views = await reopen_once(page, lab, rel, "reopened the next day", expected_views,
+                                           shots / f"{nb.stem}.reopened.png", result)
     await page.evaluate(CLOSE_JS, rel)
     lab.shut_down(rel)
 
