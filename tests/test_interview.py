@@ -420,3 +420,14 @@ def test_glossary_names_only_notebooks_and_sections_that_exist():
         heads = {h.split(".")[0] for h in bank.notebook_headings(ROOT / "notebooks" / f"{name}.ipynb")}
         for n in re.findall(r"\d+", sections):
             assert n in heads, f"GLOSSARY.md points to section {n} of {name}, which has no such heading"
+
+
+def test_every_notebook_that_points_to_its_quiz_names_itself():
+    """A closing line `minikv quiz --notebook ID` must print the questions of the notebook that holds it."""
+    import re
+
+    from minikv.interview import asked
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for name in set(re.findall(r"minikv quiz --notebook ([A-Za-z0-9_]+)", path.read_text())):
+            assert asked.resolve(name, ROOT) == path, f"{path.name} points to minikv quiz --notebook {name}"
