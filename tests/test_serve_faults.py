@@ -186,6 +186,14 @@ def test_if_the_engine_loop_dies_every_client_hears_an_error_and_the_server_stop
         s.stop()
 
 
+def test_numbers_too_large_for_the_engine_get_400_not_a_failed_step(server, reference):
+    for field, value in (("top_k", 10**30), ("seed", 2**64), ("priority", "high"), ("n", 10**6)):
+        r = post(server, "completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "temperature": 1.0,
+                                         field: value})
+        assert_openai_error(r, 400, field)
+    assert_still_serves(server, reference)
+
+
 # ---- malformed bodies ----------------------------------------------------------------------------
 
 MALFORMED = [

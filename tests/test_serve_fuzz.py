@@ -1,7 +1,7 @@
 """Random bytes, random JSON and random Unicode (lone surrogates included) at every route, for a few
 seconds: every answer is well formed (an OpenAI-shaped error, never a 500 nor a dropped connection),
 and afterwards the server is healthy and serves a well-formed request token for token as the engine
-does in-process. The seed is printed; MINIKV_FUZZ_SEED=... replays a run."""
+does in-process. The seed is printed; MINIKV_FUZZ_SEED=... replays a run, MINIKV_FUZZ_S=... fuzzes longer."""
 from __future__ import annotations
 
 import json
@@ -17,8 +17,8 @@ from minikv import SamplingParams
 from minikv.serve import Server
 
 SEED = int(os.environ.get("MINIKV_FUZZ_SEED", "20261127"))
-FUZZ_S = 4.0  # how long to fuzz (a bound on the work, not a claim: the checks hold for every case)
-MAX_CASES = 600
+FUZZ_S = float(os.environ.get("MINIKV_FUZZ_S", "4"))  # how long (a bound on the work: the checks hold for every case)
+MAX_CASES = int(os.environ.get("MINIKV_FUZZ_CASES", "600"))
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
           ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/models"), ("GET", "/v1/completions"),
           ("POST", "/v1/embeddings"), ("PUT", "/v1/chat/completions"), ("POST", "/")]
@@ -27,6 +27,10 @@ CHAR_RANGES = [(0x20, 0x7E), (0x0, 0x1F), (0x80, 0x7FF), (0x4E00, 0x4FFF), (0xD8
 KEYS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
         "n", "seed", "stop", "stream", "stream_options", "user", "cache_salt", "ignore_eos", "priority",
         "return_token_ids", "logprobs", "role", "content", "include_usage", "continuous_usage_stats"]
+
+NUMBER_KEYS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "priority"]
+EXTREMES = [-1, 0, 2**31, 2**63 - 1, 2**63, 2**64, 10**30, -(10**30), 1e308, -1e308, 1e-308, float("nan"),
+            float("inf"), 0.5, True]
 
 
 def text(rng: random.Random) -> str:
@@ -79,7 +83,7 @@ def mutated(rng: random.Random, chat: bool) -> dict:
 
 
 def payload(rng: random.Random, path: str) -> bytes:
-    kind = rng.randrange(6)
+    kind = rng.randrange(7)
     if kind == 0:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(200)))
     if kind == 1:
@@ -91,6 +95,10 @@ def payload(rng: random.Random, path: str) -> bytes:
     if kind == 3:
         return rng.choice([b"[" * 50_000, b'{"a":' * 30_000, b"9" * 5000, b'"\\ud83d"', b"\xed\xa0\xbd", b"{}",
                            b"null", b"NaN", b'{"model": "tiny-random", "prompt": [' + b"7" * 4400 + b"]}"])
+    if kind == 4:  # a valid body but for one number at an extreme
+        body = valid(rng, "chat" in path)
+        body[rng.choice(NUMBER_KEYS)] = rng.choice(EXTREMES)
+        return json.dumps(body).encode()
     return json.dumps(mutated(rng, "chat" in path)).encode()
 
 

@@ -114,6 +114,7 @@ def _prompt(body: dict) -> str | list[int]:
 
 
 ROLES = {"system", "user", "assistant", "developer"}
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; beyond a C long it would fail in the sampler
 
 
 def _messages(body: dict) -> list[dict]:
@@ -178,6 +179,8 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> Parsed:
     top_p = _field(body, "top_p", "number", 1.0)
     top_k = _field(body, "top_k", "int", 0)
     top_k = 0 if top_k == -1 else top_k  # vLLM's "no cut"
+    if top_k > MAX_TOP_K:
+        raise ApiError(400, f"'top_k' must be at most {MAX_TOP_K:,} (-1 or 0: no cut), got {top_k}", param="top_k")
     seed = _field(body, "seed", "int")
     n = _field(body, "n", "int", 1)
     ignore_eos = _field(body, "ignore_eos", "bool", False)
