@@ -227,6 +227,8 @@ class EngineLoop:
         with self._pending_lock:  # queued (if accepted) before its handler hears about it
             self._pending -= 1
             self._pending_by_tenant[tenant] -= 1
+            if not self._pending_by_tenant[tenant]:  # a tenant with nothing pending takes no memory
+                del self._pending_by_tenant[tenant]
             if seq is not None:
                 self._waiting_by_tenant[tenant] += 1
         if seq is None:
