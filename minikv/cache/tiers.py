@@ -488,6 +488,11 @@ class DiskTier:
                 if key is None:
                     return
                 self._write(key)
+            except Exception as e:  # noqa: BLE001  the writer must outlive any one block (flush waits on it)
+                with self.lock:
+                    self.pending.pop(key, None)
+                    self.num_failed_writes += 1
+                    self.error = f"{type(e).__name__}: {e}"
             finally:
                 self._queue.task_done()
 
@@ -512,7 +517,10 @@ class DiskTier:
                     continue
             except OSError as e:  # a full disk, lost permissions: counted and reported once
                 error = e
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
             break
         with self.lock:
             self.pending.pop(key, None)
