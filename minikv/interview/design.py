@@ -134,6 +134,7 @@ def littles_law(arrival_per_s: float, seconds_in_system: float) -> float:
 def worksheet_lines(d: Deployment, context: int, batch: int) -> list[str]:
     """The calculators' answer for one deployment, as lines (the notebook shows them; tests read them)."""
     step = d.decode_step_seconds(batch, context)
+    by_bytes, by_flops = d.decode_step_bytes_seconds(batch, context), d.decode_step_compute_seconds(batch, context)
     return [
         f"{d.model.name} on {d.num_gpus} x {d.gpu.name}, TP {d.tp} ({d.replicas} replica(s)), weights "
         f"{d.weight_bytes} B, KV {d.kv_bytes} B per number",
@@ -146,6 +147,6 @@ def worksheet_lines(d: Deployment, context: int, batch: int) -> list[str]:
         f"pool: {d.pool_tokens_per_replica:,} tokens per replica; {d.max_sequences(context):,} sequences of "
         f"{context:,} tokens in all",
         f"decode step at batch {batch} x {context:,} tokens: >= {step * 1e3:.1f} ms "
-        f"({batch / step:,.0f} tokens/s per replica at best; bytes {d.decode_step_bytes_seconds(batch, context) * 1e3:.1f} ms, "
-        f"FLOPs at peak {d.decode_step_compute_seconds(batch, context) * 1e3:.1f} ms)",
+        f"({batch / step:,.0f} tokens/s per replica at best; bytes {by_bytes * 1e3:.1f} ms, FLOPs at peak "
+        f"{by_flops * 1e3:.1f} ms)",
     ]

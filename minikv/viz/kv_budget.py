@@ -167,11 +167,14 @@ def plot_budget(models: list[str], contexts: tuple[int, ...] = (8192, 32768, 131
     ax.axhline(GPU_GIB, color="red", ls=":", label=f"one {GPU_GIB} GiB GPU")
     ax.axhline(8 * GPU_GIB, color="red", ls="--", label="8 GPUs")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(models)), [f"{m}\n({MODELS[m].attention})" for m in models], fontsize=8)
+    names = [m.replace(" as ", "\nas ") for m in models]  # "Llama-3-8B as MHA" on two lines, off its neighbours
+    ax.set_xticks(range(len(models)), [f"{name}\n({MODELS[m].attention})" for name, m in zip(names, models)],
+                  fontsize=8)
     ax.set_ylabel(f"KV cache, {users} users (GiB)")
     ax.set_title(f"bf16 KV cache of {users} users, each at the full context")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # beside the bars, never on them
     ax.grid(alpha=0.3, axis="y")
+    ax.figure.tight_layout()
     return ax.figure
 
 

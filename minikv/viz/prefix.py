@@ -371,7 +371,7 @@ def plot_ttft(ttft: dict[str, list], computed: dict[str, list[int]] | None = Non
     repeats = max(len(t) if isinstance(t, (list, tuple)) else 1 for v in ttft.values() for t in v)
     ax.set_ylabel("seconds" + (f"\n(median of {repeats})" if repeats > 1 else ""))
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # beside the bars, never on them
     bottom = work if work is not None else ax
     bottom.set_xticks([i + 0.4 - width / 2 for i in range(n)], [f"request {i + 1}" for i in range(n)])
     if work is not None:

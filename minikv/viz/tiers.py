@@ -130,8 +130,8 @@ def tiers_widget(snaps: list[TierSnapshot], step: int = 0):
 
     def update(_=None):
         image.value = picture(slider.value - 1)
-        text.value = ("<pre style='font-size:12px; margin:0'>" + html.escape("\n".join(tier_lines(snaps[slider.value - 1])))
-                      + "</pre>")
+        words = "\n".join(tier_lines(snaps[slider.value - 1]))
+        text.value = "<pre style='font-size:12px; margin:0'>" + html.escape(words) + "</pre>"
 
     slider.observe(update, names="value")
     update()
