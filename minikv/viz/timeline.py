@@ -139,7 +139,8 @@ def batch_lines(trace: Trace, step: int) -> list[str]:
     lines = [f"step {step}: {snap.num_batched_tokens} of {trace.max_num_batched_tokens} budget tokens, "
              f"{len(snap.batch)} sequences in the batch"]
     for s in snap.batch:
-        lines.append(f"  req {s.request_id}: {s.scheduled:>4} tokens ({states[s.request_id][step]}, "
+        unit = "token " if s.scheduled == 1 else "tokens"
+        lines.append(f"  req {s.request_id}: {s.scheduled:>4} {unit} ({states[s.request_id][step]}, "
                      f"positions {s.start}..{s.start + s.scheduled - 1})")
     waiting = [rid for rid, row in states.items() if row[step] in ("waiting", "preempted", "swapped", "stalled")]
     if waiting:
