@@ -543,13 +543,15 @@ class DiskTier:
     def _recreate(self) -> bool:
         """The directory vanished (deleted under a running engine): create it again and forget the files
         it held. Returns False if it cannot be created."""
+        gone = not self.dir.is_dir()  # else another engine took the temporary file for a dead writer's
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError:
             return False
-        with self.lock:
-            self.num_recreated += 1
-        self.measure()
+        if gone:
+            with self.lock:
+                self.num_recreated += 1
+            self.measure()
         return True
 
     def refresh(self) -> None:
@@ -571,7 +573,8 @@ class DiskTier:
     def measure(self) -> int:
         """Measure every file of the store under root (all identities; temporary files of live writes
         count, those of dead writers are removed), delete the least recently used block files until the
-        total fits the budget, and make the index list this identity's files. Returns the bytes held."""
+        total fits the budget (with room to spare: 1/16 of it), and make the index list this identity's
+        files. Returns the bytes held."""
         now, files, total = time.time(), [], 0
         try:
             subdirs = [d for d in os.scandir(self.root) if _is_hex(d.name, 16) and d.is_dir(follow_symlinks=False)]
@@ -602,7 +605,9 @@ class DiskTier:
                     files.append((st.st_mtime, st.st_size, d.name, e.name[:-3]))
         files.sort()
         evicted = []
-        while total > self.budget and files:
+        # over the budget: down to 15/16 of it, so that a full directory is not measured at every write
+        target = self.budget - self.budget // 16 if total > self.budget else total
+        while total > target and files:
             _, size, sub, stem = files.pop(0)
             try:
                 os.unlink(self.root / sub / f"{stem}.kv")

@@ -175,8 +175,8 @@ class LLM:
 
         Offload tiers (rung 9, prefix_caching="hash"): kv_offload_cpu_bytes (blocks evicted from the pool
         wait in CPU memory, LRU within this budget), kv_offload_dir (and kv_offload_disk_bytes, default
-        1 GiB): blocks are also written to files there as they are cached, and a later engine of the
-        same model finds them. A lookup that misses the pool copies stored blocks back. Call `close()`
+        1 GiB, a budget for the whole directory: engines sharing it keep to it together): blocks are
+        also written to files there as they are cached, and a later engine of the same model finds them. A lookup that misses the pool copies stored blocks back. Call `close()`
         (or use `with LLM(...) as llm:`) to finish the disk writes. See minikv/cache/tiers.py.
 
         Named seams, where your own code runs inside the engine (each exercise plugs into one):
