@@ -286,6 +286,7 @@ def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_
     text = (student_copy / "Makefile").read_text()
     assert "minikv.cli check" in text and "-m pytest" not in text
     assert "Student copy" in (student_copy / "README.md").read_text()
+    assert "lab/settings" in text and (student_copy / "lab" / "settings" / "overrides.json").is_file()  # make lab's
     code, _, err = cli(capsys, "release", "--student", str(student_copy))
     assert code == 2 and "--force" in err
     other = student_copy.parent / "other"

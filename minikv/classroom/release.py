@@ -29,7 +29,7 @@ from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_
 
 MARKER = ".minikv-student-release"
 TOP_FILES = ["README.md", "GLOSSARY.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
-FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks"]
+FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks", "lab"]  # lab/: make lab's JupyterLab settings
 NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 # Answers that live inside the package for self-study (`minikv quiz`, `drill check --reference`, `bugs check
 # --fixed`) but would hand a class the key: the bank's course questions carry the instructor key's answers,
