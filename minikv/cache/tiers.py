@@ -529,6 +529,7 @@ class DiskTier:
                 first, self.error = self.error is None, f"{type(error).__name__}: {error.strerror or error}"
             else:
                 self.index[key] = len(data)
+                self.forgotten.discard(key)  # written again: listed again
                 self.num_writes += 1
                 self.bytes_written += len(data)
                 self._written_since += len(data)
