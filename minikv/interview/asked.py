@@ -199,7 +199,8 @@ def render(path: Path, root: Path, questions: list[bank.Question] | None = None)
     for a in found:
         lines += ["", _wrap(a.text, f"Q{a.number}. ")]
         if a.entry is not None:
-            lines.append(f"    ({a.entry.topic} · {a.entry.difficulty} · taught in \"{a.entry.heading}\")")
+            heading = a.entry.heading if a.entry.heading.startswith('"') else f'"{a.entry.heading}"'  # never ""quoted""
+            lines.append(f"    ({a.entry.topic} · {a.entry.difficulty} · taught in {heading})")
             lines.append(_wrap(a.entry.answer, "A:  "))
             for f in a.entry.follow_ups:
                 lines.append(_wrap(f, "    next: "))
