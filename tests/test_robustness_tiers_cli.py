@@ -253,9 +253,11 @@ def test_cli_minikv_cache_pointing_at_a_file_is_one_error_line(tmp_path, model):
     assert_one_error_line(out, "MINIKV_CACHE=", "is a file, not a directory", "point MINIKV_CACHE at a directory")
 
 
-def test_cli_serve_on_a_port_out_of_range_or_taken_is_one_error_line(tmp_path):
+def test_cli_serve_on_a_port_out_of_range_or_taken_or_a_missing_model_is_one_error_line(tmp_path):
     assert_one_error_line(minikv(tmp_path, "serve", "--model", "tiny-random", "--port", "99999"),
                           "--port must be in 0..65535, got 99999")
+    assert_one_error_line(minikv(tmp_path, "serve", "--model", str(tmp_path / "missing"), "--port", "0"),
+                          "does not exist")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

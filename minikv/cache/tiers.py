@@ -18,9 +18,11 @@ A block is stored under a key that must make a wrong hit impossible:
 Another model, another kv dtype, another block size or another tenant computes other keys, so it
 never hits. The weights' fingerprint follows the weights: `weights_fingerprint` hashes every byte
 again whenever a tensor's storage, version counter or sampled bytes moved (an in-place change), so
-an engine built or derived after a change gets a new identity. Each file repeats the identity and the key in its header and carries a checksum of its
-payload: a corrupted or truncated file is skipped (deleted, counted), never loaded. Files are written
-under a temporary name and renamed, so two engines sharing a directory never read half a file.
+an engine built or derived after a change gets a new identity.
+
+Each file repeats the identity and the key in its header and carries a checksum of its payload: a
+corrupted or truncated file is skipped (deleted, counted), never loaded. Files are written under a
+temporary name and renamed, so two engines sharing a directory never read half a file.
 
 The disk budget holds for the directory, not for one engine: eviction measures what the directory
 holds (every identity's files, and temporary files of writes in progress), so engines sharing it keep
@@ -107,7 +109,8 @@ def weights_stamp(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, t in named:
         t = t.detach()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.data_ptr()}|{t._version}|".encode())
+        version = -1 if t.is_inference() else t._version  # inference tensors keep no counter: the sample decides
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.data_ptr()}|{version}|".encode())
         if t.numel():
             flat = t.reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
