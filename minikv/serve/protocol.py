@@ -193,7 +193,9 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> Parsed:
     if options and not stream:
         raise ApiError(400, "'stream_options' is only allowed with stream: true", param="stream_options")
     for name in ("include_usage", "continuous_usage_stats"):
-        _field(options, name, "bool", False)
+        if not isinstance(options.get(name, False), bool):
+            raise ApiError(400, f"'stream_options.{name}' must be true or false, got {options[name]!r:.80}",
+                           param=f"stream_options.{name}")
     try:
         params = SamplingParams(max_tokens=max_tokens or 16, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, n=n, ignore_eos=ignore_eos, stop=stop, priority=priority)
