@@ -8,9 +8,10 @@ notebook, exercise and solution as nbval does and fails on
 - a marker nbval would not honour: text after it, a misspelling, a wrong case, an unknown tag;
 - a stored output nbval compares that holds a float (after the repository's sanitize patterns): its
   last digits are this CPU's rounding or this run's speed. Assert the claim in the cell and mark the
-  printout `# NBVAL_IGNORE_OUTPUT` instead. A cell whose floats are arithmetic on integers (a model's
-  shapes, byte and block counts, the calculators) prints the same on every machine: it carries the
-  tag `exact-output` and stays compared. Never give that tag to a cell that reads tensors or the clock.
+  printout `# NBVAL_IGNORE_OUTPUT` instead. A cell whose floats are the same on every machine (arithmetic
+  on integers: a model's shapes, byte and block counts, the calculators; constants and source text)
+  carries the tag `exact-output` and stays compared. Never give that tag to a cell whose printed floats
+  come from tensor math, sampling or the clock.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ MARKERS = {"NBVAL_IGNORE_OUTPUT": "ignore", "PYTEST_VALIDATE_IGNORE_OUTPUT": "ig
 TAGS = {m.lower().replace("_", "-"): kind for m, kind in MARKERS.items()} | {"raises-exception": "raises"}
 # a float as printed: 0.25, 1.2e-05, 3e+02 (a version string such as 2.13.0 counts too: it changes with
 # the machine's packages); integers and counts are fine
-EXACT = "exact-output"  # this cell's floats are arithmetic on integers: the same digits on any machine
+EXACT = "exact-output"  # this cell's floats are the same digits on any machine (integer arithmetic, constants)
 FLOAT = re.compile(r"(?<![\w.])\d+\.\d+(?:[eE][+-]?\d+)?|(?<![\w.])\d+[eE][+-]?\d+(?![\w])")
 
 
