@@ -119,3 +119,26 @@ def test_engine_takes_a_tuple_or_a_tensor_as_the_ids_of_one_prompt(tiny):
         while tiny.has_unfinished():
             tiny.step()
         assert seq.output_token_ids == want
+
+
+def test_token_ids_are_checked_in_bulk_not_one_python_call_per_token():
+    """A prompt of 10,000 ids is validated by a handful of C-level passes (type set, min, max): an 8k-token
+    prefix hit used to spend longer checking its ids one `isinstance` at a time than running its step."""
+    import sys
+
+    from minikv.engine.prompts import parse_prompt
+
+    ids = [(7 * i) % 5000 for i in range(10_000)]
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        got, _, _ = parse_prompt(ids, None, 5000)
+    finally:
+        sys.setprofile(None)
+    assert got == ids and got is not ids
+    assert calls < 50, f"{calls} calls to validate 10,000 ids: a per-token loop is back"

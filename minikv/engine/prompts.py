@@ -46,7 +46,9 @@ def token_ids(ids: Any, name: str = "prompt_token_ids") -> list[int]:
     if not isinstance(ids, (list, tuple)):
         hint = " (pass text as a string prompt, or {'prompt': ...})" if isinstance(ids, str) else ""
         raise ValueError(f"{name} must be a list of token ids (ints), got {type(ids).__name__} {ids!r}{hint}")
-    for i, t in enumerate(ids):
+    if set(map(type, ids)) <= {int}:  # the common case, checked at C speed: plain Python ints
+        return list(ids)
+    for i, t in enumerate(ids):  # numpy or torch scalars, or a mistake to name
         if not isinstance(t, Integral) or isinstance(t, bool):
             raise ValueError(f"{name}[{i}] is {t!r} ({type(t).__name__}); token ids are integers")
     return [int(t) for t in ids]
@@ -81,8 +83,8 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], st
         raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} {prompt!r}{hint}")
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); "
+    if min(ids) < 0 or max(ids) >= vocab_size:  # (two C loops, not one Python comparison per token)
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
                          "use ids from this model's tokenizer")
     return ids, text, salt
