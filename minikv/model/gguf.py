@@ -15,6 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
+from minikv.model.paths import writable_dir
+
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file
 
 
@@ -45,8 +47,6 @@ def converted_gguf(path: Path, cache: Path) -> Path:
     out = cache / "gguf" / f"{path.stem}-{content_key(path)}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
-    from minikv.model.named import writable_dir
-
     writable_dir(out.parent)
     tmp = out.with_name(out.name + ".partial")  # a conversion cut short is never taken for a finished one
     shutil.rmtree(tmp, ignore_errors=True)

