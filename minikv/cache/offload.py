@@ -28,6 +28,7 @@ it never sees a block id or a token.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 
@@ -82,7 +83,13 @@ class Offload:
         self._spill_buffers: tuple = ()  # pinned host planes a spill from a GPU lands in, reused
         self._spare: tuple = ()  # flat staging buffers of a finished load, for the next one
         self.inflight: set[PendingLoad] = set()  # loads started and not finished or cancelled
-        cache.on_evict = self.spill
+        spill = weakref.WeakMethod(self.spill)  # no cycle cache <-> offload: the pool goes with the engine
+
+        def on_evict(keys: list[tuple[int, bytes]]) -> None:
+            fn = spill()
+            if fn is not None:
+                fn(keys)
+        cache.on_evict = on_evict
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -136,6 +136,18 @@ def _say_once(message: str) -> None:
         print(message, file=sys.stderr)
 
 
+def _weakly(method: Callable) -> Callable:
+    """A callback to a bound method that does not keep its object alive: the parts an engine owns (its
+    scheduler) call back into it without making a cycle, so `del llm` frees the engine at once."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return call
+
+
 def _given(**kwargs) -> dict:
     """The keyword arguments that were given (not None): seams reach the parts that take them only when used."""
     return {k: v for k, v in kwargs.items() if v is not None}
@@ -302,7 +314,7 @@ class LLM:
         swap = SwapSpace(pool, cfg.swap_blocks) if cfg.preemption == "swap" else None
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.preemption, swap,
-                                   **_given(schedule_step=cfg.schedule_step), on_event=self._on_event)
+                                   **_given(schedule_step=cfg.schedule_step), on_event=_weakly(self._on_event))
         if cfg.prefix_caching is not None:
             self.scheduler.policy = cfg.schedule_policy
         if cfg.schedule_policy == "vtc":
