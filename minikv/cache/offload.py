@@ -280,6 +280,13 @@ class Offload:
         pending, self._pending = self._pending, []
         self._move_out(pending, "persist")
 
+    def close(self) -> None:
+        """The engine is closed: write through what is queued, cancel the loads left, drop the buffers."""
+        self.flush()
+        for pending in list(self.inflight):
+            self.cancel(pending)
+        self._spill_buffers = self._spare = ()
+
     # ---- eviction -------------------------------------------------------------------------------
     def spill(self, evicted: list[tuple[int, bytes]]) -> None:
         """The prefix cache is giving these (block, block hash) away: their bytes go to the store."""

@@ -82,6 +82,10 @@ class KVPool:
     def quantized(self) -> bool:
         return self.cache_dtype in QMAX
 
+    def close(self) -> None:
+        """Give the memory back (the engine is closed): the tensors go, the sizes stay (stats())."""
+        self.k_cache = self.v_cache = self.k_scale = self.v_scale = self.k_zero = self.v_zero = None
+
     @property
     def has_zero_point(self) -> bool:
         return has_zero_point(self.cache_dtype)
@@ -241,6 +245,10 @@ class RowPool:
     def reset(self) -> None:
         """Every row free again (after a fault, the engine recomputes the requests that held one)."""
         self.free_rows = list(range(self.num_rows))
+
+    def close(self) -> None:
+        """Give the memory back (the engine is closed): the rows' tensors go."""
+        self.k_cache = self.v_cache = None
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy a whole row (every layer, every position) to another: what a request changing rows costs."""

@@ -58,6 +58,10 @@ class SwapSpace:
             if b >= 0:
                 self.allocator.free(b)
 
+    def close(self) -> None:
+        """Give the CPU memory back (the engine is closed)."""
+        self.planes, self.k_swap, self.v_swap = [], None, None
+
     def reset(self) -> None:
         """Forget every swapped-out block (after a fault, the engine recomputes their sequences)."""
         self.allocator = FreeListAllocator(self.allocator.num_blocks)

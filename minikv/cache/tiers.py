@@ -251,6 +251,11 @@ class CpuTier:
         self.slot_of.clear()
         self.free_slots = list(range(self.capacity - 1, -1, -1))
 
+    def close(self) -> None:
+        """Forget every block and give the slab's memory back (a later put allocates it again)."""
+        self.clear()
+        self.slab = []
+
 
 # ---- disk tier -----------------------------------------------------------------------------------
 def block_payload(value: Value) -> tuple[list, bytes]:
@@ -732,6 +737,9 @@ class TieredStore:
             self.disk.flush()
 
     def close(self) -> None:
+        """The CPU tier's memory goes back; the disk tier finishes its writes and stops its thread."""
+        if self.cpu is not None:
+            self.cpu.close()
         if self.disk is not None:
             self.disk.close()
 

@@ -240,6 +240,8 @@ class LLM:
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model.fused_ops = cfg.fused_ops  # before any CUDA graph records the model
         c = self.config
+        if self.device.type == "cuda":  # what a closed or deleted engine left in PyTorch's cache counts as free
+            torch.cuda.empty_cache()
         cfg.fit(c.max_position_embeddings,
                 KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
                 c.sliding_window, ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
@@ -377,8 +379,13 @@ class LLM:
     def close(self) -> None:
         """Abort every request not finished yet (finish reason "abort": a stream of one gets its last
         event), queue the cached blocks not yet written through, finish the offload tiers' disk writes
-        and stop the writer thread. Afterwards `step()`, `generate()` and `add_request()` raise
-        CLOSED_MESSAGE. Idempotent; `with LLM(...) as llm:` calls it on leaving."""
+        and stop the writer thread, then give back the memory the engine allocated: the KV pool, the
+        swap space, the CPU tier, the CUDA graphs and staging buffers (on a GPU, to the driver too, so
+        that the next engine sized from free memory sees it). Afterwards `step()`, `generate()` and
+        `add_request()` raise CLOSED_MESSAGE. Idempotent; `with LLM(...) as llm:` calls it on leaving.
+
+        The weights stay (`llm.loaded`: `derive()` still builds engines on them); they go with the
+        engine (`del llm`: nothing in it holds a cycle back to it) unless another engine shares them."""
         with self._lock:
             if self._closed:
                 return
@@ -388,9 +395,23 @@ class LLM:
             self._drain()  # an overlapped step still on the device: wait for it, give its blocks back
             offload = self.block_manager.offload if self.block_manager is not None else None
             if offload is not None:
-                offload.flush()  # cached blocks queued for write-through go to the store before it closes
+                offload.close()  # cached blocks queued for write-through go to the store before it closes
             if isinstance(self.offload_store, TieredStore):
                 self.offload_store.close()
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Every tensor the engine allocated goes (the objects stay, empty, so stats() still answers)."""
+        pool = getattr(self.backend, "pool", None)  # KVPool (paged), RowPool (contiguous), none (naive)
+        if pool is not None:
+            pool.close()
+        swap = getattr(self.scheduler, "swap", None)
+        if swap is not None:
+            swap.close()
+        self.runner.close()
+        self._token_host = torch.empty(0, dtype=torch.long)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self

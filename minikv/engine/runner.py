@@ -72,6 +72,11 @@ class ModelRunner:
         self._staging = [torch.empty(0, dtype=torch.long)] * 2  # pinned host buffers, used in turn (GPU)
         self._turn = 0
 
+    def close(self) -> None:
+        """The engine is closed: the CUDA graphs (their buffers and memory pool) and staging buffers go."""
+        self.decode_graphs = None
+        self._staging = [torch.empty(0, dtype=torch.long)] * 2
+
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
         """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
         prepared = self.prepare_step(batch)
