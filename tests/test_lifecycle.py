@@ -161,3 +161,15 @@ def test_on_a_gpu_the_next_engine_fitted_to_free_memory_gets_as_many_blocks(how)
         del first
     second = LLM("tiny-random", kv_backend="paged", device="cuda")
     assert second.stats()["num_blocks"] >= num_blocks * 0.98, (second.stats()["num_blocks"], num_blocks)
+
+
+def test_an_engine_served_by_an_engine_loop_is_freed_once_the_loop_stopped():
+    from minikv.serve.engine_loop import EngineLoop
+
+    llm = LLM("tiny-random", **PAGED)
+    loop = EngineLoop(llm).start()
+    loop.stop()
+    engine = weakref.ref(llm)
+    with collector_off():
+        del llm, loop
+        assert engine() is None, "the stopped loop (an engine observer) still holds the engine"

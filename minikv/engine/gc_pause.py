@@ -11,6 +11,14 @@ the heap after start-up for the same reason.)
 (`gc.freeze()`, O(1)) and back when it ends (`gc.unfreeze()`): meanwhile the garbage of the run is
 still collected (young objects), but a full collection no longer walks the old ones. Nothing is lost:
 a cycle among the old objects that became garbage during the run is collected after it, as usual.
+
+Only the outermost run freezes (threads, nested generate calls and the server loop share one
+freeze), and the last to end thaws. Meanwhile a frozen object is still freed by its reference count,
+only a frozen *cycle* waits for the thaw: an engine holds no cycle back to itself (its scheduler and
+prefix cache call it through weak references), so one deleted while another run holds the freeze is
+freed at once. A cycle of your own around an engine (an observer that keeps the engine, say) is
+garbage the collector finds only after the last run ends; break it, or `close()` the engine, which
+gives its memory back whatever still points at it.
 """
 from __future__ import annotations
 

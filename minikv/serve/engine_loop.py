@@ -85,7 +85,7 @@ class EngineLoop:
         self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted
         #   as soon as a step's batch is picked (a request admitted then no longer waits, though the step
         #   that runs it, a long prefill say, has not finished) and again after the step
-        llm.add_observer(self)
+        self._stop_observing = llm.add_observer(self)  # until the loop ends: then the engine may go
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self._closed: Exception | None = None  # set (under _pending_lock) once no submit can be served
         self.error: BaseException | None = None  # what ended the loop, if it was not stop()
@@ -203,6 +203,8 @@ class EngineLoop:
             if cmd[0] == "submit":
                 _tell(cmd[5], Event("failed", error=closed))
         self._fail_all(closed)
+        self._stop_observing()  # no cycle engine -> observers -> loop -> engine outlives the loop
+        self._stop_observing = lambda: None
 
     def _drain(self) -> None:
         while True:
