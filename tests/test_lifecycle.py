@@ -106,6 +106,8 @@ def test_closing_one_engine_of_shared_weights_leaves_its_siblings_serving():
 
 
 def test_a_run_holding_the_frozen_heap_does_not_keep_an_older_deleted_engine_alive():
+    if gc.get_freeze_count():  # some import froze objects already: frozen_heap leaves such a heap alone
+        pytest.skip(f"{gc.get_freeze_count()} objects were frozen before the test; engines would not be")
     older = LLM("tiny-random", **dict(PAGED, prefix_caching="hash"))
     older.generate(PROMPTS, PARAMS)
     inside, leave = threading.Event(), threading.Event()
@@ -130,7 +132,8 @@ def test_a_run_holding_the_frozen_heap_does_not_keep_an_older_deleted_engine_ali
         assert gc.get_freeze_count() > 0
     finally:
         leave.set()
-        t.join(timeout=30)
+        t.join(timeout=60)
+    assert not t.is_alive(), "the other run did not finish"
     assert gc.get_freeze_count() == 0
 
 
