@@ -14,9 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from minikv.interview.asked import normalise, questions_in_markdown  # the parser `minikv quiz --notebook` uses
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("notebooks", "exercises")
-_ITEM = re.compile(r"^\s{0,3}(?:\d+[.)]|[-*])\s+(.*)$")
 
 
 @dataclass(frozen=True)
@@ -29,45 +30,6 @@ class Question:
     def key_file(self) -> Path:
         folder, name = self.source.split("/")
         return ROOT / "instructor" / folder / (Path(name).stem + ".md")
-
-
-def normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _starts_list(line: str) -> bool:
-    s = line.strip()
-    if "question" not in s.lower() or _ITEM.match(line):
-        return False
-    return s.startswith("#") or (s.startswith("**") and s.endswith("**")) or s.endswith(":")
-
-
-def questions_in_markdown(text: str) -> list[str]:
-    found: list[str] = []
-    lines, i = text.splitlines(), 0
-    while i < len(lines):
-        if not _starts_list(lines[i]):
-            i += 1
-            continue
-        i += 1
-        current: list[str] | None = None
-        while i < len(lines):
-            line = lines[i]
-            item = _ITEM.match(line)
-            if item:
-                if current:
-                    found.append(normalise(" ".join(current)))
-                current = [item.group(1)]
-            elif not line.strip():
-                pass
-            elif current is not None and line.startswith((" ", "\t")) and not line.strip().startswith("#"):
-                current.append(line.strip())
-            else:
-                break
-            i += 1
-        if current:
-            found.append(normalise(" ".join(current)))
-    return found
 
 
 def questions_in(path: Path) -> list[Question]:
