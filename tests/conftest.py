@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """tiny-random is far too small for two threads to pay; on a busy machine they spin-wait. A module
+    that runs tiny engines uses it: `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from minikv.model.named import prepare_smollm2

@@ -21,6 +21,8 @@ from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.engine.sequence import Sequence
 from engine_checks import checked
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
+
 BS = 4
 NUM_BLOCKS = 10
 SALTS = (None, "alice", "bob")
@@ -169,14 +171,6 @@ test_prefix_cache_state_machine = PrefixCacheMachine.TestCase
 
 
 # ---- the real engine on random workloads ---------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,12 +21,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [(7 * j) % 500 + 1 for j in range(113)]}  # 28 full blocks, 112 tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
 
 
 def prompt_of(i: int) -> dict:

@@ -14,15 +14,7 @@ from minikv.engine.sequence import Sequence, SequenceStatus
 BS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """tiny-random is far too small for two threads to pay; on a busy machine they spin-wait."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
 
 
 # ---- copy_on_write ------------------------------------------------------------------------------

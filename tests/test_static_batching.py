@@ -3,7 +3,6 @@ batch-resizing pitfall reproduced."""
 import random
 
 import pytest
-import torch
 
 from minikv import LLM, SamplingParams
 from minikv.engine.static_batching import DECODE, EMPTY, IDLE, PAD, PROMPT, StaticBatcher
@@ -21,13 +20,7 @@ def one_at_a_time(llm, prompts, params):
     return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: a second thread costs more than it gives, and far more on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

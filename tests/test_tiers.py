@@ -19,12 +19,7 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_k=40, seed=5, n=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
