@@ -385,7 +385,6 @@ async def check_opening(page, lab: Lab, nb: Path, result: Result) -> None:
         try:
             await page.evaluate(OPEN_JS, rel)
         except Exception:  # noqa: BLE001 - once more: the file may have been read while being written
-            await asyncio.sleep(2.0)
             await page.evaluate(CLOSE_JS, rel)
             await page.evaluate(OPEN_JS, rel)
         state = await wait_shown(page, rel)
@@ -418,8 +417,11 @@ async def wait_run_all(page, path: str, result: Result) -> dict | None:
             result.problems.append("the kernel died during Run All (out of memory?)")
             return None
         busy = state is None or state["kernel"] != "idle" or any(c["pending"] for c in state["cells"])
-        quiet = 0 if busy else quiet + 1
-        if quiet >= 3:  # idle with nothing pending, three looks in a row
+        ended = state is not None and (  # (the counts were cleared before the run)
+            all(c["count"] is not None or c["empty"] for c in state["cells"])
+            or any(c["errors"] and "raises-exception" not in c["tags"] for c in state["cells"]))
+        quiet = 0 if busy or not ended else quiet + 1
+        if quiet >= 3:  # every cell ran (or one failed), idle with nothing pending, three looks in a row
             return state
         if time.monotonic() > deadline:
             pending = [c for c in (state or {}).get("cells", []) if c["pending"]]
@@ -448,9 +450,14 @@ async def wait_view(output, differs_from, timeout):
     deadline = time.monotonic() + timeout
     while True:
         now = await view_of(output)
-        if now != differs_from:
-            await asyncio.sleep(0.3)  # let the rest of an update (text after picture) land
-            return await view_of(output)
+        if now != differs_from:  # changed: wait until the rest of the update (text after picture) lands,
+            same = 0              # the view the same three looks in a row
+            while same < 3 and time.monotonic() <= deadline:
+                await asyncio.sleep(0.1)
+                later = await view_of(output)
+                same = same + 1 if later == now else 0
+                now = later
+            return now
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.25)
@@ -633,9 +640,16 @@ async def run_notebook(browser, lab: Lab, nb: Path, shots: Path, result: Result,
             await asyncio.sleep(0.5)
         state = await wait_shown(page, rel, views=True) or state  # a saved view shown, or why not
         result.problems += shown_problems(state, "on opening")
+        # outputs and execution counts cleared first: Run All has finished when every cell has a count
+        # again (or a cell failed, which stops it), whether the run takes a second or a minute
+        await page.evaluate("() => window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
+        while not all(c["count"] is None for c in (await notebook_state(page, rel))["cells"]):
+            if time.monotonic() > deadline:
+                result.problems.append("the outputs were not cleared before Run All")
+                return
+            await asyncio.sleep(0.1)
         await page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
         await page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-        await asyncio.sleep(1.0)
         t_run = time.monotonic()
         state = await wait_run_all(page, rel, result)
         result.phases["run all"] = time.monotonic() - t_run

@@ -83,16 +83,20 @@ def test_overlapping_runs_thaw_once_the_last_ends():
 
 
 def test_the_server_loop_keeps_its_start_up_heap_frozen_until_it_stops(llm):
-    import time
-
     from minikv.serve.engine_loop import EngineLoop
+
+    seen, ended = [], threading.Event()  # the freeze as the engine thread sees it, at each of its events
+
+    def on_event(ev):
+        seen.append((ev.kind, gc.get_freeze_count()))
+        if ev.kind in ("end", "failed", "rejected"):
+            ended.set()
 
     loop = EngineLoop(llm).start()
     try:
-        deadline = time.monotonic() + 10
-        while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert gc.get_freeze_count() > 0
+        loop.submit([1, 2, 3], PARAMS, "t", "r1", on_event)
+        assert ended.wait(120), f"the request never ended: {seen}"
     finally:
         loop.stop()
+    assert seen and seen[-1][0] == "end" and all(count > 0 for _, count in seen), seen
     assert gc.get_freeze_count() == 0

@@ -73,7 +73,7 @@ def test_temporary_files_of_a_writer_killed_mid_write_are_removed_at_open_and_li
     folder = llm.offload_store.disk.dir
     llm.close()
     budget = 8 * file_bytes(block)
-    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)  # alive
     dead = [folder / f"{i:064x}.kv.{writer.pid}.140.tmp" for i in range(3)]  # its writes in progress
     for f in dead:
         f.write_bytes(b"x" * budget)

@@ -379,13 +379,14 @@ def test_minikv_serve_starts_from_the_command_line_and_stops_on_sigterm():
                              "--num-blocks", "64", "--schedule-policy", "vtc", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        def up() -> bool:
+            assert proc.poll() is None, f"minikv serve exited ({proc.returncode}): {proc.stdout.read()}"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=HANG_S).status_code == 200
+            except httpx.TransportError:  # not listening yet
+                return False
+
+        wait_until(up, "minikv serve answers /health")
         out = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": "tiny-random", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=HANG_S).json()
         assert out["usage"]["completion_tokens"] >= 1
