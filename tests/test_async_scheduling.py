@@ -72,7 +72,7 @@ def test_switching_it_mid_run_finishes_the_step_in_flight_first(pair):
         llm.step()
         if i in (2, 5):
             llm.async_scheduling = not llm.async_scheduling
-            assert llm._inflight is None and llm.stats()["config"]["async_scheduling"] is (i == 5)
+            assert llm.core._inflight is None and llm.stats()["config"]["async_scheduling"] is (i == 5)
     while llm.has_unfinished():
         llm.step()
     assert [s.output_token_ids for s in seqs] == [t for t, _, _ in outputs(off, PROMPTS, mixed_params())]
@@ -294,7 +294,7 @@ def test_a_fault_inside_an_overlapped_step_leaves_the_engine_sound():
 
 
 def test_a_request_whose_sampling_fails_ends_alone_in_an_overlapped_step(monkeypatch):
-    import minikv.engine.llm as llm_module
+    import minikv.engine.core as llm_module
 
     def failing(real):
         def sample(logits, params, keys):  # a request with top_k=7 cannot be sampled (a stand-in fault)

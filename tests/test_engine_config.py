@@ -54,16 +54,16 @@ def test_a_seam_given_to_a_rung_that_does_not_use_it_is_refused(seam):
 @pytest.mark.parametrize("seam", sorted(SEAMS))
 def test_a_seam_must_be_a_function(seam):
     with pytest.raises(ValueError, match=f"{seam} must be a function"):
-        EngineConfig(model="tiny-random", kv_backend="paged", **{seam: "not a function"})
+        EngineConfig.from_options(model="tiny-random", kv_backend="paged", **{seam: "not a function"})
 
 
 def test_defaults_are_filled_in_once_the_model_is_known():
-    cfg = EngineConfig(kv_backend="paged", block_size=4, num_blocks=10)
-    cfg.fit(max_positions=2048, bytes_per_block=1024)
+    cfg = EngineConfig.from_options(kv_backend="paged", block_size=4, num_blocks=10)
+    cfg = cfg.fit(max_positions=2048, bytes_per_block=1024)
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.swap_blocks) == (40, 32, 512, 10)
     assert cfg.kv_layout == "nhd" and cfg.attention == "torch" and cfg.cuda_graphs is False
-    contiguous = EngineConfig(kv_backend="contiguous")
-    contiguous.fit(max_positions=8192)
+    contiguous = EngineConfig.from_options(kv_backend="contiguous")
+    contiguous = contiguous.fit(max_positions=8192)
     assert (contiguous.max_model_len, contiguous.max_num_seqs) == (2048, 4)
 
 
@@ -106,9 +106,8 @@ QWEN_BLOCK = 16 * 24 * 2 * 2 * 64 * 2  # bytes of K and V of one 16-token block,
 
 
 def _fit(info, **options):
-    cfg = EngineConfig(kv_backend="paged", device="cpu", dtype="float32", **options)
-    cfg.fit(max_positions=32768, bytes_per_block=QWEN_BLOCK, shape=QWEN_05B, info=info)
-    return cfg
+    cfg = EngineConfig.from_options(kv_backend="paged", device="cpu", dtype="float32", **options)
+    return cfg.fit(max_positions=32768, bytes_per_block=QWEN_BLOCK, shape=QWEN_05B, info=info)
 
 
 def test_a_large_gpu_gets_hundreds_of_sequences_a_budget_in_the_thousands_and_most_of_its_free_memory():
@@ -158,8 +157,8 @@ def test_a_card_too_full_for_one_block_says_what_to_free():
 
 
 def test_kv_backend_defaults_to_paged_on_a_gpu_and_contiguous_on_a_cpu():
-    assert EngineConfig(device="cpu").kv_backend == "contiguous"
+    assert EngineConfig.from_options(device="cpu").kv_backend == "contiguous"
     llm = LLM("tiny-random", device="cpu")
     assert llm.kv_backend == "contiguous" and llm.stats()["config"]["max_num_seqs"] == 4
     if torch.cuda.is_available():
-        assert EngineConfig(device="cuda").kv_backend == "paged"
+        assert EngineConfig.from_options(device="cuda").kv_backend == "paged"

@@ -126,7 +126,7 @@ def test_requests_of_another_caller_survive_a_fault_and_finish_right():
 
 
 def test_a_request_whose_sampling_fails_ends_alone_and_the_engine_serves_on(monkeypatch):
-    import minikv.engine.llm as llm_module
+    import minikv.engine.core as llm_module
 
     def failing(real):
         def sample(logits, params, generators):  # a request with top_k=7 cannot be sampled (a stand-in fault)

@@ -203,8 +203,8 @@ def test_smollm2_greedy_tokens_equal_with_fused_ops():
 
 
 def test_fused_ops_default_off_on_a_cpu_and_checked():
-    assert EngineConfig(model="tiny-random", device="cpu").fused_ops is False
+    assert EngineConfig.from_options(model="tiny-random", device="cpu").fused_ops is False
     with pytest.raises(ValueError, match="fused_ops must be True, False or None"):
-        EngineConfig(model="tiny-random", device="cpu", fused_ops="yes")
+        EngineConfig.from_options(model="tiny-random", device="cpu", fused_ops="yes")
     with pytest.raises(ValueError, match="bfloat16"):
-        EngineConfig(model="tiny-random", device="cpu", dtype="bfloat16", fused_ops=True)
+        EngineConfig.from_options(model="tiny-random", device="cpu", dtype="bfloat16", fused_ops=True)

@@ -313,7 +313,7 @@ def test_a_corrupted_or_truncated_file_is_skipped_counted_and_never_loaded(base,
     prompt = {"prompt_token_ids": SYSTEM + question(0, 0)}
     with base.derive(kv_offload_dir=str(tmp_path)) as first:
         want = first.generate(prompt, GREEDY)[0].token_ids
-        disk, identity = first.offload_store.disk, first._offload_identity
+        disk, identity = first.offload_store.disk, first.core._offload_identity
     keys = [store_key(identity, h) for h in block_hashes(prompt["prompt_token_ids"], BS)]
     files = [disk.path(k) for k in keys]  # the chain's blocks in order
     data = bytearray(files[1].read_bytes())

@@ -58,7 +58,7 @@ def test_recorder_only_observes_and_leaves_the_engine_as_it_was():
     record_trace(llm, PROMPTS[:2], PARAMS)
     assert "schedule" not in vars(llm.scheduler) and "step" not in vars(llm)
     assert set(vars(llm.scheduler)) == set(before[0]) and set(vars(llm.runner)) == set(before[1])
-    assert llm._observers == []  # the recorder removed itself
+    assert llm.core._observers == []  # the recorder removed itself
 
 
 def test_requests_arrive_at_their_step(trace):

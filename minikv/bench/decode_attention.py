@@ -162,7 +162,7 @@ def engine_kv_layout() -> str:
     """The pool's storage order in the engine with attention="triton" (its configuration's default)."""
     from minikv.engine.config import EngineConfig
 
-    return EngineConfig("tiny-random", device="cpu", kv_backend="paged", attention="triton").kv_layout
+    return EngineConfig.from_options(model="tiny-random", device="cpu", kv_backend="paged", attention="triton").kv_layout
 
 
 def decode_case(B, L, block_size, dtype, device, heads, kv_layout=None):

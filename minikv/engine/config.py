@@ -1,16 +1,20 @@
-"""Every option of the engine in one object, checked in one place.
+"""Every option of the engine in one frozen object, checked in one place.
 
-    LLM("smollm2-135m", kv_backend="paged", block_size=16)   ->   EngineConfig(...)   (checked at once)
-                                                             ->   config.fit(model)   (sizes that need the model)
+    LLM("smollm2-135m", kv_backend="paged", block_size=16)
+        -> EngineConfig.from_options(...)   every option checked, alone and against the others
+        -> config.fit(model, machine)       a NEW config: the sizes that need the model resolved
 
 Two phases, because some limits are only known once the weights are loaded:
 
-    __post_init__   every option on its own and the options against each other: types, ranges, which
+    from_options    every option on its own and the options against each other: types, ranges, which
                     options belong to which rung (a block size means nothing without a paged pool)
     fit(model)      the options against the model and the machine: max_model_len against the model's
                     positions, the pool's size in blocks against memory, the token budget against
-                    max_model_len. Fills in every size left as None.
+                    max_model_len. Fills in every size left as None, and says in `chosen` which
+                    sizes it picked itself and why.
 
+The result is frozen and nested (pool, scheduling, prefix, offload, execution, seams): nothing
+changes a config in place, and what fit chose is part of the config it returns, never an input.
 Every error names the option, the value it got, the limit, and the fix.
 
 The named seams (where a learner's code enters the engine) are options too, checked here like the
@@ -18,9 +22,11 @@ others: a seam given to a rung that does not use it is an error, never silently 
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -109,7 +115,7 @@ def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, bloc
     return out
 
 # seam -> (the rung it belongs to, a predicate on the config, what to do instead)
-SEAMS: dict[str, tuple[str, Callable[["EngineConfig"], bool], str]] = {
+SEAMS: dict[str, tuple[str, Callable[["_Draft"], bool], str]] = {
     "causal_attention": ("rung 1", lambda c: c.kv_backend == "naive", "kv_backend='naive'"),
     "decode_step": ("rung 2", lambda c: c.kv_backend == "contiguous", "kv_backend='contiguous'"),
     "slot_mapping": ("rung 4", lambda c: c.is_paged, "kv_backend='paged'"),
@@ -200,8 +206,10 @@ def memory_available(device: torch.device) -> int:
 
 
 @dataclass
-class EngineConfig:
-    """The options of `LLM(...)`; see `LLM.__init__` for what each one means."""
+class _Draft:
+    """The options of `LLM(...)` while they are checked and resolved (see `LLM.__init__` for what
+    each one means): a flat, mutable draft that `EngineConfig.from_options` and `EngineConfig.fit`
+    fill in and then freeze. Nothing outside this module holds one."""
 
     model: Any = "smollm2-135m"
     device: Any = None
@@ -242,8 +250,9 @@ class EngineConfig:
     window_free_rule: Callable | None = None
     kv_quantizer: Callable | None = None
     pick_next: Callable | None = None
-    # filled by fit(): each size it chose itself -> why (printed once on a GPU, and in LLM.stats())
-    chosen: dict = field(default_factory=dict, repr=False)
+    # filled by fit(): each size it chose itself -> why (printed once on a GPU, and in LLM.stats()); an
+    # output, never an option
+    chosen: dict = field(default_factory=dict, repr=False, init=False)
     # offload tiers below the prefix cache (rung 9)
     kv_offload_cpu_bytes: int | None = None
     kv_offload_dir: Any = None
@@ -556,3 +565,177 @@ class EngineConfig:
                 raise ValueError(f"kv_offload_disk_bytes={self.kv_offload_disk_bytes:,} holds no block file of "
                                  f"{file_bytes(bytes_per_block):,} bytes (block_size {self.block_size}); give at "
                                  f"least {file_bytes(bytes_per_block):,}")
+
+
+# ---- the frozen config: nested parts, each option in one of them -----------------------------------
+@dataclass(frozen=True)
+class PoolConfig:
+    """The paged pool (rungs 4-8): its blocks, what they store, the swap space, the sliding window."""
+
+    block_size: int
+    num_blocks: int | None
+    kv_cache_memory: int | None
+    kv_layout: str | None
+    kv_cache_dtype: str
+    swap_blocks: int | None
+    sliding_window: int | None
+    sink_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Who runs each step (rungs 5 and 10)."""
+
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    enable_chunked_prefill: bool
+    preemption: str
+    schedule_policy: str
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Prefix caching (rung 6)."""
+
+    prefix_caching: Any
+    eviction: str
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The tiers below the prefix cache (rung 9)."""
+
+    kv_offload_cpu_bytes: int | None
+    kv_offload_dir: Any
+    kv_offload_disk_bytes: int | None
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """Where and how steps run: the device, the dtype, the kernels, CUDA graphs, overlapped steps."""
+
+    device: torch.device
+    dtype: torch.dtype
+    attention: str
+    fused_ops: bool
+    cuda_graphs: bool
+    async_scheduling: bool
+
+
+@dataclass(frozen=True)
+class Seams:
+    """The learner's code plugged into the engine, one named seam each (None: the engine's own)."""
+
+    block_allocator: Any = None
+    slot_mapping: Callable | None = None
+    causal_attention: Callable | None = None
+    decode_step: Callable | None = None
+    schedule_step: Callable | None = None
+    copy_on_write: Callable | None = None
+    decode_inner_loop: Any = None
+    window_free_rule: Callable | None = None
+    kv_quantizer: Callable | None = None
+    pick_next: Callable | None = None
+    kv_offload_store: Any = None
+
+
+PARTS: dict[str, type] = {"pool": PoolConfig, "scheduling": SchedulingConfig, "prefix": PrefixConfig,
+                          "offload": OffloadConfig, "execution": ExecutionConfig, "seams": Seams}
+TOP_LEVEL = ("model", "kv_backend", "max_model_len", "seed")
+OPTIONS = TOP_LEVEL + tuple(f.name for part in PARTS.values() for f in fields(part))  # what LLM(...) takes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of the engine, checked and frozen, in nested parts:
+
+        cfg.pool.block_size   cfg.scheduling.max_num_seqs   cfg.prefix.prefix_caching
+        cfg.offload.kv_offload_dir   cfg.execution.device   cfg.seams.copy_on_write
+
+    Each option also reads flat (`cfg.block_size is cfg.pool.block_size`). Build one with
+    `EngineConfig.from_options(**options)` (the keywords of `LLM(...)`, each checked); `fit(...)`
+    returns a new config with every size resolved against the model and the machine, and `chosen`
+    saying which sizes it picked itself and why. A config is never changed in place."""
+
+    model: Any
+    kv_backend: str
+    max_model_len: int | None
+    seed: int
+    pool: PoolConfig
+    scheduling: SchedulingConfig
+    prefix: PrefixConfig
+    offload: OffloadConfig
+    execution: ExecutionConfig
+    seams: Seams
+    fitted: bool = False  # sizes resolved by fit()
+    chosen: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """The options of `LLM(...)`, each checked on its own and against the others. An unknown
+        keyword is a ValueError with the nearest known one ("did you mean ...")."""
+        unknown = [k for k in options if k not in OPTIONS]
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], OPTIONS, n=1)
+            raise ValueError(f"LLM got an unknown option {unknown[0]!r}"
+                             + (f"; did you mean {hint[0]!r}?" if hint else f"; options: {', '.join(OPTIONS)}"))
+        return cls._freeze(_Draft(**options), fitted=False)
+
+    @classmethod
+    def _freeze(cls, d: _Draft, fitted: bool) -> "EngineConfig":
+        parts = {name: part(**{f.name: getattr(d, f.name) for f in fields(part)}) for name, part in PARTS.items()}
+        return cls(**{k: getattr(d, k) for k in TOP_LEVEL}, **parts, fitted=fitted,
+                   chosen=MappingProxyType(dict(d.chosen)))
+
+    def options(self) -> dict[str, Any]:
+        """Every option, flat, as `LLM(...)` takes it (resolved values where resolved)."""
+        out = {k: getattr(self, k) for k in TOP_LEVEL}
+        for name in PARTS:
+            part = getattr(self, name)
+            out.update((f.name, getattr(part, f.name)) for f in fields(part))
+        return out
+
+    def _draft(self) -> _Draft:
+        return _Draft(**self.options())
+
+    def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None,
+            shape: ModelShape | None = None, info: DeviceInfo | None = None) -> "EngineConfig":
+        """A new config with the sizes left as None filled in and checked against the model and the
+        machine (see `_Draft.fit`); this one is unchanged."""
+        if self.fitted:
+            raise ValueError("this config is fitted already (its sizes are resolved); fit the config that "
+                             "EngineConfig.from_options returned")
+        d = self._draft()
+        d.fit(max_positions, bytes_per_block, model_window, shape, info)
+        return self._freeze(d, fitted=True)
+
+    @property
+    def is_paged(self) -> bool:
+        return self.kv_backend == "paged"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the paged pool stores K/V in (kv_cache_dtype resolved against the model's dtype)."""
+        from minikv.cache.quant import cache_dtype
+
+        return cache_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload.kv_offload_cpu_bytes is not None or self.offload.kv_offload_dir is not None
+
+    @property
+    def uses_learner_attention(self) -> bool:
+        return self.seams.causal_attention is not None or self.seams.decode_step is not None
+
+    def window_blocks(self, num_tokens: int) -> int:
+        return _Draft.window_blocks(self, num_tokens)
+
+
+def _flat(part: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"= cfg.{part}.{name}")
+
+
+for _part, _cls in PARTS.items():
+    for _f in fields(_cls):
+        setattr(EngineConfig, _f.name, _flat(_part, _f.name))

@@ -81,10 +81,15 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], st
     else:
         hint = "; wrap one token id in a list: [id]" if isinstance(prompt, Integral) else ""
         raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} {prompt!r}{hint}")
+    check_token_range(ids, vocab_size)
+    return ids, text, salt
+
+
+def check_token_range(ids: list[int], vocab_size: int) -> None:
+    """At least one id, and every id in [0, vocab_size): a ValueError naming the first that is not."""
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     if min(ids) < 0 or max(ids) >= vocab_size:  # (two C loops, not one Python comparison per token)
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
                          "use ids from this model's tokenizer")
-    return ids, text, salt

@@ -60,11 +60,13 @@ class PreparedStep(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None,
-                 slot_mapping: SlotMappingFn | None = None):
+                 slot_mapping: SlotMappingFn | None = None, pool=None):
         """block_size: the paged pool's (None: not paged). slot_mapping: a per-sequence function
-        (minikv/cache/block_table.py `slot_mapping` is the formula); None = the vectorized one here."""
+        (minikv/cache/block_table.py `slot_mapping` is the formula); None = the vectorized one here.
+        pool: the paged KV pool (copy-on-write copies run in it), lent by the engine that owns it."""
         self.model = model
         self.backend = backend
+        self.pool = pool
         self.device = torch.device(device)
         self.block_size = block_size
         self.decode_graphs = decode_graphs  # a DecodeGraphs: decode-only steps replayed from CUDA graphs
@@ -193,7 +195,7 @@ class ModelRunner:
         """Queue the prepared step on the device: the logits [len(sample_rows), vocab] float32 of its
         sampling rows. fed_ids: the previous step's sampled ids (a device tensor) for the fed rows."""
         if batch.blocks_to_copy:  # copy-on-write: private copies of shared blocks this step writes into
-            self.backend.pool.copy_blocks(batch.blocks_to_copy)
+            self.pool.copy_blocks(batch.blocks_to_copy)
         inputs, sample_rows = prepared.inputs, prepared.sample_rows
         if prepared.fed_dst is not None:
             if fed_ids is None:

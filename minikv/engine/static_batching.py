@@ -262,7 +262,7 @@ class StaticBatcher:
         tokens = sample(logits[keep], [running[i].seq.params for i in keep],
                         [draw_key(running[i].seq.seed, len(running[i].seq.output_token_ids)) for i in keep])
         for i, tok in zip(keep, tokens):
-            self.llm._append(running[i].seq, tok)  # the stop rules and detokenizer of rung 2
+            self.llm.core.append_token(running[i].seq, tok)  # the stop rules and detokenizer of rung 2
 
     def _compact(self, running: list[_Slot], held: list[int]) -> list[_Slot]:
         """Drop finished rows; the k survivors take slots 0..k-1 of the batch."""

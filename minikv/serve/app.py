@@ -143,7 +143,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(llm), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(engine.view), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def handle(request: Request, chat: bool):
         try:

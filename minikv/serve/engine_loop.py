@@ -1,16 +1,18 @@
-"""One engine loop owns the LLM; request handlers submit to it and get their tokens back as events.
+"""One engine loop drives the EngineCore; request handlers submit to it and get their events back.
 
     HTTP handlers (asyncio, any number)            engine thread (one)
     ------------------------------------           ---------------------------------------------
-    submit(prompt, params, tenant, on_event) --->  commands queue --> llm.add_request(...)
-    abort(request_id)                        --->                 --> llm.abort(seq): blocks freed now
-                                                   loop: llm.step(); for every live request, the
-    on_event(Event)   <-------------------------   tokens and text it got since the last step
+    submit(prompt, params, tenant, on_event) --->  commands queue --> core.add(request)
+    abort(request_id)                        --->                 --> core.abort(request_id): blocks freed now
+                                                   loop: events = core.step(); each request's
+    on_event(Event)   <-------------------------   events of the step, grouped per sample
 
-Only the engine thread runs the LLM (scheduling, the model); handlers tokenize before they submit,
-so a long prompt never stalls the step loop. A handler never waits for a step: it puts a command on a
-queue and awaits its own events, so a slow step never blocks the HTTP server, and a client that goes
-away has its request aborted between two steps.
+The server is a client of the core's events (minikv/engine/core.py), as `LLM.generate` is: the token
+ids, text deltas and usage come from the core; nothing is worked out again here. Only the engine
+thread runs the core (scheduling, the model); handlers tokenize before they submit, so a long
+prompt never stalls the step loop. A handler never waits for a step: it puts a command on a queue
+and awaits its own events, so a slow step never blocks the HTTP server, and a client that goes away
+has its request aborted between two steps.
 
 Failures stay as small as they can: a request the engine refuses fails alone (its handler hears
 "rejected" or "failed"); a step that raises fails the requests that were live, and the loop goes on.
@@ -27,11 +29,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from minikv.engine.fork import samples_of
+from minikv.engine.core import EngineEvent, Usage
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
-from minikv.engine.sequence import Sequence
 
 log = logging.getLogger("minikv.serve")
 
@@ -60,10 +61,19 @@ class Event:
 
 @dataclass
 class _Live:
-    seq: Sequence
     on_event: Callable[[Event], None]
     tenant: str
-    sent: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # sample -> (tokens, chars, finished)
+    quiet: bool = False  # its handler is gone or already told: its last events only count in the metrics
+    error: str | None = None  # a sample ended with finish_reason "error": why
+    reason: str | None = None  # how its first sample ended
+
+
+@dataclass
+class _StepOf:
+    """One request's events of one step, per sample: (token ids, text pieces, [finish reason, error])."""
+
+    samples: dict[int, tuple[list[int], list[str], list[str | None]]] = field(default_factory=dict)
+    usage: Usage | None = None
 
 
 class EngineLoop:
@@ -73,6 +83,7 @@ class EngineLoop:
         if not llm.is_paged:
             raise ValueError("the server runs the continuous-batching engine: build the LLM with kv_backend='paged'")
         self.llm = llm
+        self.core, self.view = llm.core, llm.view
         self.metrics = metrics
         self.idle_wait = idle_wait
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -133,13 +144,12 @@ class EngineLoop:
         """Requests not running yet: queued in the scheduler, or submitted and not yet queued (of one
         tenant, if given). Some of them may be about to take a free seat: see num_waiting."""
         if tenant is None:
-            return len(self.llm.scheduler.waiting) + self._pending
+            return len(self.view.waiting) + self._pending
         return self._waiting_by_tenant[tenant] + self._pending_by_tenant[tenant]
 
     def free_seats(self) -> int:
         """Seats (max_num_seqs) that no running, swapped-out or loading request holds."""
-        sch = self.llm.scheduler
-        return max(0, sch.max_num_seqs - len(sch.running) - len(sch.swapped) - len(sch.loading))
+        return self.view.free_seats
 
     def num_waiting(self, tenant: str | None = None) -> int:
         """Queued requests that will not get a seat at the next step: those beyond the free seats.
@@ -156,7 +166,7 @@ class EngineLoop:
         self._recount_waiting()
 
     def _recount_waiting(self) -> None:
-        self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.llm.scheduler.waiting)
+        self._waiting_by_tenant = Counter(s.root.tenant or "" for s in self.view.waiting)
 
     def _run(self) -> None:
         try:
@@ -174,16 +184,16 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain()
-            if self.llm.has_unfinished():
+            if self.core.has_unfinished():
                 try:
-                    self.llm.step()
+                    events = self.core.step()
                 except BaseException as e:  # noqa: BLE001  the engine recovered its state; its requests end
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
                 self._recount_waiting()
-                self._publish()
+                self._publish(events)
             else:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
@@ -211,16 +221,17 @@ class EngineLoop:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if cmd[0] == "submit":
                 self._add(*cmd[1:])
             else:
                 self._abort(cmd[1])
+        self._publish(self.core.take_events())  # what the aborts ended
 
     def _add(self, prompt, params, tenant, request_id, on_event) -> None:
         seq = error = None
         try:
-            seq = self.llm.add_request(prompt, params, request_id=request_id, tenant=tenant)
+            seq = self.core.add(self.llm.request(prompt, params, request_id, tenant))
         except ValueError as e:  # the request's fault: its handler answers 400
             error = e
         except BaseException as e:  # noqa: BLE001  any other error fails this request alone
@@ -236,72 +247,85 @@ class EngineLoop:
         if seq is None:
             _tell(on_event, Event("rejected" if isinstance(error, ValueError) else "failed", error=error))
             return
-        self._live[request_id] = _Live(seq, on_event, tenant)
+        self._live[request_id] = _Live(on_event, tenant)
         if not _tell(on_event, Event("accepted", prompt_tokens=seq.num_prompt_tokens)):
             self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
-        live = self._live.pop(request_id, None)
+        """Its handler is gone: the core stops it; its last events (usage) only reach the metrics."""
+        live = self._live.get(request_id)
         if live is None:  # already finished
             return
-        self.llm.abort(live.seq)
-        if self.metrics is not None:
-            self.metrics.request_done(live.tenant, live.seq, "abort")
+        live.quiet, live.reason = True, "abort"
+        self.core.abort(request_id)
 
-    def _publish(self) -> None:
-        """Hand every live request what it got this step; retire the ones that ended."""
-        for rid, live in list(self._live.items()):
+    def _publish(self, events: list[EngineEvent]) -> None:
+        """Hand every request what it got in these events; retire the ones that ended."""
+        steps: dict[str, _StepOf] = {}
+        for e in events:
+            if e.request_id not in self._live:
+                continue  # a request this loop does not serve (or no longer)
+            step = steps.setdefault(e.request_id, _StepOf())
+            ids, text, end = step.samples.setdefault(e.index, ([], [], [None, None]))
+            if e.token_id is not None:
+                ids.append(e.token_id)
+            text.append(e.text_delta)
+            if e.finish_reason is not None:
+                end[:] = [e.finish_reason, e.error]
+            if e.usage is not None:
+                step.usage = e.usage
+        for rid, step in steps.items():
+            live = self._live.get(rid)
+            if live is None:
+                continue
             try:
-                self._publish_one(rid, live)
+                self._publish_one(rid, live, step)
             except BaseException as e:  # noqa: BLE001  this request fails; the others go on
                 log.error("request %s failed while its tokens were handed over:\n%s", rid, traceback.format_exc())
-                if self._live.pop(rid, None) is not None:
-                    self._end_failed(live, e)
+                if not live.quiet:
+                    self._end_failed(rid, live, e)
 
-    def _publish_one(self, rid: str, live: _Live) -> None:
-        for s in samples_of(live.seq):
-            tokens, chars, finished = live.sent.get(s.index, (0, 0, False))
-            if finished or (len(s.output_token_ids) == tokens and not s.is_finished):
+    def _publish_one(self, rid: str, live: _Live, step: _StepOf) -> None:
+        for index, (ids, text, (reason, error)) in sorted(step.samples.items()):
+            if reason == "error" and live.error is None:
+                live.error = error or "the request failed"
+            if index == 0 and reason is not None and live.reason is None:
+                live.reason = reason
+            if live.quiet:
                 continue
-            new_ids = s.output_token_ids[tokens:]
-            if self.metrics is not None and new_ids:  # counted before the client can see them
-                self.metrics.tokens_generated(live.tenant, len(new_ids))
-            live.sent[s.index] = (len(s.output_token_ids), len(s.text), s.is_finished)
-            if not _tell(live.on_event, Event("tokens", s.index, list(new_ids), s.text[chars:],
-                                              s.finish_reason if s.is_finished else None)):
+            if self.metrics is not None and ids:  # counted before the client can see them
+                self.metrics.tokens_generated(live.tenant, len(ids))
+            if not _tell(live.on_event, Event("tokens", index, ids, "".join(text), reason)):
                 self._abort(rid)  # nobody listens any more
-                return
-        root = live.seq
-        if root.num_pending_forks or not all(s.is_finished for s in samples_of(root)):
+        if step.usage is None:
             return
         del self._live[rid]
-        samples = samples_of(root)
-        errors = [s for s in samples if s.finish_reason == "error"]
         if self.metrics is not None:
-            self.metrics.request_done(live.tenant, root, root.finish_reason or "stop")
-        if errors:
-            _tell(live.on_event, Event("failed", error=RuntimeError(errors[0].error)))
+            self.metrics.request_done(live.tenant, step.usage, "error" if live.error else live.reason or "stop")
+        if live.quiet:
             return
-        _tell(live.on_event, Event("end", prompt_tokens=root.num_prompt_tokens,
-                                   completion_tokens=sum(len(s.output_token_ids) for s in samples),
-                                   cached_tokens=root.num_cached_tokens))
+        if live.error:
+            _tell(live.on_event, Event("failed", error=RuntimeError(live.error)))
+            return
+        u = step.usage
+        _tell(live.on_event, Event("end", prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                   cached_tokens=u.cached_tokens))
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, live in list(self._live.items()):
-            del self._live[rid]
-            self._end_failed(live, error)
+            if not live.quiet:
+                self._end_failed(rid, live, error)
+        self._publish(self.core.take_events())  # their last events: the metrics count them
 
-    def _end_failed(self, live: _Live, error: BaseException) -> None:
-        try:
-            self.llm.abort(live.seq)
-        except BaseException:  # noqa: BLE001  best effort: the engine may be the thing that broke
-            pass
-        try:
-            if self.metrics is not None:
-                self.metrics.request_done(live.tenant, live.seq, "error")
-        except BaseException:  # noqa: BLE001
-            log.error("metrics failed for a failed request:\n%s", traceback.format_exc())
+    def _end_failed(self, rid: str, live: _Live, error: BaseException) -> None:
+        """Tell the handler its request failed; the core stops it (its usage still reaches the metrics)."""
+        live.quiet, live.error = True, live.error or str(error)
         _tell(live.on_event, Event("failed", error=error))
+        try:
+            self.core.abort(rid)
+        except BaseException:  # noqa: BLE001  best effort: the engine may be the thing that broke
+            log.error("the engine could not abort failed request %s:\n%s", rid, traceback.format_exc())
+            self._live.pop(rid, None)
 
 
 def _tell(on_event: Callable[[Event], None], event: Event) -> bool:

@@ -29,7 +29,7 @@ import bisect
 import threading
 from collections import defaultdict
 
-from minikv.engine.sequence import Sequence
+from minikv.engine.core import Usage
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)  # vLLM's
@@ -97,14 +97,15 @@ class ServerMetrics:
         with self._lock:
             self.generation_tokens[self.label(tenant)] += n
 
-    def request_done(self, tenant: str, seq: Sequence, reason: str) -> None:
-        times = seq.token_times
+    def request_done(self, tenant: str, usage: Usage, reason: str) -> None:
+        """A request ended (its usage: the core's last event of it)."""
+        times = usage.token_times
         with self._lock:
             self.finished[reason] += 1
-            self.prompt_tokens[self.label(tenant)] += seq.num_prompt_tokens
+            self.prompt_tokens[self.label(tenant)] += usage.prompt_tokens
             if times:
-                self.ttft.observe(times[0] - seq.arrival_time)
-                self.e2e.observe(times[-1] - seq.arrival_time)
+                self.ttft.observe(times[0] - usage.arrival_time)
+                self.e2e.observe(times[-1] - usage.arrival_time)
                 for a, b in zip(times, times[1:]):
                     self.itl.observe(b - a)
 
@@ -113,12 +114,11 @@ class ServerMetrics:
             self.rejected[reason] += 1
 
     # ---- the scrape -------------------------------------------------------------------------------
-    def render(self, llm) -> str:
-        """The Prometheus text exposition (version 0.0.4) of everything above."""
-        sch, bm, cache = llm.scheduler, llm.block_manager, llm.prefix_cache
-        held = sum(1 for r in list(bm.ref_count) if r > 0)
-        queries = cache.queries if cache is not None else 0
-        hits = cache.hits if cache is not None else 0
+    def render(self, view) -> str:
+        """The Prometheus text exposition (version 0.0.4) of everything above; `view`: the engine's
+        EngineView (minikv/engine/view.py)."""
+        prefix = view.prefix_stats() if view.has_prefix_cache else {}
+        queries, hits = prefix.get("queries", 0), prefix.get("hits", 0)
         out: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]] | float) -> None:
@@ -129,17 +129,18 @@ class ServerMetrics:
             out.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
 
         metric("minikv:kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of blocks held by requests (1 = full).",
-               held / bm.num_blocks)
-        metric("minikv:num_requests_running", "gauge", "Requests in the running batch.", len(sch.running))
-        metric("minikv:num_requests_waiting", "gauge", "Requests waiting for a seat.", len(sch.waiting) + len(sch.swapped))
-        metric("minikv:num_preemptions_total", "counter", "Preemptions since start.", sch.num_preemptions)
+               view.kv_usage)
+        metric("minikv:num_requests_running", "gauge", "Requests in the running batch.", len(view.running))
+        metric("minikv:num_requests_waiting", "gauge", "Requests waiting for a seat.",
+               len(view.waiting) + len(view.swapped))
+        metric("minikv:num_preemptions_total", "counter", "Preemptions since start.", view.num_preemptions)
         metric("minikv:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
         metric("minikv:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
         metric("minikv:prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start.",
                hits / queries if queries else 0.0)
         fair: dict[str, float] = defaultdict(float)
         with self._lock:
-            for tenant, value in list((sch.fair.counters if sch.fair is not None else {}).items()):
+            for tenant, value in view.tenant_service().items():
                 fair[self.label(str(tenant))] += value
             for name, doc, hist in (
                     ("minikv:time_to_first_token_seconds", "Time to first token.", self.ttft),
