@@ -198,6 +198,9 @@ class LLM:
             slot_mapping=fn       rung 4  physical slot of each new token
             schedule_step=fn      rung 5  which sequences run this step, and how many tokens each
             copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
+            radix_insert=fn       rung 6  makes the radix tree spell a request's blocks (prefix_caching="radix")
+            radix_evict_leaf=fn   rung 6  trims unused blocks off a radix leaf's tail (prefix_caching="radix")
+            free_block_queue=cls  rung 6  the hash chain's unused blocks, LRU first (prefix_caching="hash")
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
             window_free_rule=fn   rung 8  which blocks a sliding window gives back (needs sliding_window)
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
@@ -341,7 +344,8 @@ class LLM:
             design = cfg.prefix_caching
             if isinstance(design, PrefixCache) and self.block_manager is not None:
                 design = type(design)(design.block_size, design.eviction)
-            cache = make_prefix_cache(design, cfg.block_size, cfg.eviction)
+            cache = make_prefix_cache(design, cfg.block_size, cfg.eviction, radix_insert=cfg.radix_insert,
+                                      radix_evict_leaf=cfg.radix_evict_leaf, free_block_queue=cfg.free_block_queue)
             bm.attach_prefix_cache(cache)
             if self.offload_store is not None:
                 bm.attach_offload(Offload(self.backend.pool, cache, self.offload_store, self._offload_identity))
