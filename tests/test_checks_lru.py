@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from minikv.checks.lru import check_free_queue, check_release, learner_hash_cache
+from minikv.checks.lru import check_free_queue, check_release
 
 
 class FreeBlockQueue:
@@ -173,9 +173,9 @@ def _run_tiny(queue_cls):
 
     prompts = [list(range(3, 19)), list(range(3, 11)) + [50] * 9, list(range(100, 130)), list(range(3, 19))]
     out = []
-    for cache in (learner_hash_cache(4, queue_cls), "hash"):
+    for seam in ({"free_block_queue": queue_cls}, {}):
         llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=12, max_model_len=48,
-                  prefix_caching=cache)
+                  prefix_caching="hash", **seam)
         runs = []
         for p in prompts:
             o = llm.generate(p, SamplingParams(max_tokens=6, ignore_eos=True))[0]
@@ -196,10 +196,13 @@ def test_task_06d_engine_on_a_stack_evicts_other_blocks():
 
 
 def test_task_06d_building_the_engine_does_not_call_the_learners_queue():
+    from minikv import LLM
+
     class Unwritten:
         def __init__(self):
             raise NotImplementedError("set up the queue")
 
-    cache = learner_hash_cache(4, Unwritten)
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=12, max_model_len=48,
+              prefix_caching="hash", free_block_queue=Unwritten)
     with pytest.raises(NotImplementedError):
-        len(cache.free_queue)
+        len(llm.prefix_cache.free_queue)

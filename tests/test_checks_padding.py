@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minikv.checks.padding import check_padded_mask, check_padded_mask_in_engine, learner_batcher
+from minikv.checks.padding import check_padded_mask, check_padded_mask_in_engine
 
 
 def _parts(pad_lens, q_cols, L):
@@ -68,7 +68,9 @@ def test_task_03a_the_batcher_really_calls_the_learners_mask():
         calls.append((pad_lens.tolist(), tuple(q_cols.shape), L))
         return mask(pad_lens, q_cols, L)
 
-    learner_batcher(llm, 3, spy).generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True))
+    from minikv.engine.static_batching import StaticBatcher
+
+    StaticBatcher(llm, 3, padded_mask=spy).generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True))
     assert calls[0] == ([11, 0, 15], (3, 17), 17)  # the prefill: pads to the longest prompt (17)
     assert calls[1] == ([11, 0, 15], (3, 1), 18)  # then one column per decode step, once per step
     assert len(calls) == 3

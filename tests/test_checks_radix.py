@@ -10,7 +10,6 @@ from minikv.checks.radix import (
     check_evict_leaf,
     check_radix_insert,
     check_split,
-    learner_radix_cache,
     reference_split,
 )
 
@@ -149,7 +148,8 @@ def _run_tiny(insert_fn, evict_fn):
     prompts = [list(range(3, 19)), list(range(3, 19)) + [40, 41, 42, 43, 44], list(range(3, 11)) + [50] * 9,
                list(range(100, 130))]
     llms = [LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=12, max_model_len=48,
-                prefix_caching=p) for p in (learner_radix_cache(4, insert_fn, evict_fn), "radix")]
+                prefix_caching="radix", **seams)
+            for seams in ({"radix_insert": insert_fn, "radix_evict_leaf": evict_fn}, {})]
     results = []
     for llm in llms:
         outs = []
@@ -173,7 +173,23 @@ def test_task_06c_engine_stops_on_a_broken_eviction_with_the_reason():
         _run_tiny(insert, evict_keeps_key)
 
 
-def test_task_06c_the_engine_can_rebuild_the_learners_cache():
-    cache = learner_radix_cache(4, insert, evict_leaf)
-    again = type(cache)(cache.block_size, cache.eviction)  # what the engine does after a fault
-    assert again.insert_fn is insert and again.evict_leaf_fn is evict_leaf
+def test_task_06c_after_a_fault_the_rebuilt_cache_still_runs_the_learners_functions():
+    from minikv import LLM, SamplingParams
+
+    calls = []
+
+    def stopped_once(root, token_ids, blocks, block_size):  # the learner presses stop mid-step, once
+        calls.append(len(token_ids))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        insert(root, token_ids, blocks, block_size)
+
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=12, max_model_len=48,
+              prefix_caching="radix", radix_insert=stopped_once, radix_evict_leaf=evict_leaf)
+    params, first = SamplingParams(max_tokens=4, ignore_eos=True), llm.prefix_cache
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(list(range(3, 19)), params)
+    again = llm.generate(list(range(3, 19)), params)[0]
+    assert llm.prefix_cache is not first and llm.prefix_cache.insert_fn is stopped_once
+    assert len(calls) > 1 and again.num_cached_tokens == 0
+    assert llm.generate(list(range(3, 19)), params)[0].num_cached_tokens == 12  # the learner's tree hits

@@ -72,15 +72,72 @@ class CachedBlock:
     last_used: int  # clock when it was last used (LRU)
 
 
+class FreeQueueSeam:
+    """A learner's free block queue (exercise 06d: append, remove, popleft, len, in, iter; least recently
+    used first) behind the interface HashChainCache uses (EvictionQueue's). With LRU the priority pushed
+    is the newest time, so a push is an append at the back (a block unpinned keeps its older time in
+    EvictionQueue, here it joins the back). The queue is made on first use: building an engine never
+    calls the learner's code."""
+
+    def __init__(self, queue_cls: Callable[[], object]) -> None:
+        self.queue_cls, self._queue = queue_cls, None
+        self._priority: dict[int, int] = {}  # queued block -> its time (what check() compares)
+
+    @property
+    def queue(self):
+        if self._queue is None:
+            self._queue = self.queue_cls()
+        return self._queue
+
+    def push(self, block: int, priority: int) -> None:
+        if block in self.queue:
+            self.queue.remove(block)
+        self.queue.append(block)
+        self._priority[block] = priority
+
+    def discard(self, block: int) -> None:
+        if block in self.queue:
+            self.queue.remove(block)
+        self._priority.pop(block, None)
+
+    def pop(self) -> int:
+        block = self.queue.popleft()
+        if block not in self._priority:
+            raise ValueError(f"free_block_queue: popleft() returned {block!r}, which is not a queued block "
+                             f"(queued: {sorted(self._priority)}); it must remove and return the front block")
+        del self._priority[block]
+        return block
+
+    def priority(self, block: int) -> int:
+        return self._priority[block]
+
+    def ordered(self) -> list[int]:
+        return list(self.queue)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
 class HashChainCache(PrefixCache):
+    """free_queue: a learner's queue class (exercise 06d, `LLM(..., free_block_queue=cls)`) keeps the
+    unused cached blocks in place of the cache's own EvictionQueue (LRU only)."""
+
     design = "hash"
 
-    def __init__(self, block_size: int, eviction: str = "lru", hash_fn: HashFn = hash_block):
+    def __init__(self, block_size: int, eviction: str = "lru", hash_fn: HashFn = hash_block,
+                 free_queue: Callable[[], object] | None = None):
         super().__init__(block_size, eviction)
+        if free_queue is not None and eviction != "lru":
+            raise ValueError(f"a free_block_queue evicts the least recently used block first; build the engine "
+                             f"with eviction='lru' (got {eviction!r}) to use it")
         self.hash_fn = hash_fn
+        self.free_queue_cls = free_queue
         self.table: dict[BlockHash, CachedBlock] = {}  # key -> entry
         self.by_block: dict[int, CachedBlock] = {}  # physical block -> entry
-        self.free_queue = EvictionQueue()  # unused, unpinned cached blocks, next to evict first
+        self.free_queue = self._new_free_queue()  # unused, unpinned cached blocks, next to evict first
         self._seq_keys: dict[int, list[BlockHash]] = {}  # seq_id -> keys of its full blocks so far
         self.num_collisions = 0
 
@@ -191,10 +248,13 @@ class HashChainCache(PrefixCache):
         if self.ref_count[block] == 0:
             self.free_queue.push(block, self._priority(self.by_block[block]))
 
+    def _new_free_queue(self) -> EvictionQueue | FreeQueueSeam:
+        return EvictionQueue() if self.free_queue_cls is None else FreeQueueSeam(self.free_queue_cls)
+
     def _clear(self) -> None:
         self.table.clear()
         self.by_block.clear()
-        self.free_queue = EvictionQueue()
+        self.free_queue = self._new_free_queue()
         self._seq_keys.clear()
 
     def salt_of(self, block: int) -> str | None:

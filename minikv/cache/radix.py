@@ -77,15 +77,48 @@ def shared_blocks(key: tuple, token_ids: TokenIds, start: int, block_size: int) 
     return n
 
 
+def tree_fault(root: Node, block_size: int) -> str | None:
+    """The first broken link of a tree: a child filed under the wrong key, a wrong parent, a key that
+    does not match its blocks, an empty node; None when the tree is well formed."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for first, child in node.children.items():
+            where = f"the node [{' '.join(map(str, child.key))}] (blocks {list(child.blocks)})"
+            if tuple(first) != tuple(child.key[:block_size]):
+                return (f"{where} is filed under {first} in its parent's children; a child is filed under the "
+                        f"first block of its key, {tuple(child.key[:block_size])}")
+            if child.parent is not node:
+                return f"{where}: its .parent is not the node whose children hold it"
+            if not child.blocks:
+                return f"{where} has no blocks: a node with nothing left is removed from its parent's children"
+            if len(child.key) != len(child.blocks) * block_size:
+                return (f"{where}: a key of {len(child.key)} tokens for {len(child.blocks)} blocks; "
+                        f"len(key) must be len(blocks) * block_size = {len(child.blocks) * block_size}")
+            stack.append(child)
+    return None
+
+
 MatchFn = Callable[[Node, TokenIds, int], tuple[list[int], int]]
+# insert(root, token_ids, blocks, block_size) -> None: make the path from root spell token_ids (whole blocks)
+InsertFn = Callable[[Node, list[int], list[int], int], None]
+# evict_leaf(leaf, num_blocks, block_size, is_unused) -> [blocks]: trim unused blocks off a leaf's tail
+EvictLeafFn = Callable[[Node, int, int, Callable[[int], bool]], list[int]]
 
 
 class RadixCache(PrefixCache):
+    """match_fn, insert_fn, evict_leaf_fn: a learner's walk (exercise 06b) and tree surgery (exercise
+    06c, `LLM(..., radix_insert=fn, radix_evict_leaf=fn)`) in place of the cache's own. The cache keeps
+    its books around them (which node owns which block, LRU times, the queue of evictable leaves) and
+    checks every tree they leave: a broken one stops the engine with the reason (a ValueError)."""
+
     design = "radix"
 
-    def __init__(self, block_size: int, eviction: str = "lru", match_fn: MatchFn = match_prefix):
+    def __init__(self, block_size: int, eviction: str = "lru", match_fn: MatchFn = match_prefix,
+                 insert_fn: InsertFn | None = None, evict_leaf_fn: EvictLeafFn | None = None):
         super().__init__(block_size, eviction)
         self.match_fn = match_fn  # a learner's longest-prefix match plugs in here
+        self.insert_fn, self.evict_leaf_fn = insert_fn, evict_leaf_fn  # and a learner's tree surgery here
         self.roots: dict[str | None, Node] = {}  # one tree per cache_salt
         self.node_of: dict[int, Node] = {}  # physical block -> the node that owns it
         self.leaves = EvictionQueue()  # leaves whose tail block is unused, next to evict first
@@ -118,6 +151,8 @@ class RadixCache(PrefixCache):
         bs, n_full = self.block_size, seq.num_computed_tokens // self.block_size
         if n_full <= self._progress.get(seq.seq_id, 0):
             return {}
+        if self.insert_fn is not None:
+            return self._insert_by_seam(seq, n_full)
         tokens, table, now = seq.token_ids, seq.block_table, self.tick()
         root = self.roots.get(seq.cache_salt)
         if root is None:
@@ -168,6 +203,61 @@ class RadixCache(PrefixCache):
             self.node_of[b] = upper
         return upper
 
+    def _insert_by_seam(self, seq: CachedRequest, n_full: int) -> dict[int, int]:
+        """insert_fn changes the tree; the cache touches the nodes the request walks (as its own insert
+        does), checks the tree, then files the new blocks and nodes in its books."""
+        bs = self.block_size
+        tokens, table, now = list(seq.token_ids[:n_full * bs]), seq.block_table, self.tick()
+        root = self.roots.get(seq.cache_salt)
+        if root is None:
+            root = self.roots[seq.cache_salt] = Node(salt=seq.cache_salt, now=now)
+        have = match_prefix(root, tokens, bs)[0]
+        adopt = {i: b for i, b in enumerate(have) if b != table[i]}  # computed twice: keep the tree's copy
+        blocks = have + list(table[len(have):n_full])
+        for node in self._walk(root, tokens):
+            self._touch(node, now)
+        before = set(self.node_of)
+        self.insert_fn(root, list(tokens), list(blocks), bs)
+        broken = tree_fault(root, bs)
+        got = match_prefix(root, tokens, bs)
+        if broken or got != (blocks, len(tokens)):
+            raise ValueError(f"after your insert of {len(tokens)} tokens in blocks {blocks}: "
+                             + (broken or f"the tree spells only {got[1]} of them ({got[0]})"))
+        stack = [root]
+        while stack:  # file every node under the root: new ones get the salt and the clock
+            node = stack.pop()
+            stack += node.children.values()
+            if node is root:
+                continue
+            node.salt = root.salt
+            if node.born == 0:  # a node the learner made: the cache's clock starts at 1
+                node.born = node.last_used = now
+            for b in node.blocks:
+                self.node_of[b] = node
+        for node in self._walk(root, tokens):
+            self._touch(node, now)
+            self._maybe_evictable(node)
+        for b in set(blocks) - before:
+            if self.is_unused(b):
+                self._unused += 1
+        self._progress[seq.seq_id] = n_full
+        return adopt
+
+    def _walk(self, root: Node, tokens: list[int]) -> list[Node]:
+        """The nodes a walk from root along tokens passes through (the last one may match part-way)."""
+        node, pos, out, bs = root, 0, [], self.block_size
+        while len(tokens) - pos >= bs:
+            child = node.children.get(tuple(tokens[pos:pos + bs]))
+            if child is None:
+                break
+            out.append(child)
+            k = shared_blocks(child.key, tokens, pos, bs)
+            pos += k * bs
+            if k < len(child.blocks):
+                break
+            node = child
+        return out
+
     def forget(self, seq: CachedRequest) -> None:
         self._progress.pop(seq.seq_id, None)
 
@@ -207,6 +297,9 @@ class RadixCache(PrefixCache):
             leaf = self.leaves.pop()
             if not leaf.is_leaf or not leaf.blocks or self.node_of.get(leaf.blocks[-1]) is not leaf:
                 continue  # queued earlier, since grown children or gone
+            if self.evict_leaf_fn is not None:
+                out += self._evict_leaf_by_seam(leaf, num_blocks - len(out))
+                continue
             while len(out) < num_blocks and leaf.blocks and self.is_unused(leaf.blocks[-1]):
                 b = leaf.blocks.pop()
                 leaf.key = leaf.key[:-self.block_size]
@@ -219,6 +312,40 @@ class RadixCache(PrefixCache):
                 self._maybe_evictable(leaf)
         self.num_evicted += len(out)
         return out
+
+    def _evict_leaf_by_seam(self, leaf: Node, want: int) -> list[int]:
+        """evict_leaf_fn trims the leaf (and unlinks it once empty); the cache checks what it gave back
+        against the unused tail, then drops the blocks from its books."""
+        parent, before = leaf.parent, list(leaf.blocks)
+        expect = []
+        for b in reversed(before):
+            if len(expect) == want or not self.is_unused(b):
+                break
+            expect.append(b)
+        got = list(self.evict_leaf_fn(leaf, want, self.block_size, self.is_unused) or [])
+        if got != expect:
+            raise ValueError(f"evict_leaf(leaf with blocks {before}, num_blocks={want}) returned {got}; the "
+                             f"unused tail, at most num_blocks, tail first, is {expect}")
+        keep = before[:len(before) - len(got)]
+        if list(leaf.blocks) != keep or len(leaf.key) != len(leaf.blocks) * self.block_size:
+            raise ValueError(f"after evict_leaf the leaf holds blocks {leaf.blocks} and {len(leaf.key)} tokens; "
+                             f"expected blocks {keep} and {len(keep) * self.block_size} tokens (each block that "
+                             "goes takes block_size tokens off the key)")
+        linked = any(c is leaf for c in parent.children.values())
+        if linked == (not leaf.blocks):
+            raise ValueError("evict_leaf " + ("left an empty leaf in its parent's children" if linked else
+                                              "unlinked a leaf that still holds blocks"))
+        for b in got:
+            del self.node_of[b]
+            self._unused -= 1
+        if leaf.blocks:
+            self._maybe_evictable(leaf)
+        elif parent.parent is None:  # a root
+            if not parent.children:
+                del self.roots[parent.salt]
+        else:
+            self._maybe_evictable(parent)
+        return got
 
     def _remove(self, leaf: Node) -> None:
         parent = leaf.parent

@@ -16,8 +16,9 @@ Three stages, each stopping at the first problem with a message that says where:
   2. release and the queue together on taught scenarios (tail first, partial blocks, shared blocks,
      two requests, a hit in between), against the same steps done by the engine's rules
   3. (check_lru_in_engine) SmolLM2 on a small pool with the hash chain keeping its unused blocks in
-     your FreeBlockQueue (an engine the check builds each time it runs, so a fixed class is the one
-     checked): same tokens, hits and evictions as the engine's own HashChainCache
+     your FreeBlockQueue, through the engine's seam `LLM(..., prefix_caching="hash",
+     free_block_queue=FreeBlockQueue)` (an engine the check builds each time it runs, so a fixed class
+     is the one checked): same tokens, hits and evictions as the engine's own HashChainCache
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from minikv.cache.hash_chain import HashChainCache
 from minikv.checks.report import fail, passed
 
 
@@ -302,87 +302,22 @@ def check_release(release, queue_cls) -> None:
 
 # ---- stage 3: the engine keeps its unused cached blocks in the learner's queue ----------------------
 
-class _QueueAdapter:
-    """The learner's FreeBlockQueue seen through the interface HashChainCache uses (EvictionQueue's).
-    With LRU the priority pushed is always the newest time, so a push is an append at the back."""
-
-    def __init__(self, queue_cls) -> None:
-        self.queue_cls, self._queue = queue_cls, None
-        self._priority: dict[int, int] = {}
-
-    @property
-    def queue(self):
-        if self._queue is None:  # made on first use: building the engine never calls the learner's code
-            self._queue = self.queue_cls()
-        return self._queue
-
-    def push(self, block: int, priority: int) -> None:
-        if block in self.queue:
-            self.queue.remove(block)
-        self.queue.append(block)
-        self._priority[block] = priority
-
-    def discard(self, block: int) -> None:
-        if block in self.queue:
-            self.queue.remove(block)
-        self._priority.pop(block, None)
-
-    def pop(self) -> int:
-        block = self.queue.popleft()
-        self._priority.pop(block, None)
-        return block
-
-    def priority(self, block: int) -> int:
-        return self._priority[block]
-
-    def ordered(self) -> list[int]:
-        return list(self.queue)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self.queue
-
-    def __len__(self) -> int:
-        return len(self.queue)
-
-
-class LearnerHashChainCache(HashChainCache):
-    """minikv's HashChainCache keeping its unused cached blocks in a learner's FreeBlockQueue (made
-    by `learner_hash_cache`, which sets the class on a subclass so the engine can rebuild it)."""
-
-    queue_cls: type = None  # type: ignore[assignment]
-
-    def __init__(self, block_size: int, eviction: str = "lru"):
-        if eviction != "lru":
-            raise ValueError("the learner's free queue is LRU; build the engine with eviction='lru'")
-        super().__init__(block_size, eviction)
-        self.free_queue = _QueueAdapter(self.queue_cls)
-
-    def _clear(self) -> None:
-        super()._clear()
-        self.free_queue = _QueueAdapter(self.queue_cls)
-
-
-def learner_hash_cache(block_size: int, queue_cls) -> HashChainCache:
-    """A HashChainCache whose free queue is `queue_cls()`: `LLM(..., prefix_caching=learner_hash_cache(16, Q))`."""
-    cls = type("LearnerHashChainCache", (LearnerHashChainCache,), {"queue_cls": queue_cls})
-    return cls(block_size)
-
-
 def check_lru_in_engine(llm, queue_cls, system: str, questions: list[str], long_prompt: str,
                         max_tokens: int = 6) -> dict:
-    """The hash chain keeps its unused blocks in your queue: `llm.derive(prefix_caching=learner_hash_cache(
-    block_size, queue_cls))`, built here from `llm`'s weights and small pool each time the check runs
-    (so a fixed class is checked without rebuilding anything). A chat, the same questions asked fresh,
-    then a long request that evicts. Tokens, hits and the number of evicted blocks must
+    """The hash chain keeps its unused blocks in your queue: `llm.derive(prefix_caching="hash",
+    free_block_queue=queue_cls)`, built here from `llm`'s weights and small pool each time the check
+    runs (so a fixed class is checked without rebuilding anything). A chat, the same questions asked
+    fresh, then a long request that evicts. Tokens, hits and the number of evicted blocks must
     equal the engine's HashChainCache on the same requests (`llm.derive(prefix_caching="hash")`)."""
     from minikv.checks.radix import chat_then_evict
 
     if llm.block_size is None:
         raise ValueError("build the LLM with kv_backend='paged': the prefix cache keeps whole blocks")
-    llm = llm.derive(prefix_caching=learner_hash_cache(llm.block_size, queue_cls))
+    base = llm
+    llm = base.derive(prefix_caching="hash", eviction="lru", free_block_queue=queue_cls)
     mine = chat_then_evict(llm, system, questions, long_prompt, max_tokens, learner=True)
     stats, kept = llm.prefix_cache.stats(), sorted(llm.prefix_cache.cached_blocks())
-    ref_engine = llm.derive(prefix_caching="hash")
+    ref_engine = base.derive(prefix_caching="hash", eviction="lru", free_block_queue=None)
     ref = chat_then_evict(ref_engine, system, questions, long_prompt, max_tokens, learner=False)
     ref_stats = ref_engine.prefix_cache.stats()
     for (what, toks, hit), (_, want_toks, want_hit) in zip(mine, ref):

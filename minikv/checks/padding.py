@@ -17,7 +17,8 @@ Two stages, each stopping at the first problem with a message that says where:
   1. hand-picked steps (no padding, padded prefills, a decode step, a pad row), then random ones,
      against the engine's PaddedContiguousBackend.padded_mask; known mistakes are named
   2. (check_padded_mask_in_engine) StaticBatcher serves prompts of different lengths in one batch
-     with your mask in its attention: the tokens must equal the engine's own mask and rung 2's
+     with your mask in its attention, through its seam `StaticBatcher(llm, batch_size,
+     padded_mask=fn)`: the tokens must equal the engine's own mask and rung 2's
 """
 from __future__ import annotations
 
@@ -132,37 +133,6 @@ def check_padded_mask(padded_mask, num_random: int = 200, seed: int = 0) -> None
 
 # ---- stage 2: the static batcher attends with the learner's mask ------------------------------------
 
-def learner_batcher(llm, batch_size: int, padded_mask):
-    """A StaticBatcher whose attention takes its mask from `padded_mask(pad_lens, q_cols, L)`."""
-    from minikv.engine.static_batching import PaddedContiguousBackend, StaticBatcher
-
-    class LearnerPaddedBackend(PaddedContiguousBackend):
-        name = "contiguous-padded (your mask)"
-
-        def padded_mask(self, meta, L: int) -> torch.Tensor:
-            if "padded_mask" not in meta.step_memo:
-                B, n = meta.num_seqs, meta.max_query_len
-                q_cols = meta.token_pos.view(B, n)
-                mask = padded_mask(meta.pad_lens.clone(), q_cols.clone(), L)
-                if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, n, L) or mask.dtype != torch.bool:
-                    raise ValueError(f"padded_mask returned {getattr(mask, 'dtype', type(mask).__name__)} "
-                                     f"{tuple(getattr(mask, 'shape', ()))}; expected a bool tensor of shape "
-                                     f"{(B, n, L)}")
-                if self.sliding_window is not None:
-                    k, q = torch.arange(L, device=q_cols.device).view(1, 1, L), q_cols.view(B, n, 1)
-                    mask = mask & (k > q - self.sliding_window)
-                meta.step_memo["padded_mask"] = mask.to(q_cols.device)
-            return meta.step_memo["padded_mask"]
-
-    class LearnerBatcher(StaticBatcher):
-        def _run_batch(self, indices, seqs):
-            if not isinstance(self.backend, LearnerPaddedBackend):
-                self.backend = LearnerPaddedBackend(self.rows, self.backend.sliding_window)
-            return super()._run_batch(indices, seqs)
-
-    return LearnerBatcher(llm, batch_size)
-
-
 def check_padded_mask_in_engine(llm, padded_mask, prompts, max_tokens: int = 10) -> None:
     """`prompts` (of different lengths) in ONE static batch of the learner's mask; every request's
     tokens must equal the engine's StaticBatcher and rung 2 (each request alone, no padding)."""
@@ -172,7 +142,8 @@ def check_padded_mask_in_engine(llm, padded_mask, prompts, max_tokens: int = 10)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     lens = [len(llm.encode(p)[0]) if isinstance(p, str) else len(p) for p in prompts]
     try:
-        mine = [o.token_ids for o in learner_batcher(llm, len(prompts), padded_mask).generate(prompts, params)]
+        batcher = StaticBatcher(llm, len(prompts), padded_mask=padded_mask)  # the rung-3 seam
+        mine = [o.token_ids for o in batcher.generate(prompts, params)]
     except NotImplementedError:
         raise
     except Exception as e:  # noqa: BLE001  shown to the learner

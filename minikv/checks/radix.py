@@ -11,17 +11,18 @@ Three stages, each stopping at the first problem with a message that says where:
   1. split and evict_leaf on hand-picked nodes: keys, blocks, parent links and children filing
   2. insert: hand-picked sequences of requests (each teaches one rule), then random ones, each tree
      compared with the one the engine's own RadixCache builds from the same requests
-  3. (check_radix_insert_in_engine) SmolLM2 with `learner_radix_cache` (your three functions doing
-     every change of the tree) against the engine's RadixCache: same tokens, same cache hits, a small
-     pool so that leaves are evicted, and the cache's invariants after every request. The check
-     builds that engine itself each time it runs, so it always runs the functions defined last
+  3. (check_radix_insert_in_engine) SmolLM2 with your functions in the engine's seams,
+     `LLM(..., prefix_caching="radix", radix_insert=insert, radix_evict_leaf=evict_leaf)` (they do every
+     change of the tree), against the engine's RadixCache: same tokens, same cache hits, a small pool
+     so that leaves are evicted, and the cache's invariants after every request. The check builds that
+     engine itself each time it runs, so it always runs the functions defined last
 """
 from __future__ import annotations
 
 import random
 from typing import Callable
 
-from minikv.cache.radix import Node, RadixCache, match_prefix
+from minikv.cache.radix import Node, RadixCache, match_prefix, tree_fault
 from minikv.checks.prefix import _Seq
 from minikv.checks.report import fail, passed
 
@@ -44,28 +45,6 @@ def tree_lines(root: Node) -> list[str]:
 
     walk(root, 0)
     return lines or ["    (empty)"]
-
-
-def _links(root: Node, block_size: int) -> str | None:
-    """The first broken link of a tree: a child filed under the wrong key, a wrong parent, a key that
-    does not match its blocks, an empty node; None when the tree is well formed."""
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        for first, child in node.children.items():
-            where = f"the node [{' '.join(map(str, child.key))}] (blocks {list(child.blocks)})"
-            if tuple(first) != tuple(child.key[:block_size]):
-                return (f"{where} is filed under {first} in its parent's children; a child is filed under the "
-                        f"first block of its key, {tuple(child.key[:block_size])}")
-            if child.parent is not node:
-                return f"{where}: its .parent is not the node whose children hold it"
-            if not child.blocks:
-                return f"{where} has no blocks: a node with nothing left is removed from its parent's children"
-            if len(child.key) != len(child.blocks) * block_size:
-                return (f"{where}: a key of {len(child.key)} tokens for {len(child.blocks)} blocks; "
-                        f"len(key) must be len(blocks) * block_size = {len(child.blocks) * block_size}")
-            stack.append(child)
-    return None
 
 
 # ---- references (the tree surgery of minikv/cache/radix.py, on bare nodes) -------------------------
@@ -139,7 +118,7 @@ def check_split(split) -> None:
                      + "\ngot:\n" + "\n".join(tree_lines(root)),
                      "upper takes the first k blocks and the first k * block_size tokens; node keeps the rest and "
                      "its children")
-            broken = _links(root, bs)
+            broken = tree_fault(root, bs)
             if broken:
                 fail(case, "a link is wrong after the split", broken,
                      "parent.children[first block] -> upper, upper.parent = parent, upper.children[node's new first "
@@ -189,7 +168,7 @@ def check_evict_leaf(evict_leaf) -> None:
                  + "\ngot:\n" + "\n".join(tree_lines(root)),
                  "drop block_size tokens of the key with each block; a leaf left without blocks is deleted from "
                  "its parent's children")
-        broken = _links(root, bs)
+        broken = tree_fault(root, bs)
         if broken:
             fail(case, "a link is wrong after the eviction", broken)
     passed(len(cases), "evict_leaf trims unused blocks from the tail, shrinks the key with them, and removes an "
@@ -242,7 +221,7 @@ def _random_requests(rng: random.Random) -> tuple[list[list[int]], int]:
 
 
 def _insert_hint(mine: Node, ref: Node, bs: int) -> str | None:
-    broken = _links(mine, bs)
+    broken = tree_fault(mine, bs)
     if broken:
         return broken
     nodes_mine, nodes_ref = _count(mine), _count(ref)
@@ -283,7 +262,7 @@ def check_radix_insert(insert, split, num_random: int = 300, seed: int = 0) -> N
             if shape(root) != shape(want):
                 fail(case, "the tree differs from the engine's", "expected:\n" + "\n".join(tree_lines(want))
                      + "\ngot:\n" + "\n".join(tree_lines(root)), _insert_hint(root, want, bs))
-            broken = _links(root, bs)
+            broken = tree_fault(root, bs)
             if broken:
                 fail(case, "a link of the tree is wrong", broken)
             if match_prefix(root, toks, bs) != (list(blocks), len(toks)):
@@ -293,130 +272,6 @@ def check_radix_insert(insert, split, num_random: int = 300, seed: int = 0) -> N
 
 
 # ---- stage 3: the engine, your functions doing every change of the tree ---------------------------
-
-def learner_radix_cache(block_size: int, insert, evict_leaf, eviction: str = "lru") -> RadixCache:
-    """A RadixCache whose tree changes are `insert` (with the learner's split inside) and `evict_leaf`:
-    pass it as `LLM(..., prefix_caching=learner_radix_cache(16, insert, evict_leaf))`. Its class carries
-    the two functions, so the engine can build a fresh one of the same kind (it does after a fault)."""
-    cls = type("LearnerRadixCache", (LearnerRadixCache,),
-               {"insert_fn": staticmethod(insert), "evict_leaf_fn": staticmethod(evict_leaf)})
-    return cls(block_size, eviction)
-
-
-class LearnerRadixCache(RadixCache):
-    """minikv's RadixCache with a learner's insert and evict_leaf doing the tree surgery (made by
-    `learner_radix_cache`, which sets the two functions on a subclass).
-
-    The engine's bookkeeping stays around them: which node owns which block, LRU times, the queue of
-    evictable leaves, the count of unused blocks. Blocks computed twice (two requests in flight) keep
-    the tree's copy, as RadixCache does. Each call is checked; a broken tree stops the engine with
-    the reason (a ValueError)."""
-
-    insert_fn: Callable = None  # type: ignore[assignment]
-    evict_leaf_fn: Callable = None  # type: ignore[assignment]
-
-    def insert(self, seq) -> dict[int, int]:
-        if not self.enabled:
-            return {}
-        bs, n_full = self.block_size, seq.num_computed_tokens // self.block_size
-        if n_full <= self._progress.get(seq.seq_id, 0):
-            return {}
-        tokens, table, now = list(seq.token_ids[:n_full * bs]), seq.block_table, self.tick()
-        root = self.roots.get(seq.cache_salt)
-        if root is None:
-            root = self.roots[seq.cache_salt] = Node(salt=seq.cache_salt, now=now)
-        have = match_prefix(root, tokens, bs)[0]
-        adopt = {i: b for i, b in enumerate(have) if b != table[i]}
-        blocks = have + list(table[len(have):n_full])
-        for node in self._walk(root, tokens):  # the engine touches every node it walks, split or not
-            self._touch(node, now)
-        before = set(self.node_of)
-        self.insert_fn(root, list(tokens), list(blocks), bs)
-        broken = _links(root, bs)
-        got = match_prefix(root, tokens, bs)
-        if broken or got != (blocks, len(tokens)):
-            raise ValueError(f"after your insert of {len(tokens)} tokens in blocks {blocks}: "
-                             + (broken or f"the tree spells only {got[1]} of them ({got[0]})"))
-        self._resync(root, tokens, now)
-        for b in set(blocks) - before:
-            if self.is_unused(b):
-                self._unused += 1
-        self._progress[seq.seq_id] = n_full
-        return adopt
-
-    def _walk(self, root: Node, tokens: list[int]) -> list[Node]:
-        node, pos, out, bs = root, 0, [], self.block_size
-        while len(tokens) - pos >= bs:
-            child = node.children.get(tuple(tokens[pos:pos + bs]))
-            if child is None:
-                break
-            out.append(child)
-            k = 0
-            while k < len(child.blocks) and pos + (k + 1) * bs <= len(tokens) and \
-                    tuple(child.key[k * bs:(k + 1) * bs]) == tuple(tokens[pos + k * bs:pos + (k + 1) * bs]):
-                k += 1
-            pos += k * bs
-            if k < len(child.blocks):
-                break
-            node = child
-        return out
-
-    def _resync(self, root: Node, tokens: list[int], now: int) -> None:
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            stack += node.children.values()
-            if node is root:
-                continue
-            node.salt = root.salt
-            if node.born == 0:  # a node the learner made: the engine's clock starts at 1
-                node.born = node.last_used = now
-            for b in node.blocks:
-                self.node_of[b] = node
-        for node in self._walk(root, tokens):
-            self._touch(node, now)
-            self._maybe_evictable(node)
-
-    def evict(self, num_blocks: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < num_blocks and len(self.leaves):
-            leaf = self.leaves.pop()
-            if not leaf.is_leaf or not leaf.blocks or self.node_of.get(leaf.blocks[-1]) is not leaf:
-                continue
-            parent, before, want = leaf.parent, list(leaf.blocks), num_blocks - len(out)
-            expect = []
-            for b in reversed(before):
-                if len(expect) == want or not self.is_unused(b):
-                    break
-                expect.append(b)
-            got = list(self.evict_leaf_fn(leaf, want, self.block_size, self.is_unused) or [])
-            if got != expect:
-                raise ValueError(f"evict_leaf(leaf with blocks {before}, num_blocks={want}) returned {got}; the "
-                                 f"unused tail, at most num_blocks, tail first, is {expect}")
-            if list(leaf.blocks) != before[:len(before) - len(got)] or \
-                    len(leaf.key) != len(leaf.blocks) * self.block_size:
-                keep = before[:len(before) - len(got)]
-                raise ValueError(f"after evict_leaf the leaf holds blocks {leaf.blocks} and {len(leaf.key)} tokens; "
-                                 f"expected blocks {keep} and {len(keep) * self.block_size} tokens (each block that "
-                                 "goes takes block_size tokens off the key)")
-            linked = any(c is leaf for c in parent.children.values())
-            if linked == (not leaf.blocks):
-                raise ValueError("evict_leaf " + ("left an empty leaf in its parent's children" if linked else
-                                                  "unlinked a leaf that still holds blocks"))
-            for b in got:
-                del self.node_of[b]
-                self._unused -= 1
-            out += got
-            if leaf.blocks:
-                self._maybe_evictable(leaf)
-            elif parent.parent is None:
-                if not parent.children:
-                    del self.roots[parent.salt]
-            else:
-                self._maybe_evictable(parent)
-        self.num_evicted += len(out)
-        return out
-
 
 def chat_then_evict(engine, system: str, questions: list[str], long_prompt: str, max_tokens: int,
                     learner: bool) -> list[tuple[str, list[int], int]]:
@@ -466,20 +321,21 @@ def chat_then_evict(engine, system: str, questions: list[str], long_prompt: str,
 
 def check_radix_insert_in_engine(llm, insert, evict_leaf, system: str, questions: list[str],
                                  long_prompt: str, max_tokens: int = 6) -> dict:
-    """Your functions change the tree: `llm.derive(prefix_caching=learner_radix_cache(block_size, insert,
-    evict_leaf))`, built here from `llm`'s weights and small pool each time the check runs (so a fixed
-    function is checked without rebuilding anything; insert calls the split defined last). A chat of
-    len(questions) turns after `system`, the same questions asked fresh (the tree splits where they
-    leave the chat), then `long_prompt`, which needs more blocks than are empty (leaves are evicted).
-    Each answer and each request's cache hit must equal those of the engine's RadixCache
-    (`llm.derive(prefix_caching="radix")`, the same weights), and the cache's invariants must hold
-    after every request."""
+    """Your functions change the tree: `llm.derive(prefix_caching="radix", radix_insert=insert,
+    radix_evict_leaf=evict_leaf)`, built here from `llm`'s weights and small pool each time the check
+    runs (so a fixed function is checked without rebuilding anything; insert calls the split defined
+    last). A chat of len(questions) turns after `system`, the same questions asked fresh (the tree
+    splits where they leave the chat), then `long_prompt`, which needs more blocks than are empty
+    (leaves are evicted). Each answer and each request's cache hit must equal those of the engine's
+    RadixCache (`llm.derive(prefix_caching="radix")`, the same weights), and the cache's invariants
+    must hold after every request."""
     if llm.block_size is None:
         raise ValueError("build the LLM with kv_backend='paged': the radix tree keeps whole blocks")
-    llm = llm.derive(prefix_caching=learner_radix_cache(llm.block_size, insert, evict_leaf))
+    base = llm
+    llm = base.derive(prefix_caching="radix", radix_insert=insert, radix_evict_leaf=evict_leaf)
     mine = chat_then_evict(llm, system, questions, long_prompt, max_tokens, learner=True)
     stats, kept = llm.prefix_cache.stats(), sorted(llm.prefix_cache.cached_blocks())
-    ref_engine = llm.derive(prefix_caching="radix")
+    ref_engine = base.derive(prefix_caching="radix", radix_insert=None, radix_evict_leaf=None)
     ref = chat_then_evict(ref_engine, system, questions, long_prompt, max_tokens, learner=False)
     for (what, toks, hit), (_, want_toks, want_hit) in zip(mine, ref):
         if toks != want_toks:

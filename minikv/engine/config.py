@@ -127,6 +127,13 @@ SEAMS: dict[str, tuple[str, Callable[["_Draft"], bool], str]] = {
                          "kv_backend='paged' and a sliding_window=W"),
     "kv_quantizer": ("rung 8", lambda c: c.is_paged and c.kv_cache_dtype != "auto",
                      "kv_backend='paged' and kv_cache_dtype='int8' or 'fp8'"),
+    "radix_insert": ("rung 6", lambda c: c.is_paged and c.prefix_caching == "radix",
+                     "kv_backend='paged', prefix_caching='radix'"),
+    "radix_evict_leaf": ("rung 6", lambda c: c.is_paged and c.prefix_caching == "radix",
+                         "kv_backend='paged', prefix_caching='radix'"),
+    "free_block_queue": ("rung 6", lambda c: c.is_paged and c.prefix_caching == "hash" and c.eviction == "lru",
+                         "kv_backend='paged', prefix_caching='hash', eviction='lru' (the queue holds the hash "
+                         "chain's unused blocks, least recently used first)"),
     "pick_next": ("rung 10", lambda c: c.is_paged and c.schedule_policy == "vtc",
                   "kv_backend='paged', schedule_policy='vtc' (it orders the waiting requests of the fair scheduler)"),
     "kv_offload_store": ("rung 9", lambda c: c.is_paged and _is_hash_chain(c.prefix_caching),
@@ -250,6 +257,9 @@ class _Draft:
     window_free_rule: Callable | None = None
     kv_quantizer: Callable | None = None
     pick_next: Callable | None = None
+    radix_insert: Callable | None = None
+    radix_evict_leaf: Callable | None = None
+    free_block_queue: Any = None  # a class: free_block_queue() is an empty queue
     # filled by fit(): each size it chose itself -> why (printed once on a GPU, and in LLM.stats()); an
     # output, never an option
     chosen: dict = field(default_factory=dict, repr=False, init=False)
@@ -416,7 +426,8 @@ class _Draft:
             if fn is None:
                 continue
             if not callable(fn) and not (name == "kv_offload_store" and _is_store(fn)):
-                raise ValueError(f"{name} must be a function (the {rung} seam), got {type(fn).__name__} {fn!r}")
+                what = "a class" if name == "free_block_queue" else "a function"
+                raise ValueError(f"{name} must be {what} (the {rung} seam), got {type(fn).__name__} {fn!r}")
             if not fits(self):
                 raise ValueError(f"{name} plugs into {rung}; build the LLM with {use} to use it")
         if self.decode_inner_loop is not None:
@@ -637,6 +648,9 @@ class Seams:
     kv_quantizer: Callable | None = None
     pick_next: Callable | None = None
     kv_offload_store: Any = None
+    radix_insert: Callable | None = None
+    radix_evict_leaf: Callable | None = None
+    free_block_queue: Any = None
 
 
 PARTS: dict[str, type] = {"pool": PoolConfig, "scheduling": SchedulingConfig, "prefix": PrefixConfig,

@@ -281,7 +281,8 @@ class EngineCore:
             design = cfg.prefix_caching
             if isinstance(design, PrefixCache) and self.block_manager is not None:
                 design = type(design)(design.block_size, design.eviction)
-            cache = make_prefix_cache(design, cfg.block_size, cfg.eviction)
+            cache = make_prefix_cache(design, cfg.block_size, cfg.eviction, radix_insert=cfg.radix_insert,
+                                      radix_evict_leaf=cfg.radix_evict_leaf, free_block_queue=cfg.free_block_queue)
             bm.attach_prefix_cache(cache)
             if self.offload_store is not None:
                 bm.attach_offload(Offload(self.pool, cache, self.offload_store, self._offload_identity))

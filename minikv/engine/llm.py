@@ -146,6 +146,9 @@ class LLM:
             slot_mapping=fn       rung 4  physical slot of each new token
             schedule_step=fn      rung 5  which sequences run this step, and how many tokens each
             copy_on_write=fn      rung 6  private copies of the shared blocks a step writes into
+            radix_insert=fn       rung 6  makes the radix tree spell a request's blocks (prefix_caching="radix")
+            radix_evict_leaf=fn   rung 6  trims unused blocks off a radix leaf's tail (prefix_caching="radix")
+            free_block_queue=cls  rung 6  the hash chain's unused blocks, LRU first (prefix_caching="hash")
             decode_inner_loop=fn  rung 7  the Triton decode kernel's online-softmax step
             window_free_rule=fn   rung 8  which blocks a sliding window gives back (needs sliding_window)
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them

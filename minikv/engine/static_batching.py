@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -61,13 +62,24 @@ class PaddedMetadata(ContiguousMetadata):
     pad_lens: torch.Tensor  # [B] left pads of each row: columns [0, pad) are masked
 
 
+# padded_mask(pad_lens [B], q_cols [B, n], L) -> [B, n, L] bool: which keys each query of the step may see
+PaddedMask = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
 class PaddedContiguousBackend(ContiguousBackend):
-    """Contiguous cache rows (rung 2) read as ONE rectangle, with each row's left padding masked."""
+    """Contiguous cache rows (rung 2) read as ONE rectangle, with each row's left padding masked.
+    mask_fn: a learner's `padded_mask(pad_lens, q_cols, L)` (exercise 03a) in place of the rule below."""
 
     name = "contiguous-padded"
 
+    def __init__(self, pool: RowPool, sliding_window: int | None = None, mask_fn: PaddedMask | None = None):
+        super().__init__(pool, sliding_window)
+        self.mask_fn = mask_fn
+
     def padded_mask(self, meta: PaddedMetadata, L: int) -> torch.Tensor:
         """[B, n, L] bool: may the query in column i of row b see the key in column j? Once per step."""
+        if self.mask_fn is not None:
+            return self._mask_by_seam(meta, L)
         if "padded_mask" not in meta.step_memo:
             B, n = meta.num_seqs, meta.max_query_len
             q_col = meta.token_pos.view(B, n, 1)  # column of each query
@@ -78,6 +90,21 @@ class PaddedContiguousBackend(ContiguousBackend):
             if self.sliding_window is not None:
                 mask &= k_col > q_col - self.sliding_window
             meta.step_memo["padded_mask"] = mask
+        return meta.step_memo["padded_mask"]
+
+    def _mask_by_seam(self, meta: PaddedMetadata, L: int) -> torch.Tensor:
+        """The learner's mask, checked for its type and shape, with the model's window on top."""
+        if "padded_mask" not in meta.step_memo:
+            B, n = meta.num_seqs, meta.max_query_len
+            q_cols = meta.token_pos.view(B, n)
+            mask = self.mask_fn(meta.pad_lens.clone(), q_cols.clone(), L)  # copies: the metadata stays intact
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, n, L) or mask.dtype != torch.bool:
+                raise ValueError(f"padded_mask returned {getattr(mask, 'dtype', type(mask).__name__)} "
+                                 f"{tuple(getattr(mask, 'shape', ()))}; expected a bool tensor of shape {(B, n, L)}")
+            if self.sliding_window is not None:
+                k, q = torch.arange(L, device=q_cols.device).view(1, 1, L), q_cols.view(B, n, 1)
+                mask = mask & (k > q - self.sliding_window)
+            meta.step_memo["padded_mask"] = mask.to(q_cols.device)
         return meta.step_memo["padded_mask"]
 
     def forward(self, layer, q, k, v, meta: PaddedMetadata, scale: float) -> torch.Tensor:
@@ -189,9 +216,14 @@ class StaticBatcher:
     compact: "none" keeps every slot until the batch ends (finished rows run idle);
              "move" drops finished rows and copies each survivor's cache row to its new slot;
              "renumber" drops finished rows WITHOUT moving cache rows: the bug this rung shows.
+
+    Named seam, where your own code runs inside the batcher (exercise 03a plugs into it):
+        padded_mask=fn   rung 3  which keys each query of a left-padded step may see:
+                                 fn(pad_lens [B], q_cols [B, n], L) -> [B, n, L] bool
     """
 
-    def __init__(self, llm, batch_size: int, compact: str = "none", pad_token_id: int = 0):
+    def __init__(self, llm, batch_size: int, compact: str = "none", pad_token_id: int = 0,
+                 padded_mask: PaddedMask | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}; "
                              "it is how many requests run together in one batch")
@@ -199,7 +231,11 @@ class StaticBatcher:
             raise ValueError(f"unknown compact mode {compact!r}; choose one of {', '.join(COMPACT_MODES)}")
         if not 0 <= pad_token_id < llm.config.vocab_size:
             raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {llm.config.vocab_size})")
+        if padded_mask is not None and not callable(padded_mask):
+            raise ValueError(f"padded_mask must be a function (the rung 3 seam): (pad_lens [B], q_cols [B, n], L) "
+                             f"-> [B, n, L] bool, got {type(padded_mask).__name__} {padded_mask!r}")
         self.llm, self.batch_size, self.compact, self.pad_token_id = llm, batch_size, compact, pad_token_id
+        self.padded_mask = padded_mask
         self.rows: RowPool | None = None
         self.backend: PaddedContiguousBackend | None = None
         self.stats: StaticBatchStats | None = None
@@ -216,7 +252,7 @@ class StaticBatcher:
         c = self.llm.config
         self.rows = RowPool(c.num_layers, self.batch_size, width, c.num_kv_heads, c.head_dim, self.llm.dtype,
                             self.llm.device)
-        self.backend = PaddedContiguousBackend(self.rows, c.sliding_window)
+        self.backend = PaddedContiguousBackend(self.rows, c.sliding_window, self.padded_mask)
         traces = [self._run_batch(g, [seqs[i] for i in g]) for g in groups]
         self.stats = StaticBatchStats.from_traces(self.batch_size, traces, time.perf_counter() - start)
         return [self.llm.output(s) for s in seqs]
