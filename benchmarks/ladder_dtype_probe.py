@@ -1,10 +1,16 @@
 """The ladder on a GPU, per dtype and path: paged Triton (with and without CUDA graphs, Triton or torch prefill)
 against the contiguous rung, tiny-random, the ladder test's mixed requests. Run from the repository root:
 `python benchmarks/ladder_dtype_probe.py`. Recorded in benchmarks/ladder_dtype_probe_h100.txt."""
-import sys, gc, torch
+import gc
+import sys
+
+import torch
+
 sys.path.insert(0, "tests")
-from test_ladder import mixed_requests
 from minikv import LLM
+
+from test_ladder import mixed_requests
+
 prompts, params = mixed_requests()
 def run(**kw):
     llm = LLM("tiny-random", **kw)

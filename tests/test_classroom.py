@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from minikv.classroom.check import grade_notebook, grade_notebooks
-from minikv.classroom.release import render_workflow, release_student
+from minikv.classroom.release import release_student, render_workflow
 from minikv.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,7 +157,6 @@ def timeline_widget(trace: Trace, x: str = "step"):
     import ipywidgets as w
 
     from minikv.viz.pool import figure_png
-
     from minikv.viz.view import view
 
     slider = w.IntSlider(value=0, min=0, max=len(trace) - 1, description="step", continuous_update=False)
