@@ -15,7 +15,9 @@ prompts, params = mixed_requests()
 def run(**kw):
     llm = LLM("tiny-random", **kw)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
-    del llm; gc.collect(); torch.cuda.empty_cache()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     return outs
 for dtype in ("float32", "float16", "bfloat16"):
     ref = run(kv_backend="contiguous", max_num_seqs=1, dtype=dtype)
@@ -24,7 +26,9 @@ for dtype in ("float32", "float16", "bfloat16"):
             llm = LLM("tiny-random", kv_backend="paged", dtype=dtype, kv_cache_memory=2**28)
             llm.backend.prefill_impl = "torch"
             got = [o.token_ids for o in llm.generate(prompts, params)]
-            del llm; gc.collect(); torch.cuda.empty_cache()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
         else:
             got = run(kv_backend="paged", dtype=dtype, kv_cache_memory=2**28, **kw)
         print(dtype, name, "differs at", [i for i, (a, b) in enumerate(zip(got, ref)) if a != b], flush=True)

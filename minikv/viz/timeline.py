@@ -107,7 +107,7 @@ def plot_timeline(trace: Trace, ax=None, x: str = "step", title: str | None = No
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.32 * len(states) + 1.3))
     used = set()
-    for row, (rid, line) in enumerate(states.items()):
+    for row, line in enumerate(states.values()):
         for first, n, state in segments(line):
             if state == "done":
                 continue
