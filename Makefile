@@ -8,7 +8,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize
 # pytest workers; each runs torch on one thread (two threads per process on two cores thrash)
 JOBS   ?= 2
 
-.PHONY: lab test test-fast model bench clean
+.PHONY: lab lint test test-fast model bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,16 +38,20 @@ lab: model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/jupyter lab --notebook-dir=. $(ALLOW_ROOT) \
 	  --LabApp.app_settings_dir=$(CURDIR)/$(LAB_SETTINGS) $(LAB_COPIES)/00_tour.ipynb
 
+# ruff with the rules in pyproject.toml ([tool.ruff]): under a second, so both test targets run it first
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 # unit + equivalence + property tests, and every notebook, exercise and solution through nbval
 # (--dist loadfile keeps each notebook's cells in order on one worker)
-test: model
+test: lint model
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile $(NBVAL) tests notebooks exercises solutions
 
-test-fast: $(STAMP)
+test-fast: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile tests -m "not slow"
 
 bench: model
 	$(PY) -m minikv.cli bench $(NAME)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"requests identical on vs off ({result['overlapped_steps']} overlapped steps)", flush=True)
             if dtype != torch.float32 or small:
                 for sampling in SAMPLING:
+                    off_tokens = None  # set by the run with async scheduling off, which goes first
                     for on in (False, True):
                         llm.async_scheduling = on
                         run = drive(llm, timed, sampling, timer)

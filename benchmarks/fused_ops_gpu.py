@@ -25,10 +25,10 @@ import statistics
 import time
 from pathlib import Path
 
-import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 import torch
 import torch.nn.functional as F
 
+import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 from minikv import LLM, SamplingParams
 from minikv.attention.metadata import AttentionMetadata
 from minikv.attention.naive import NaiveBackend

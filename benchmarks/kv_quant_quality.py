@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import time
 from pathlib import Path

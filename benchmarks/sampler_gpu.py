@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 import torch
 
+import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 from minikv import SamplingParams
 from minikv.bench import environment
 from minikv.engine.sampler import draw_key, sample, sample_on_device

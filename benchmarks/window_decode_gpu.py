@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = torch.device("cuda")
-    import triton
     import transformers
+    import triton
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

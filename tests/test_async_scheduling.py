@@ -131,6 +131,7 @@ def test_chunked_prefill_beside_decodes_overlaps_and_matches():
     assert_clean(on)
 
 
+@pytest.mark.slow  # the Triton backend's decode steps in the interpreter on the CPU
 def test_decode_steps_through_the_graphs_static_buffers_get_their_fed_ids():
     """The graph path copies input ids into static buffers: the fed ids must be in place before."""
     from minikv.engine.cuda_graph import DecodeGraphs

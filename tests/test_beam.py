@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from minikv import LLM, SamplingParams
 from minikv.engine.beam import best_candidates
+
 from beam_reference import reference_beam_search
 from engine_checks import checked
 

@@ -30,6 +30,7 @@ decode_profile = research_script("decode_profile")
 decode_tune = research_script("decode_tune")
 
 
+@pytest.mark.slow  # every kernel variant through Triton's interpreter on the CPU
 def test_decode_attention_benchmark_smoke(tmp_path, capsys):
     record = decode_attention.main(["--smoke", "--no-flex", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "decode_attention_gpu.json").read_text())
@@ -39,6 +40,7 @@ def test_decode_attention_benchmark_smoke(tmp_path, capsys):
     assert "triton at" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # every kernel variant through Triton's interpreter on the CPU
 def test_decode_variants_smoke(tmp_path):
     from minikv.kernels import decode_attention as current  # stands in for an earlier version of the file
 

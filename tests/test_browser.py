@@ -209,10 +209,10 @@ def start_lab(tmp: Path) -> Lab:
         try:
             lab.api("GET", "/api/status")
             return lab
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
                 stop_lab(lab)
-                raise RuntimeError(f"JupyterLab did not answer in 90 s:\n{lab.log_tail()}")
+                raise RuntimeError(f"JupyterLab did not answer in 90 s:\n{lab.log_tail()}") from e
             time.sleep(0.5)
 
 

@@ -13,7 +13,6 @@ from minikv.checks import (
 )
 from minikv.checks.attention import reference_causal_attention, reference_decode_step
 
-
 # ---- implementations: one correct, and the same code with one planted bug each ---------------------
 
 def attention(q, k, v, scale, *, q_pos, scaled=True, mask="causal", grouping="interleave"):

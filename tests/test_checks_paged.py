@@ -5,7 +5,6 @@ AssertionError whose message points at the rule that was broken.
 """
 from __future__ import annotations
 
-
 import pytest
 
 from minikv.cache.allocator import NoFreeBlocksError

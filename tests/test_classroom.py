@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from minikv.classroom.check import grade_notebook, grade_notebooks
-from minikv.classroom.release import render_workflow, release_student
+from minikv.classroom.release import release_student, render_workflow
 from minikv.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,7 +270,7 @@ def test_release_holds_back_the_interview_answers_and_says_so(student_copy):
     assert list((pkg / "drill_files").glob("*_starter.py")) and not list((pkg / "drill_files").glob("*_reference.py"))
     assert list((pkg / "bug_files").glob("*_buggy.py")) and not list((pkg / "bug_files").glob("*_fixed.py"))
     env = {**os.environ, "PYTHONPATH": str(student_copy)}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "minikv.cli", *a], cwd=student_copy, env=env,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "minikv.cli", *a], cwd=student_copy, env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     bank = run("quiz", "--export", "json")
     assert bank.returncode == 0 and json.loads(bank.stdout), bank.stderr

@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from minikv import LLM, SamplingParams

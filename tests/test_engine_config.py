@@ -1,12 +1,17 @@
 """One configuration object checks every option of LLM(...) before anything is loaded, and the facade
 builds each rung from it; the named seams are options like the others."""
 import pytest
-
-from minikv import LLM, SamplingParams
 import torch
 
-from minikv.engine.config import (DEFAULT_GPU_KV_FRACTION, SEAMS, DeviceInfo, EngineConfig, ModelShape,
-                                  step_scratch_bytes)
+from minikv import LLM, SamplingParams
+from minikv.engine.config import (
+    DEFAULT_GPU_KV_FRACTION,
+    SEAMS,
+    DeviceInfo,
+    EngineConfig,
+    ModelShape,
+    step_scratch_bytes,
+)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -11,6 +11,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
 from minikv.engine.sequence import Sequence
+
 from engine_checks import checked
 
 PROMPT = [7, 3, 91, 45, 12, 300, 8, 77, 150, 23]  # 10 tokens

@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
 
@@ -59,6 +61,7 @@ def test_a_checkout_on_pythonpath_imports_minikv_kernels_and_transformers_still_
     assert run.returncode == 0 and "checkout ok" in run.stdout, run.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh interpreter runs a whole (small) benchmark
 def test_pythonpath_dot_runs_the_throughput_benchmark_with_nothing_installed(tmp_path):
     """`PYTHONPATH=. python -m minikv.bench.throughput --small` from the root (two requests, minikv's
     engine only: the same code path, in a few seconds)."""

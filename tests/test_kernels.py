@@ -9,7 +9,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before minikv.kernels defines the kernels
 
-import math  # noqa: E402
+import math  # noqa: E402, I001  (the block keeps triton after minikv.kernels)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -11,7 +11,6 @@ greedy tokens stay those of the full-precision pool for most of a short run.
 
 import pytest
 import torch
-from engine_checks import checked
 
 from minikv import LLM, SamplingParams
 from minikv.attention.common import attend
@@ -21,6 +20,8 @@ from minikv.cache.quant import QMAX, dequantize_block, has_zero_point, quantize_
 from minikv.cache.swap import SwapSpace
 from minikv.checks.decode_kernel import scattered_block_tables
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+from engine_checks import checked
 
 FP8 = torch.float8_e4m3fn
 QDTYPES = [torch.int8, FP8]

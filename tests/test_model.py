@@ -3,8 +3,15 @@ import json
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from minikv.attention import AttentionMetadata, NaiveBackend
 from minikv.model import UnsupportedModelError, load_model

@@ -9,6 +9,7 @@ from minikv.cache.hash_chain import HashChainCache, block_hashes, extra_keys, ha
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.cache.radix import RadixCache
 from minikv.engine.sequence import Sequence
+
 from engine_checks import checked
 
 DESIGNS = ("hash", "radix")

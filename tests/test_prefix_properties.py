@@ -19,6 +19,7 @@ from minikv.cache.block_manager import BlockManager, blocks_needed
 from minikv.cache.hash_chain import block_hashes
 from minikv.cache.prefix_caches import make_prefix_cache
 from minikv.engine.sequence import Sequence
+
 from engine_checks import checked
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py)

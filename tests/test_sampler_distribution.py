@@ -3,7 +3,16 @@ greedy rows exact, and gives a row the same token whatever else is in the batch.
 import torch
 
 from minikv import SamplingParams
-from minikv.engine.sampler import MASK64, draw_key, draw_keys, filtered_probs, sample, splitmix64, uniform_noise, unit_float
+from minikv.engine.sampler import (
+    MASK64,
+    draw_key,
+    draw_keys,
+    filtered_probs,
+    sample,
+    splitmix64,
+    uniform_noise,
+    unit_float,
+)
 
 N = 20000  # draws per distribution: the frequency of a token is within 4 sigma (~0.014) of its probability
 

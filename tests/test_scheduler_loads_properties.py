@@ -37,6 +37,7 @@ import tempfile
 from concurrent.futures import wait
 from typing import NamedTuple
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -350,7 +351,8 @@ class LoadsMachine(RuleBasedStateMachine):
 
 
 LoadsMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-TestSchedulerWithLoads = LoadsMachine.TestCase
+# slow: 300 runs of up to 40 steps (the test below keeps a quick check of loads in `make test-fast`)
+TestSchedulerWithLoads = pytest.mark.slow(LoadsMachine.TestCase)
 
 
 def test_a_sequence_preempted_while_a_load_holds_the_pool_runs_once_the_loaded_one_gives_way():

@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_serve import HANG_S, MODEL, Gate, engine, wait_until
 
 from minikv import SamplingParams
 from minikv.serve import Server, run
 from minikv.serve.engine_loop import Event
+
+from test_serve import HANG_S, MODEL, Gate, engine, wait_until
 
 
 class Fault(Exception):

@@ -11,10 +11,11 @@ import time
 
 import httpx
 import pytest
-from test_serve import HANG_S, MODEL, engine
 
 from minikv import SamplingParams
 from minikv.serve import Server
+
+from test_serve import HANG_S, MODEL, engine
 
 SEED = int(os.environ.get("MINIKV_FUZZ_SEED", "20261127"))
 FUZZ_S = float(os.environ.get("MINIKV_FUZZ_S", "4"))  # how long (a bound on the work: the checks hold for every case)

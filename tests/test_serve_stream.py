@@ -8,10 +8,11 @@ import json
 import httpx
 import openai
 import pytest
-from test_serve import HANG_S, MODEL, engine
 
 from minikv import SamplingParams
 from minikv.serve import Server
+
+from test_serve import HANG_S, MODEL, engine
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,12 @@ import re
 
 import httpx
 import pytest
-from test_serve import HANG_S, MODEL, engine, prompt_ids
 
 from minikv.serve import Server, parse_metrics
 from minikv.serve.metrics import MAX_TENANT_LABELS, ServerMetrics
 from minikv.serve.tenants import Tenants
+
+from test_serve import HANG_S, MODEL, engine, prompt_ids
 
 HTTP = httpx.Client(timeout=HANG_S)
 

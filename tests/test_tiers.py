@@ -10,6 +10,7 @@ from minikv import LLM, SamplingParams
 from minikv.cache.hash_chain import block_hashes
 from minikv.cache.tiers import store_key
 from minikv.model.loader import LoadedModel
+
 from engine_checks import checked
 
 BS = 4

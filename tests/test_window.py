@@ -18,7 +18,8 @@ from minikv import LLM, SamplingParams  # noqa: E402
 from minikv.attention.metadata import AttentionMetadata  # noqa: E402
 from minikv.cache.window import NO_BLOCK, window_free_rule  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
-from test_kernels import SCALE, HEAD_DIM, assert_close, poisoned, reference, scattered_pool  # noqa: E402
+
+from test_kernels import HEAD_DIM, SCALE, assert_close, poisoned, scattered_pool  # noqa: E402
 
 
 def reference_w(q, k_cache, v_cache, tables, meta, window, sinks):

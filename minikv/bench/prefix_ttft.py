@@ -33,6 +33,7 @@ import torch
 
 from minikv.bench import REPO, environment
 from minikv.bench.cache_speedup import prompt_ids, write_record
+
 MODES = (None, "hash", "radix")
 QUESTIONS = ["What is this text about?", "Summarise it in one sentence.", "Which memory does it describe?",
              "Why does the cache grow?", "What does a step cost?", "Name one trade-off.",

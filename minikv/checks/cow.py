@@ -21,7 +21,6 @@ from typing import Callable
 from minikv.cache.block_manager import copy_on_write_rule
 from minikv.checks.report import fail, passed
 
-
 reference_copy_on_write = copy_on_write_rule  # the engine's own rule, on plain lists
 
 

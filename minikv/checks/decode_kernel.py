@@ -43,7 +43,7 @@ def _require_interpreter() -> None:
 def _as_jit(fn):
     """`fn` as a Triton function (the learner's cell decorates it with @triton.jit; a plain one is wrapped)."""
     _require_interpreter()
-    import minikv.kernels  # noqa: F401  (before triton: on a CPU it switches Triton to its interpreter)
+    import minikv.kernels  # noqa: F401, I001  (before triton: on a CPU it switches Triton to its interpreter)
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 

@@ -28,7 +28,6 @@ from minikv.cache.block_table import slot_mapping as engine_slot_mapping
 from minikv.checks.report import fail, passed
 from minikv.engine.schedule_step import SeqInfo
 
-
 # ---- exercise 04a: slot mapping ----------------------------------------------------------------
 reference_slot_mapping = engine_slot_mapping  # the engine's own formula (minikv/cache/block_table.py)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from minikv.cache.window import NO_BLOCK, first_seen, window_free_rule as reference_rule
+from minikv.cache.window import NO_BLOCK, first_seen
+from minikv.cache.window import window_free_rule as reference_rule
 from minikv.checks.report import fail, passed
 
 # (block_table, num_computed_tokens, block_size, sliding_window, sink_tokens, what the case teaches)

@@ -98,7 +98,7 @@ def grade_class(folder: Path, exercises: Path | None = None, jobs: int = 1, time
     grades = grade_notebooks([p for _, _, p in wanted], timeout=timeout, reference=reference, jobs=jobs,
                              on_done=done)
     rows = {r.student: r for r in result}
-    for (student, name, _), g in zip(wanted, grades):
+    for (student, _, _), g in zip(wanted, grades):
         rows[student].grades[g.exercise] = g
     stems = [Path(n).stem for n in names]
     for r in result:

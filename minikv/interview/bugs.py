@@ -131,7 +131,7 @@ def _full_hit(m):
     mine, ref = _engines(m, "paged", num_blocks=32, **PAGED)
     p = list(range(10, 26))  # 16 tokens: exactly 4 blocks
     what = "the same 16-token prompt (4 full blocks of 4) twice"
-    for i in range(2):
+    for _ in range(2):
         want = ref.generate([p], _sp(max_tokens=5))
         got = _run(what, mine, [p], _sp(max_tokens=5))
         _compare(what, got, want)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import textwrap
 import time
 from pathlib import Path

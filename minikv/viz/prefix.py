@@ -88,7 +88,7 @@ def snapshot(llm, label: str = "", text_limit: int = 22) -> CacheSnapshot:
         live = [n for n in cache.leaves.ordered()  # the queue may hold leaves that are busy again
                 if n.is_leaf and n.blocks and cache.node_of.get(n.blocks[-1]) is n and cache.is_unused(n.blocks[-1])]
         leaves = {id(n): i + 1 for i, n in enumerate(live)}
-        for node, depth in cache.nodes():
+        for node, _depth in cache.nodes():
             if node.parent is None:
                 continue
             parent = None if node.parent.parent is None else f"n{id(node.parent)}"

@@ -107,7 +107,7 @@ def plot_timeline(trace: Trace, ax=None, x: str = "step", title: str | None = No
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.32 * len(states) + 1.3))
     used = set()
-    for row, (rid, line) in enumerate(states.items()):
+    for row, line in enumerate(states.values()):
         for first, n, state in segments(line):
             if state == "done":
                 continue
@@ -157,7 +157,6 @@ def timeline_widget(trace: Trace, x: str = "step"):
     import ipywidgets as w
 
     from minikv.viz.pool import figure_png
-
     from minikv.viz.view import view
 
     slider = w.IntSlider(value=0, min=0, max=len(trace) - 1, description="step", continuous_update=False)

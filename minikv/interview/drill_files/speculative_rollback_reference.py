@@ -1,5 +1,4 @@
 """Reference for the speculative-rollback drill."""
-import torch
 
 
 def num_accepted(draft, p, q, u):
