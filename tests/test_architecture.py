@@ -113,3 +113,47 @@ def test_no_import_circle_among_minikv_modules():
     cycle = find_cycle(import_graph())
     assert cycle is None, ("import circle: " + " -> ".join(cycle) + "\nmove what both need into a module "
                            "neither imports from, or build the objects in a factory both sides import")
+
+
+# ---- nothing outside the engine reaches into it ----------------------------------------------------
+ENGINE_FLOORS = ("minikv.engine", "minikv.cache", "minikv.attention", "minikv.model", "minikv.kernels")
+ENGINE_PARTS = {"scheduler", "backend", "runner", "block_manager"}  # read through `view` (minikv/engine/view.py)
+THIRD_PARTY_PRIVATE = {
+    "_attn_implementation": "transformers' model config names its attention implementation so",
+    "_showtraceback": "IPython's shell prints a traceback with it (the checkers' short errors)",
+    "_repr_mimebundle_": "IPython's display protocol",
+}
+
+
+def reaches_in(name: str) -> list[str]:
+    """Where a module reaches an engine's parts (`x.scheduler`, `x.backend.pool`, ...) or a private name
+    of an object other than itself."""
+    path, _ = MODULES[name]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        private = node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in THIRD_PARTY_PRIVATE
+        if not own and (node.attr in ENGINE_PARTS or private):
+            out.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_nothing_outside_the_engine_reaches_its_parts_or_private_names():
+    """Views, checkers, bug labs, benchmarks and the server read the engine through `llm.view` (and the
+    public methods of LLM): the scheduler's queues, the block manager, the attention backend's pool and
+    every private name stay free to change."""
+    outside = [m for m in MODULES if not m.startswith(ENGINE_FLOORS)]
+    assert len(outside) > 30
+    found = [hit for m in outside for hit in reaches_in(m)]
+    assert not found, ("reaching into the engine from outside it:\n  " + "\n  ".join(found)
+                       + "\nread it through llm.view (minikv/engine/view.py), or add what is missing there")
+
+
+def test_the_reach_rule_sees_a_reach_in(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(llm):\n    return llm.scheduler.running, llm.backend.pool, llm._requests, self._ok\n")
+    monkeypatch.setitem(MODULES, "minikv.viz.bad", (bad, False))
+    assert sorted(h.rsplit(": ", 1)[1] for h in reaches_in("minikv.viz.bad")) == [
+        "llm._requests", "llm.backend", "llm.scheduler"]

@@ -138,7 +138,7 @@ def check_tokens(ckpt: Path, device: str, dtype: torch.dtype, attention: str = "
     llm = LLM(str(ckpt), device=device, dtype=dtype, kv_backend="paged", attention=attention, num_blocks=256,
               max_model_len=512)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
-    graphs = llm.runner.decode_graphs is not None  # on by default with Triton attention on a GPU
+    graphs = llm.engine_config.cuda_graphs  # on by default with Triton attention on a GPU
     del llm
     release(device)
     hf = hf_model if hf_model is not None else load_hf(ckpt, device, dtype)
@@ -216,7 +216,7 @@ def run_minikv(ckpt: Path, requests, device: str, dtype: torch.dtype, attention:
     target = sum(n for _, n in requests)
     stats = llm.stats()
     cfg = stats["config"]
-    out = {"engine": "minikv", "attention": llm.attention, "cuda_graphs": llm.runner.decode_graphs is not None,
+    out = {"engine": "minikv", "attention": llm.attention, "cuda_graphs": llm.engine_config.cuda_graphs,
            "sampling": sampling, "config": "defaults" if defaults else "tuned", "chosen": cfg["chosen"],
            "startup_s": round(startup, 2), "block_size": llm.block_size, "max_num_seqs": cfg["max_num_seqs"],
            "max_num_batched_tokens": cfg["max_num_batched_tokens"], "num_blocks": stats["num_blocks"],

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                       num_blocks=num_blocks, max_model_len=num_blocks * bs, attention=args.attention,
                       prefix_caching="hash", cuda_graphs=False)
         off = LLM(path, **common)
-        block_bytes = off.backend.pool.block_bytes
+        block_bytes = off.view.block_bytes
         cpu_budget = (args.users + 1) * num_blocks * block_bytes
         engines = {"off": off, "cpu": off.derive(kv_offload_cpu_bytes=cpu_budget),
                    "disk": off.derive(kv_offload_dir=kv_dir, kv_offload_disk_bytes=4 * cpu_budget)}

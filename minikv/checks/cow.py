@@ -198,10 +198,10 @@ def check_copy_on_write_in_engine(llm, fn: Callable, prompt, n: int = 4, max_tok
     class InvariantCheck:  # an observer: after every step, block tables and ref_counts must agree
         def on_step(self, engine, batch, events) -> None:
             try:
-                engine.block_manager.check(engine.scheduler.all_sequences())
+                engine.view.check()
             except AssertionError as e:
                 fail("the engine with your copy_on_write",
-                     f"bookkeeping broke at engine step {engine.scheduler.step_index}", str(e),
+                     f"bookkeeping broke at engine step {engine.view.step_index}", str(e),
                      "every copy takes one block (ref_count 1) and gives back one reference to the source")
 
     mine.add_observer(InvariantCheck())

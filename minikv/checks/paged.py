@@ -237,7 +237,7 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
                       max_num_batched_tokens=32, preemption=preemption)
         ref, llm = LLM("tiny-random", block_allocator=FreeListAllocator, **kwargs), None
     else:
-        if llm.block_size is None or not isinstance(llm.block_manager.allocator, allocator_cls):
+        if llm.block_size is None or not isinstance(llm.view.block_allocator, allocator_cls):
             raise ValueError(f"build the LLM with kv_backend='paged' and block_allocator={allocator_cls.__name__}")
         ref = None
     model = llm or ref
@@ -245,9 +245,9 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
                           if model.tokenizer is None else
                           [model.chat_prompt(q) for q in ("What is a block table?", "Name two colors.", "Say hi.")])
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    bm = model.block_manager
-    case = (f"{bm.num_blocks} blocks of {model.block_size} tokens, {len(prompts)} requests, "
-            f"{model.scheduler.preemption}")
+    view = model.view
+    case = (f"{view.num_blocks} blocks of {model.block_size} tokens, {len(prompts)} requests, "
+            f"{view.preemption}")
 
     def run_learner() -> tuple[list[list[int]], dict]:
         try:
@@ -271,8 +271,8 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
         before = learner.stats()["num_preemptions"]
         got, stats = run_learner()
         stats["num_preemptions"] -= before
-        if bm.num_used_blocks:
-            fail(case, "blocks leaked", f"{bm.num_used_blocks} blocks still in use after every request finished")
+        if view.used_blocks:
+            fail(case, "blocks leaked", f"{view.used_blocks} blocks still in use after every request finished")
         reference = llm.derive(block_allocator=None)
         want = [o.token_ids for o in reference.generate(prompts, params)]
         ref_preemptions = reference.stats()["num_preemptions"]
@@ -282,7 +282,7 @@ def check_allocator_in_engine(allocator_cls, llm=None, prompts=None, max_tokens:
             fail(case, f"request {i}: tokens differ from token {j} on", f"reference allocator: {w}\nyours: {g}",
                  "the same scheduling with other block ids must give the same tokens: a block handed to two "
                  "sequences at once lets one overwrite the other's K/V")
-    learner.block_manager.check(learner.scheduler.all_sequences())
+    learner.view.check()
     if stats["used_blocks"] != 0:
         fail(case, "blocks leaked", f"{stats['used_blocks']} blocks still in use after every request finished")
     passed(len(prompts), f"the engine ran on {allocator_cls.__name__} under memory pressure "

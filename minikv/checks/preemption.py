@@ -248,13 +248,12 @@ class _Replay:
         self.problem: str | None = None
 
     def snapshot(self, llm) -> None:
-        sch = llm.scheduler
-        order = {s.seq_id: i for i, s in enumerate(sorted(sch.all_sequences(), key=lambda s: s.arrival_time))}
+        view = llm.view
+        order = {s.seq_id: i for i, s in enumerate(sorted(view.sequences(), key=lambda s: s.arrival_time))}
         running = tuple(RunningSeq(s.request_id, s.num_tokens, s.num_computed_tokens, len(s.block_table),
-                                   s.params.priority, order[s.seq_id]) for s in sch.running)
-        swap_free = sch.swap.num_free_blocks if sch.swap is not None else 0
-        self.state = (running, sch.max_num_batched_tokens, llm.block_manager.num_free_blocks, llm.block_size,
-                      swap_free)
+                                   s.params.priority, order[s.seq_id]) for s in view.running)
+        self.state = (running, view.max_num_batched_tokens, view.free_blocks, llm.block_size,
+                      view.free_swap_blocks)
 
     def on_schedule(self, llm, batch) -> None:
         if self.problem or self.state is None:
@@ -272,12 +271,12 @@ class _Replay:
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001
-            self.problem = (f"engine step {llm.scheduler.step_index - 1}: schedule_running raised "
+            self.problem = (f"engine step {llm.view.step_index - 1}: schedule_running raised "
                             f"{type(e).__name__}: {e}")
             return
         if (mine_batch, mine_pre) != (engine_batch, engine_pre):
             case = PreemptCase(running, budget, free, bs, self.preemption, swap_free, "a state of the engine run")
-            self.problem = (f"engine step {llm.scheduler.step_index - 1}: {case.describe()}\n"
+            self.problem = (f"engine step {llm.view.step_index - 1}: {case.describe()}\n"
                             f"  the engine ran {engine_batch}, preempted {engine_pre}\n"
                             f"  yours:         {mine_batch}, preempted {mine_pre}")
 
@@ -296,7 +295,7 @@ def check_preemption_on_engine_run(schedule_running, llm=None, preemption: str =
                   max_num_batched_tokens=32, preemption=preemption)
     prompts = [[(11 * i + 5 * j) % 400 + 3 for j in range(n)] for i, n in enumerate((12, 7, 17, 9, 5))]
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=p) for p in (0, 0, 1, 0, 0)]
-    replay = _Replay(schedule_running, llm.scheduler.preemption)
+    replay = _Replay(schedule_running, llm.view.preemption)
     replay.snapshot(llm)
     remove = llm.add_observer(replay)
     try:
@@ -304,12 +303,12 @@ def check_preemption_on_engine_run(schedule_running, llm=None, preemption: str =
     finally:
         remove()
     if replay.problem:
-        fail(f"a run of {len(prompts)} requests on {llm.block_manager.num_blocks} blocks of {llm.block_size} "
-             f"tokens, preemption={llm.scheduler.preemption!r}", "your decision differs from the engine's",
+        fail(f"a run of {len(prompts)} requests on {llm.view.num_blocks} blocks of {llm.block_size} "
+             f"tokens, preemption={llm.view.preemption!r}", "your decision differs from the engine's",
              replay.problem)
     if not replay.preempting_steps:
         fail("the run", "no step preempted anyone", "the pool should be too small", "use fewer blocks")
     passed(replay.steps, f"your schedule_running made the engine's decision at every step of a run under memory "
                          f"pressure ({replay.preempting_steps} steps preempted, preemption="
-                         f"{llm.scheduler.preemption!r})")
+                         f"{llm.view.preemption!r})")
     return llm.stats()

@@ -298,7 +298,7 @@ def chat_then_evict(engine, system: str, questions: list[str], long_prompt: str,
             fail(what, f"the engine on your functions raised {type(e).__name__}", str(e))
         if learner:
             try:
-                engine.block_manager.check(engine.scheduler.all_sequences())
+                engine.view.check()
             except AssertionError as e:
                 fail(what, "the cache's invariants broke after this request", str(e))
         results.append((what, out.token_ids, out.num_cached_tokens))

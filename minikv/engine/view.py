@@ -139,6 +139,17 @@ class EngineView:
     def bytes_per_token(self) -> int:
         return self._core.pool.bytes_per_token
 
+    @property
+    def block_allocator(self):
+        """The object handing out block ids (the engine's, or yours through the block_allocator seam)."""
+        return self._bm().allocator
+
+    @property
+    def free_swap_blocks(self) -> int:
+        """Free blocks of the CPU swap space (0 without preemption='swap')."""
+        swap = getattr(self._core.scheduler, "swap", None)
+        return swap.num_free_blocks if swap is not None else 0
+
     def check(self, seqs=None) -> None:
         """The pool's invariants against these sequences' block tables (default: every sequence the
         scheduler holds); raises AssertionError naming the first broken one."""
@@ -172,6 +183,11 @@ class EngineView:
         """The offload tiers below the prefix cache (rung 9): their stats, or None without tiers."""
         offload = self._core.block_manager.offload if self._core.block_manager is not None else None
         return offload.stats() if offload is not None else None
+
+    def tier_key(self, block_hash) -> bytes | None:
+        """The key a block of this chain hash has in the offload tiers (None without tiers)."""
+        offload = self._core.block_manager.offload if self._core.block_manager is not None else None
+        return offload.key(block_hash) if offload is not None else None
 
     @property
     def offload_store(self):

@@ -97,9 +97,9 @@ def _compare(what: str, got, want, hint: str | None = None) -> None:
 
 def _invariants(what: str, llm, seqs=()) -> None:
     try:
-        llm.block_manager.check(list(seqs))
+        llm.view.check(list(seqs))
     except AssertionError as e:
-        fail(f"scenario: {what}", "the pool's invariant check failed (llm.block_manager.check)", str(e))
+        fail(f"scenario: {what}", "the pool's invariant check failed (llm.view.check)", str(e))
 
 
 def _sp(**kw):
@@ -173,11 +173,11 @@ class _SharedPrefixWatch:
     def on_step(self, llm, batch, events) -> None:
         if self.problem:
             return
-        done = [s for s in llm.scheduler.running if s.num_computed_tokens >= self.n * self.bs]
+        done = [s for s in llm.view.running if s.num_computed_tokens >= self.n * self.bs]
         tables = {s.request_id: list(s.block_table[:self.n]) for s in done}
         if len({tuple(t) for t in tables.values()}) > 1:
-            self.problem = (f"after step {llm.scheduler.step_index}, the requests hold the shared 16-token prefix "
-                            f"in different blocks: {tables}; KV in use {llm.block_manager.num_used_blocks} blocks")
+            self.problem = (f"after step {llm.view.step_index}, the requests hold the shared 16-token prefix "
+                            f"in different blocks: {tables}; KV in use {llm.view.used_blocks} blocks")
 
 
 def _duplicate(m):

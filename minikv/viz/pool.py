@@ -107,16 +107,16 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
     if not (len(params) == len(arrivals) == len(prompts)):
         raise ValueError(f"got {len(prompts)} prompts, {len(params)} params and {len(arrivals)} arrival steps; "
                          "give one of each per prompt")
-    sch, bm = llm.scheduler, llm.block_manager
+    view = llm.view
     known: dict[str, object] = {}  # every sequence seen, in arrival order (forked samples included)
     batches = []
     log: list[tuple[str, str]] = []  # (request_id, event) as the scheduler reports them
 
     class Recorder:  # an observer: the engine calls it, nothing of the engine is replaced
         def on_schedule(self, llm, batch) -> None:
-            for s in sch.all_sequences():
+            for s in view.sequences():
                 known.setdefault(s.request_id, s)
-            batches.append((batch, {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)))
+            batches.append((batch, {rid: _snapshot(s) for rid, s in known.items()}, list(view.ref_counts())))
 
         def on_event(self, llm, step: int, request_id: str, event: str) -> None:
             log.append((request_id, event))
@@ -143,7 +143,7 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
                     snap[seq.request_id].start, snap[seq.request_id].scheduled = start, n
                 copies = [(int(a), int(b)) for a, b in getattr(batch, "blocks_to_copy", [])]
             else:  # nothing had arrived yet: an empty step
-                snap, refs = {rid: _snapshot(s) for rid, s in known.items()}, list(bm.ref_count)
+                snap, refs = {rid: _snapshot(s) for rid, s in known.items()}, list(view.ref_counts())
             batches.clear()
             events = log[log_start:]
             sampled = [rid for rid, s in known.items() if len(s.output_token_ids) > before.get(rid, 0)]
@@ -151,7 +151,7 @@ def record_trace(llm, prompts: list, params=None, arrivals: list[int] | None = N
             step += 1
     finally:
         remove()
-    return Trace(bm.num_blocks, llm.block_size, sch.max_num_batched_tokens, steps, list(known),
+    return Trace(view.num_blocks, llm.block_size, view.max_num_batched_tokens, steps, list(known),
                  {rid: list(s.output_token_ids) for rid, s in known.items()})
 
 

@@ -65,9 +65,9 @@ def _short(text: str, limit: int) -> str:
 
 def snapshot(llm, label: str = "", text_limit: int = 22) -> CacheSnapshot:
     """What the engine's prefix cache holds now, and the state of every block of the pool."""
-    cache, bm = llm.prefix_cache, llm.block_manager
+    cache = llm.prefix_cache
     decode = _decoder(llm)
-    ref = bm.ref_count
+    ref = llm.view.ref_counts()
 
     def state(blocks: list[int]) -> str:
         if any(ref[b] for b in blocks):
@@ -96,7 +96,7 @@ def snapshot(llm, label: str = "", text_limit: int = 22) -> CacheSnapshot:
                              len(node.key), state(node.blocks), max(ref[b] for b in node.blocks), node.salt,
                              None, leaves.get(id(node))))
     pool = []
-    for b in range(bm.num_blocks):
+    for b in range(len(ref)):
         if cache.holds(b):
             pool.append("in use" if ref[b] else "pinned" if b in cache.pinned else "unused")
         else:

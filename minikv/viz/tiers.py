@@ -36,8 +36,8 @@ def tier_snapshot(llm, conversations: dict[str, list[int]], label: str = "", las
                   salts: dict[str, str | None] | None = None) -> TierSnapshot:
     """Where every full block of each conversation's tokens is now. `last`: the RequestOutput of the
     request just run (its hits per tier come from the engine's counters, see `run_turn`)."""
-    cache, store, bs = llm.prefix_cache, llm.offload_store, llm.block_size
-    offload = llm.block_manager.offload
+    view = llm.view
+    cache, store, bs = llm.prefix_cache, view.offload_store, llm.block_size
     if getattr(store, "disk", None) is not None:
         store.disk.flush()
     rows = {}
@@ -45,16 +45,16 @@ def tier_snapshot(llm, conversations: dict[str, list[int]], label: str = "", las
         salt = (salts or {}).get(name)
         row = []
         for h in block_hashes(tokens, bs, salt):
-            k = offload.key(h) if offload is not None else None
+            k = view.tier_key(h)
             in_cpu = k is not None and getattr(store, "cpu", None) is not None and k in store.cpu
             on_disk = k is not None and getattr(store, "disk", None) is not None and k in store.disk
             row.append((h in cache.table, in_cpu, on_disk))
         rows[name] = row
-    occ = {"pool": (len(cache.cached_blocks()), llm.block_manager.num_blocks)}
+    occ = {"pool": (len(cache.cached_blocks()), view.num_blocks)}
     if getattr(store, "cpu", None) is not None:
         occ["cpu"] = (len(store.cpu), store.cpu.capacity)
     if getattr(store, "disk", None) is not None:
-        occ["disk"] = (len(store.disk), store.disk.budget // file_bytes(llm.backend.pool.block_bytes))
+        occ["disk"] = (len(store.disk), store.disk.budget // file_bytes(view.block_bytes))
     return TierSnapshot(label, rows, occupancy=occ)
 
 
