@@ -8,8 +8,8 @@ Python would get away with it. Every import statement counts, wherever it sits:
     under `if TYPE_CHECKING:`    the module's types name the other: the design still depends on it
     inside a function            a lazy import is the usual way to hide a circle; it is still one
 
-An edge goes to the module named (`from minikv.cache import allocator` -> minikv.cache.allocator,
-`from minikv.cache.radix import Node` -> minikv.cache.radix), not to the packages above it that
+An edge goes to the module named (`from minikv.cache.blocks import allocator` -> minikv.cache.blocks.allocator,
+`from minikv.cache.prefix.radix import Node` -> minikv.cache.prefix.radix), not to the packages above it that
 Python runs first: every module imports its parents' `__init__`, so counting those would make a
 circle of any package whose `__init__` re-exports its children.
 kernels/ is imported as minikv.kernels (pyproject.toml maps it there).
@@ -101,12 +101,12 @@ def test_the_graph_reader_sees_every_kind_of_import():
 
 def test_cache_never_imports_the_engine():
     """minikv/cache/ owns KV memory and knows no request type, scheduler or runner: what it needs of a
-    request is the Protocol in minikv/cache/block_table.py, which the engine's Sequence satisfies."""
+    request is the Protocol in minikv/cache/blocks/block_table.py, which the engine's Sequence satisfies."""
     bad = [f"{MODULES[m][0].relative_to(REPO)}:{line} imports {t}"
            for m in MODULES if m == "minikv.cache" or m.startswith("minikv.cache.")
            for t, line in imports_of(m) if t == "minikv.engine" or t.startswith("minikv.engine.")]
     assert not bad, ("the cache must not import the engine (TYPE_CHECKING and function-level imports count):\n  "
-                     + "\n  ".join(bad) + "\nuse the request Protocol of minikv/cache/block_table.py instead")
+                     + "\n  ".join(bad) + "\nuse the request Protocol of minikv/cache/blocks/block_table.py instead")
 
 
 def test_no_import_circle_among_minikv_modules():

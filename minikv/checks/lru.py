@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from minikv.cache.hash_chain import HashChainCache
+from minikv.cache.prefix.hash_chain import HashChainCache
 from minikv.checks.report import fail, passed
 
 

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from minikv.cache.allocator import FreeListAllocator
+from minikv.cache.blocks.allocator import FreeListAllocator
 from minikv.cache.block_manager import BlockManager
 from minikv.checks.report import fail, passed
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from minikv.cache.radix import Node, RadixCache, match_prefix
+from minikv.cache.prefix.radix import Node, RadixCache, match_prefix
 from minikv.checks.prefix import _Seq
 from minikv.checks.report import fail, passed
 
@@ -68,7 +68,7 @@ def _links(root: Node, block_size: int) -> str | None:
     return None
 
 
-# ---- references (the tree surgery of minikv/cache/radix.py, on bare nodes) -------------------------
+# ---- references (the tree surgery of minikv/cache/prefix/radix.py, on bare nodes) -------------------------
 
 def reference_split(node: Node, k: int, block_size: int) -> Node:
     cut = k * block_size

@@ -339,7 +339,7 @@ class EngineConfig:
             self.kv_layout = "hnd" if self.attention == "triton" else "nhd"
 
     def _check_kv_cache_dtype(self) -> None:
-        from minikv.cache.quant import KV_CACHE_DTYPES, fp8_supported
+        from minikv.cache.blocks.quant import KV_CACHE_DTYPES, fp8_supported
 
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_dtype == "auto":
@@ -355,12 +355,12 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype the paged pool stores K/V in (kv_cache_dtype resolved against the model's dtype)."""
-        from minikv.cache.quant import cache_dtype
+        from minikv.cache.blocks.quant import cache_dtype
 
         return cache_dtype(self.kv_cache_dtype, self.dtype)
 
     def _check_prefix_options(self) -> None:
-        from minikv.cache.prefix_cache import PrefixCache
+        from minikv.cache.prefix.base import PrefixCache
 
         p = self.prefix_caching
         if p is not None and not isinstance(p, PrefixCache):
@@ -543,7 +543,8 @@ class EngineConfig:
         self._fit_offload(bytes_per_block)
 
     def _fit_offload(self, bytes_per_block: int) -> None:
-        from minikv.cache.tiers import DEFAULT_DISK_BYTES, file_bytes
+        from minikv.cache.tiers.block_file import file_bytes
+        from minikv.cache.tiers.disk_budget import DEFAULT_DISK_BYTES
 
         if self.kv_offload_cpu_bytes is not None and self.kv_offload_cpu_bytes < bytes_per_block:
             raise ValueError(f"kv_offload_cpu_bytes={self.kv_offload_cpu_bytes:,} holds no block of "

@@ -24,14 +24,17 @@ from minikv.attention.naive import NaiveBackend
 from minikv.attention.paged import PagedBackend
 from minikv.attention.seams import CausalAttentionSeam, DecodeStepSeam
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.block_table import blocks_needed
-from minikv.cache.offload import Offload
-from minikv.cache.pool import KVPool, RowPool
+from minikv.cache.blocks.block_table import blocks_needed
+from minikv.cache.blocks.pool import KVPool, RowPool
+from minikv.cache.blocks.swap import SwapSpace
 
-from minikv.cache.prefix_cache import PrefixCache
-from minikv.cache.prefix_caches import make_prefix_cache
-from minikv.cache.swap import SwapSpace
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, store_identity, weights_fingerprint
+from minikv.cache.prefix.base import PrefixCache
+from minikv.cache.prefix.registry import make_prefix_cache
+from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.disk import DiskTier
+from minikv.cache.tiers.identity import store_identity, weights_fingerprint
+from minikv.cache.tiers.offload import Offload
+from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ModelShape
