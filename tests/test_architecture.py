@@ -12,7 +12,6 @@ An edge goes to the module named (`from minikv.cache.blocks import allocator` ->
 `from minikv.cache.prefix.radix import Node` -> minikv.cache.prefix.radix), not to the packages above it that
 Python runs first: every module imports its parents' `__init__`, so counting those would make a
 circle of any package whose `__init__` re-exports its children.
-kernels/ is imported as minikv.kernels (pyproject.toml maps it there).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = {"minikv": REPO / "minikv", "minikv.kernels": REPO / "kernels"}
+PACKAGES = {"minikv": REPO / "minikv"}
 
 
 def module_files() -> dict[str, tuple[Path, bool]]:

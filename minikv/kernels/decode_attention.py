@@ -41,7 +41,7 @@ two), any context length, group size any (padded to 16 rows for the tensor-core 
 any storage order with a contiguous head_dim (token- or head-major: only strides are read). fp16
 and bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16. A quantized pool (int8
 or fp8 with per token and head scales, minikv/cache/blocks/quant.py) is dequantized tile by tile as it is
-read (kernels/quant.py), before the inner loop: the seam below sees K/V in q's dtype either way.
+read (minikv/kernels/quant.py), before the inner loop: the seam below sees K/V in q's dtype either way.
 """
 from __future__ import annotations
 
