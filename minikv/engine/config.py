@@ -63,7 +63,7 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ScratchShape:
     """The model sizes a step's scratch memory depends on."""
 
     hidden_size: int
@@ -72,7 +72,7 @@ class ModelShape:
     dtype_bytes: int
 
 
-def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def step_scratch_bytes(shape: ScratchShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """A generous bound on the memory one step needs besides weights and pool: the largest step's
     activations (residual, norms, q/k/v, MLP's gate, up and product: ~6 x hidden + 3 x intermediate per
     token) and the logits of every sampled row in float32 with the sampler's temporaries (8x: its noise
@@ -82,7 +82,7 @@ def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_s
     return max_num_batched_tokens * per_token + logits + 2**30
 
 
-def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, block_size: int, max_model_len: int,
+def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, block_size: int, max_model_len: int,
                  max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None,
                  cap_seqs: bool = True) -> dict[str, int]:
     """max_num_seqs, max_num_batched_tokens and num_blocks for a paged engine on this card, each only
@@ -459,7 +459,7 @@ class EngineConfig:
 
     # ---- phase 2: against the model and the machine ------------------------------------------------
     def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None,
-            shape: ModelShape | None = None, info: DeviceInfo | None = None) -> None:
+            shape: ScratchShape | None = None, info: DeviceInfo | None = None) -> None:
         """Fill in the sizes left as None and check them against the model (its number of positions, its
         own sliding window) and, for a paged pool, against memory (`bytes_per_block`: K and V of one
         block, all layers). On a GPU a paged engine's sizes come from the card and the model
@@ -486,7 +486,7 @@ class EngineConfig:
         if on_gpu:
             info = info if info is not None else DeviceInfo.of(self.device)
             available = info.free_memory
-            shape = shape if shape is not None else ModelShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
+            shape = shape if shape is not None else ScratchShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
             picked = gpu_defaults(info, shape, bytes_per_block, self.block_size, self.max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, self.kv_cache_memory if self.num_blocks is None else
                                   self.num_blocks * bytes_per_block, cap_seqs=self.num_blocks is None)

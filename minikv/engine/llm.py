@@ -37,7 +37,7 @@ from minikv.cache.tiers.offload import Offload
 from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
-from minikv.engine.config import EngineConfig, ModelShape
+from minikv.engine.config import EngineConfig, ScratchShape
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
@@ -247,7 +247,7 @@ class LLM:
             torch.cuda.empty_cache()
         cfg.fit(c.max_position_embeddings,
                 KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
-                c.sliding_window, ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
+                c.sliding_window, ScratchShape(c.hidden_size, c.intermediate_size, c.vocab_size, self.dtype.itemsize))
         if cfg.chosen and self.device.type == "cuda":
             _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: "
                       + ", ".join(f"{name}={getattr(cfg, name):,}" for name in cfg.chosen)

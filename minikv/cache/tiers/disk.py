@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from minikv.cache.tiers.block_file import HEADER_BYTES, block_file, block_payload, check_block, file_bytes, payload_tensors
+from minikv.cache.tiers.block_file import (HEADER_BYTES, block_file, block_payload, check_block, file_bytes,
+                                          payload_tensors)
 from minikv.cache.tiers.disk_budget import RESCAN_S, is_hex, stale_tmp
 from minikv.cache.tiers.store import Value
 
