@@ -11,7 +11,7 @@ a float32 reference on every case (a wrong one is never chosen). In this order:
 
 The code's defaults stay unless something beats them by more than NOISE: two runs of one setting
 differ by ~1% (benchmarks/NOTES_decode.md, run 11). The kernel module is left as it was: to adopt a
-choice, make it the default in kernels/decode_attention.py (PROGRAMS_PER_SM, DECODE_CONFIG) and run
+choice, make it the default in minikv/kernels/decode_attention.py (PROGRAMS_PER_SM, DECODE_CONFIG) and run
 the benchmark again. Writes decode_tune_gpu.json (records before this script existed keep the same
 log under "tuning" in decode_attention_gpu*.json).
 

@@ -4,7 +4,7 @@ The decode benchmark (minikv/bench/decode_attention.py) measures the kernel agai
 this script asks why it lands where it does. Each question is answered in the same run on the same
 card, at the benchmark's shapes and a long context (32 x 32768, 512 MiB of K/V), block size 16:
 
-    previous (--previous FILE) an earlier kernels/decode_attention.py timed beside the kernel as it
+    previous (--previous FILE) an earlier minikv/kernels/decode_attention.py timed beside the kernel as it
              is, on the same values: what did a change to the kernel gain?
     layout   the pool stored token-major ([blocks, block_size, kv_heads, D] in memory: a program
              reads 128-byte rows 256 bytes apart) or head-major ([blocks, kv_heads, block_size, D],

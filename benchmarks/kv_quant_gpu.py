@@ -32,7 +32,7 @@ import torch
 import minikv.kernels  # noqa: F401, I001  (first: on a CPU it switches Triton to its interpreter)
 from minikv.bench import environment
 from minikv.bench.decode_attention import Clock, copy_bandwidth, kernel_time, rel_err
-from minikv.cache.quant import dequantize_block, quantize_block
+from minikv.cache.blocks.quant import dequantize_block, quantize_block
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 H, KVH, D = 14, 2, 64

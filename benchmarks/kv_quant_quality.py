@@ -40,7 +40,7 @@ from minikv import LLM, SamplingParams
 from minikv.attention.metadata import PagedMetadata
 from minikv.bench import REPO, environment, first_divergence
 from minikv.bench.cache_speedup import write_record
-from minikv.cache.quant import QMAX, has_zero_point
+from minikv.cache.blocks.quant import QMAX, has_zero_point
 
 TEXT = REPO / "benchmarks" / "data" / "pride_and_prejudice_ch1.txt"
 PROMPTS = [

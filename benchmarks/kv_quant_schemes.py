@@ -38,7 +38,7 @@ import torch
 
 from minikv import SamplingParams
 from minikv.bench import REPO, environment, first_divergence
-from minikv.cache.quant import QMAX
+from minikv.cache.blocks.quant import QMAX
 
 from kv_quant_quality import BLOCK_SIZE, PROMPTS, TEXT, all_logits, teacher_forcing  # noqa: E402
 

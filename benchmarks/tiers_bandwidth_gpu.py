@@ -1,5 +1,5 @@
 """How fast blocks move between the pool and the CPU tier: spill (pool -> CPU tier) and load (CPU tier
--> pool), the batched path of minikv/cache/offload.py against the per-block path it replaced, and
+-> pool), the batched path of minikv/cache/tiers/offload.py against the per-block path it replaced, and
 against a raw pinned copy of the same bytes (the most any path can reach over this link).
 
     python3 benchmarks/tiers_bandwidth_gpu.py --out $OUT/tiers_bandwidth_gpu.json      on a GPU
@@ -34,10 +34,11 @@ from collections import OrderedDict
 
 import torch
 
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.offload import Offload
-from minikv.cache.pool import KVPool
-from minikv.cache.tiers import CpuTier, TieredStore
+from minikv.cache.prefix.hash_chain import HashChainCache
+from minikv.cache.tiers.offload import Offload
+from minikv.cache.blocks.pool import KVPool
+from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.tiered import TieredStore
 
 SHAPES = {  # num_layers, num_kv_heads, head_dim, block_size
     "qwen0.5b": (24, 2, 64, 16),

@@ -22,7 +22,7 @@ import torch
 
 from minikv.attention.common import attend
 from minikv.attention.metadata import AttentionMetadata
-from minikv.cache.window import NO_BLOCK, window_free_rule
+from minikv.cache.blocks.window import NO_BLOCK, window_free_rule
 from minikv.kernels import paged_decode_attention, paged_prefill_attention
 
 

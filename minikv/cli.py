@@ -219,7 +219,7 @@ of its own, --jobs at a time. Writes a CSV (student, one column per exercise, po
 with --junit, JUnit XML (a testsuite per student, a testcase per exercise with its diagnosis)."""
 
 RELEASE_HELP = """Write the student copy of the course: notebooks/ (with their outputs), exercises/ (the stubs,
-every output cleared), README, the package (pyproject.toml, Makefile, minikv/, kernels/), the
+every output cleared), README, the package (pyproject.toml, Makefile, minikv/), the
 recorded benchmarks the notebooks read, and a GitHub Classroom workflow (.github/workflows/classroom.yml,
 one `minikv check` per exercise). Never solutions/, instructor/, tests/ (but a module a notebook
 imports), nor any cell tagged `solution` or `instructor`."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Test modules import transformers (which may import triton) before minikv: without CUDA, Triton's
-# interpreter must be on before triton is first imported (see kernels/interpreter.py).
+# interpreter must be on before triton is first imported (see minikv/kernels/interpreter.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

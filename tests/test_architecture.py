@@ -1,5 +1,5 @@
-"""Who may import whom: the cache knows nothing of the engine, and no module of minikv imports itself
-back through others.
+"""Who may import whom: the cache knows nothing of the engine, no module of minikv imports itself
+back through others, and no module imports from a floor above its own.
 
 The imports are read with `ast` from the source, not by importing, so a circle is found even when
 Python would get away with it. Every import statement counts, wherever it sits:
@@ -8,11 +8,18 @@ Python would get away with it. Every import statement counts, wherever it sits:
     under `if TYPE_CHECKING:`    the module's types name the other: the design still depends on it
     inside a function            a lazy import is the usual way to hide a circle; it is still one
 
-An edge goes to the module named (`from minikv.cache import allocator` -> minikv.cache.allocator,
-`from minikv.cache.radix import Node` -> minikv.cache.radix), not to the packages above it that
+An edge goes to the module named (`from minikv.cache.blocks import allocator` -> minikv.cache.blocks.allocator,
+`from minikv.cache.prefix.radix import Node` -> minikv.cache.prefix.radix), not to the packages above it that
 Python runs first: every module imports its parents' `__init__`, so counting those would make a
 circle of any package whose `__init__` re-exports its children.
-kernels/ is imported as minikv.kernels (pyproject.toml maps it there).
+
+The floors, from the ground up (a module imports its own floor or those below, never one above):
+
+    1  cache, kernels                      KV memory and the Triton kernels that read and write it
+    2  attention, model                    the backends and the decoder that calls them; model shapes
+    3  engine, minikv (the package face)   requests, scheduler, runner, sampler, the LLM facade
+    4  viz, serve, bench, checks           what looks at, serves, times or checks the engine
+    5  interview, classroom, cli           the course's tools, and the command line over everything
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = {"minikv": REPO / "minikv", "minikv.kernels": REPO / "kernels"}
+PACKAGES = {"minikv": REPO / "minikv"}
 
 
 def module_files() -> dict[str, tuple[Path, bool]]:
@@ -89,6 +96,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+FLOORS = [("cache", "kernels"), ("attention", "model"), ("engine", "minikv"), ("viz", "serve", "bench", "checks"),
+          ("interview", "classroom", "cli")]
+FLOOR_OF = {room: i + 1 for i, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def room_of(module: str) -> str:
+    """minikv.cache.blocks.pool -> cache; minikv.cli -> cli; minikv (the package face) -> minikv."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
 def test_the_graph_reader_sees_every_kind_of_import():
     """The reader itself: the kinds of import the two tests below rely on are found."""
     assert len(MODULES) > 40 and "minikv.kernels.decode_attention" in MODULES and "minikv.cache" in MODULES
@@ -101,12 +119,12 @@ def test_the_graph_reader_sees_every_kind_of_import():
 
 def test_cache_never_imports_the_engine():
     """minikv/cache/ owns KV memory and knows no request type, scheduler or runner: what it needs of a
-    request is the Protocol in minikv/cache/block_table.py, which the engine's Sequence satisfies."""
+    request is the Protocol in minikv/cache/blocks/block_table.py, which the engine's Sequence satisfies."""
     bad = [f"{MODULES[m][0].relative_to(REPO)}:{line} imports {t}"
            for m in MODULES if m == "minikv.cache" or m.startswith("minikv.cache.")
            for t, line in imports_of(m) if t == "minikv.engine" or t.startswith("minikv.engine.")]
     assert not bad, ("the cache must not import the engine (TYPE_CHECKING and function-level imports count):\n  "
-                     + "\n  ".join(bad) + "\nuse the request Protocol of minikv/cache/block_table.py instead")
+                     + "\n  ".join(bad) + "\nuse the request Protocol of minikv/cache/blocks/block_table.py instead")
 
 
 def test_no_import_circle_among_minikv_modules():
@@ -136,7 +154,8 @@ def reaches_in(name: str) -> list[str]:
         own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
         private = node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in THIRD_PARTY_PRIVATE
         if not own and (node.attr in ENGINE_PARTS or private):
-            out.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno}: {ast.unparse(node)}")
+            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+            out.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     return out
 
 
@@ -157,3 +176,20 @@ def test_the_reach_rule_sees_a_reach_in(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "minikv.viz.bad", (bad, False))
     assert sorted(h.rsplit(": ", 1)[1] for h in reaches_in("minikv.viz.bad")) == [
         "llm._requests", "llm.backend", "llm.scheduler"]
+
+
+def test_every_part_of_minikv_stands_on_a_declared_floor():
+    rooms = {room_of(m) for m in MODULES}
+    assert rooms == set(FLOOR_OF), (f"rooms without a floor: {sorted(rooms - set(FLOOR_OF))}; floors naming no "
+                                    f"room: {sorted(set(FLOOR_OF) - rooms)}; place each in FLOORS")
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    """A back arrow (the cache importing the engine, a view importing the interview tools) ties a lower
+    floor to a higher one: the lower one can no longer be read, tested or reused without it."""
+    bad = [f"{MODULES[m][0].relative_to(REPO)}:{line} (floor {FLOOR_OF[room_of(m)]}) imports {t} "
+           f"(floor {FLOOR_OF[room_of(t)]})"
+           for m in MODULES for t, line in imports_of(m)
+           if t in MODULES and FLOOR_OF[room_of(t)] > FLOOR_OF[room_of(m)]]
+    assert not bad, ("imports from a floor above:\n  " + "\n  ".join(bad) + "\nmove what both need down to the "
+                     "lower floor (or up to the importer), or pass it in as an argument")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minikv import LLM
-from minikv.cache.quant import QMAX
+from minikv.cache.blocks.quant import QMAX
 from minikv.checks.kv_quant import blocks, check_dequantize_block, check_kv_quant_in_engine, check_quantize_block
 from minikv.checks.report import CheckFailed
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from minikv.cache.allocator import NoFreeBlocksError
+from minikv.cache.blocks.allocator import NoFreeBlocksError
 from minikv.checks.paged import (
     SCHEDULE_CASES,
     check_allocator_in_engine,
@@ -194,7 +194,7 @@ def test_task_05_reference_allocator_passes():
 
 
 def test_task_05_the_engines_own_allocator_passes():
-    from minikv.cache.allocator import FreeListAllocator
+    from minikv.cache.blocks.allocator import FreeListAllocator
 
     check_block_allocator(FreeListAllocator)
 

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from minikv import LLM
-from minikv.cache.hash_chain import HashChainCache, block_hashes, hash_block
-from minikv.cache.radix import RadixCache, match_prefix
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, hash_block
+from minikv.cache.prefix.radix import RadixCache, match_prefix
 from minikv.checks.prefix import check_hash_chain_in_engine, check_radix_in_engine
 from minikv.checks.report import CheckFailed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minikv.cache.radix import Node
+from minikv.cache.prefix.radix import Node
 from minikv.checks.radix import (
     check_evict_leaf,
     check_radix_insert,

@@ -241,7 +241,7 @@ def test_release_holds_the_course_and_no_solution_or_instructor_file(student_cop
         assert sorted(p.name for p in (student_copy / folder).glob("*.ipynb")) == sorted(
             p.name for p in (ROOT / folder).glob("*.ipynb"))
     for name in ("pyproject.toml", "Makefile", "README.md", "minikv/cli.py", "minikv/classroom/runner.py",
-                 "kernels/__init__.py", ".github/workflows/classroom.yml"):
+                 "minikv/kernels/__init__.py", ".github/workflows/classroom.yml"):
         assert (student_copy / name).is_file(), name
 
 
@@ -302,7 +302,7 @@ def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_p
     for name, text in {"README.md": "# c\n\nExercises (with their twins in `solutions/`) here.\n\n## For teachers\n\nthe key is in instructor/\n\n## Next\n\nok\n",
                        "pyproject.toml": "",
                        "Makefile": "# runs the tests\ntest: model\n\tpytest tests\n\nlab:\n\tjupyter\n",
-                       "minikv/__init__.py": "", "kernels/__init__.py": "", "instructor/key.md": "answers",
+                       "minikv/__init__.py": "", "minikv/kernels/__init__.py": "", "instructor/key.md": "answers",
                        "tests/helper.py": "X = 1\n", "tests/test_secret.py": "", "solutions/e.ipynb": "{}",
                        "exercises/notes/instructor/x.md": "answers", "minikv/__pycache__/x.pyc": ""}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +314,7 @@ def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_p
     release_student(out, root=root)
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == [".github/workflows/classroom.yml", ".minikv-student-release", "Makefile", "README.md",
-                     "exercises/e.ipynb", "kernels/__init__.py", "minikv/__init__.py", "notebooks/n.ipynb",
+                     "exercises/e.ipynb", "minikv/__init__.py", "minikv/kernels/__init__.py", "notebooks/n.ipynb",
                      "pyproject.toml", "tests/helper.py"]
     assert [c.source for c in nbformat.read(out / "exercises/e.ipynb", as_version=4).cells] == [
         STUB, "check_square(square)"]

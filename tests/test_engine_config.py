@@ -9,7 +9,7 @@ from minikv.engine.config import (
     SEAMS,
     DeviceInfo,
     EngineConfig,
-    ModelShape,
+    ScratchShape,
     step_scratch_bytes,
 )
 
@@ -106,7 +106,7 @@ def test_observers_see_every_step_and_can_be_removed():
 # ---- defaults fitted to the device, checked on made-up cards ----------------------------------------
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, free_memory=78 * 2**30, num_sms=132)
 L4 = DeviceInfo("NVIDIA L4", total_memory=24 * 2**30, free_memory=22 * 2**30, num_sms=58)
-QWEN_05B = ModelShape(hidden_size=896, intermediate_size=4864, vocab_size=151936, dtype_bytes=2)
+QWEN_05B = ScratchShape(hidden_size=896, intermediate_size=4864, vocab_size=151936, dtype_bytes=2)
 QWEN_BLOCK = 16 * 24 * 2 * 2 * 64 * 2  # bytes of K and V of one 16-token block, 24 layers, 2 KV heads, bf16
 
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from minikv.attention.common import attend  # noqa: E402
 from minikv.attention.metadata import AttentionMetadata  # noqa: E402
-from minikv.cache.pool import new_pool  # noqa: E402
+from minikv.cache.blocks.pool import new_pool  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
 from minikv.kernels import decode_attention as dec  # noqa: E402
 from minikv.checks.decode_kernel import scattered_block_tables  # noqa: E402

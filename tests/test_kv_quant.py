@@ -15,9 +15,9 @@ import torch
 from minikv import LLM, SamplingParams
 from minikv.attention.common import attend
 from minikv.attention.metadata import AttentionMetadata
-from minikv.cache.pool import KVPool, new_pool
-from minikv.cache.quant import QMAX, dequantize_block, has_zero_point, quantize_block
-from minikv.cache.swap import SwapSpace
+from minikv.cache.blocks.pool import KVPool, new_pool
+from minikv.cache.blocks.quant import QMAX, dequantize_block, has_zero_point, quantize_block
+from minikv.cache.blocks.swap import SwapSpace
 from minikv.checks.decode_kernel import scattered_block_tables
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 

@@ -1,11 +1,11 @@
-"""KV memory (minikv/cache/pool.py): the paged KVPool and rung 2's RowPool, and swap through the pool."""
+"""KV memory (minikv/cache/blocks/pool.py): the paged KVPool and rung 2's RowPool, and swap through the pool."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minikv.cache.pool import KV_LAYOUTS, KVPool, RowPool
-from minikv.cache.swap import SwapSpace
+from minikv.cache.blocks.pool import KV_LAYOUTS, KVPool, RowPool
+from minikv.cache.blocks.swap import SwapSpace
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 8, 4, 2, 3
 

@@ -5,9 +5,9 @@ import pytest
 
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.hash_chain import HashChainCache, block_hashes, extra_keys, hash_block
-from minikv.cache.prefix_caches import make_prefix_cache
-from minikv.cache.radix import RadixCache
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, extra_keys, hash_block
+from minikv.cache.prefix.radix import RadixCache
+from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.engine.sequence import Sequence
 
 from engine_checks import checked
@@ -39,7 +39,7 @@ manager = Manager
 
 
 class BareRequest:
-    """The fields the cache reads (minikv/cache/block_table.py's CachedRequest) and nothing else. Only
+    """The fields the cache reads (minikv/cache/blocks/block_table.py's CachedRequest) and nothing else. Only
     block_table, the cache's own structure, may be assigned; any other write raises."""
 
     def __init__(self, seq_id: int, token_ids: list[int], num_computed_tokens: int = 0, salt: str | None = None):
@@ -515,7 +515,7 @@ def test_snapshot_shows_every_cached_block_once_with_its_state_and_eviction_orde
 
 
 def test_checkers_pass_the_engines_own_functions_and_explain_a_missing_parent():
-    from minikv.cache.radix import match_prefix
+    from minikv.cache.prefix.radix import match_prefix
     from minikv.checks.prefix import check_block_hashes, check_hash_block, check_radix_match
 
     check_hash_block(hash_block)

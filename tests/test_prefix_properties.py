@@ -16,8 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager, blocks_needed
-from minikv.cache.hash_chain import block_hashes
-from minikv.cache.prefix_caches import make_prefix_cache
+from minikv.cache.prefix.hash_chain import block_hashes
+from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.engine.sequence import Sequence
 
 from engine_checks import checked

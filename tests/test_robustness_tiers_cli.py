@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.cache.tiers import file_bytes
+from minikv.cache.tiers.block_file import file_bytes
 
 BS = 4
 POOL = dict(kv_backend="paged", block_size=BS, num_blocks=64, max_num_seqs=3, prefix_caching="hash")

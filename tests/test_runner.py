@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minikv.attention.metadata import ContiguousMetadata, PagedMetadata
-from minikv.cache.block_table import slot_mapping
+from minikv.cache.blocks.block_table import slot_mapping
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.runner import ModelRunner
 from minikv.engine.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ def test_a_block_table_shorter_than_its_positions_is_named():
 def test_each_backend_builds_its_own_metadata_from_the_same_inputs():
     from minikv.attention.contiguous import ContiguousBackend
     from minikv.attention.paged import PagedBackend
-    from minikv.cache.pool import KVPool, RowPool
+    from minikv.cache.blocks.pool import KVPool, RowPool
 
     inputs, _ = ModelRunner(None, None, "cpu", BLOCK_SIZE).prepare(paged_batch())
     meta = PagedBackend(KVPool(1, 8, BLOCK_SIZE, 1, 2, torch.float32, "cpu")).prepare_metadata(inputs)

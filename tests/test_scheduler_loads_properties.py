@@ -25,7 +25,7 @@ blocks back already):
   - every sequence in exactly one place: waiting / running / swapped / loading, or finished in none
   - running: holds blocks for its computed tokens, and they hold its K/V
   - loading: holds exactly its hit, [0, m) cached blocks of its own prefix + [m, m + loads) fresh
-    blocks only it holds (not cached yet), and its load is the one in flight (bm.loads, offload.inflight)
+    blocks only it holds (not cached yet), and its load is the one in flight (bm.tier_loads.loads, offload.inflight)
   - waiting, swapped, finished: no block, no load, no loaded prefix
   - swap space: blocks held by swapped sequences + free == total
   - a step that runs nothing while requests wait fails (unless preempting a stalled sequence helps,
@@ -44,11 +44,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
-from minikv.cache.hash_chain import HashChainCache, block_hashes
-from minikv.cache.offload import Offload
-from minikv.cache.pool import KVPool
-from minikv.cache.swap import SwapSpace
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, file_bytes, store_identity
+from minikv.cache.blocks.pool import KVPool
+from minikv.cache.blocks.swap import SwapSpace
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes
+from minikv.cache.tiers.block_file import file_bytes
+from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.disk import DiskTier
+from minikv.cache.tiers.identity import store_identity
+from minikv.cache.tiers.offload import Offload
+from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -140,7 +144,7 @@ class LoadsMachine(RuleBasedStateMachine):
         def load_ready(seq: Sequence) -> bool:
             self.asked += 1
             assert self.asked < 1_000, "the scheduler keeps asking whether loads are ready without waiting"
-            pending = self.bm.loads[seq.seq_id][1]  # a sequence may load again later: another load
+            pending = self.bm.tier_loads.loads[seq.seq_id][1]  # a sequence may load again later: another load
             if pending not in self.ready and self.draw_ready(seq):
                 wait_for_load(seq)
                 self.ready.add(pending)
@@ -148,7 +152,7 @@ class LoadsMachine(RuleBasedStateMachine):
 
         def waited(seq: Sequence) -> None:
             wait_for_load(seq)
-            self.ready.add(self.bm.loads[seq.seq_id][1])
+            self.ready.add(self.bm.tier_loads.loads[seq.seq_id][1])
 
         self.bm.load_ready, self.bm.wait_for_load = load_ready, waited
 
@@ -296,7 +300,7 @@ class LoadsMachine(RuleBasedStateMachine):
             self._step(loads_wait=loads_wait)
         assert not self.sched.has_unfinished(), "the scheduler did not drain"
         assert self.bm.num_free_blocks == self.num_blocks and not any(self.bm.ref_count)
-        assert not self.bm.loads and not self.bm.loaded and not self.bm.offload.inflight
+        assert not self.bm.tier_loads.loads and not self.bm.tier_loads.loaded and not self.bm.offload.inflight
         if self.sched.swap is not None:
             assert self.sched.swap.num_free_blocks == self.sched.swap.allocator.num_blocks
 
@@ -325,12 +329,12 @@ class LoadsMachine(RuleBasedStateMachine):
                 self._check_loading(s)
             else:
                 assert s.block_table == [], f"{s} holds blocks while {where or 'finished'}"
-                assert s.seq_id not in bm.loads and s.seq_id not in bm.loaded
+                assert s.seq_id not in bm.tier_loads.loads and s.seq_id not in bm.tier_loads.loaded
             if where != ["swapped"]:
                 assert s.swap_table == []
-        assert set(bm.loads) == {s.seq_id for s in sched.loading}
-        assert not bm.loaded, "a loaded sequence kept its blocks after the pass that did not admit it"
-        assert bm.offload.inflight == {pending for _, pending in bm.loads.values()}
+        assert set(bm.tier_loads.loads) == {s.seq_id for s in sched.loading}
+        assert not bm.tier_loads.loaded, "a loaded sequence kept its blocks after the pass that did not admit it"
+        assert bm.offload.inflight == {pending for _, pending in bm.tier_loads.loads.values()}
         if sched.swap is not None:
             held = sum(1 for s in sched.swapped for c in s.swap_table if c >= 0)
             assert held + sched.swap.num_free_blocks == sched.swap.allocator.num_blocks
@@ -339,7 +343,7 @@ class LoadsMachine(RuleBasedStateMachine):
         """A loading sequence holds its hit: [0, m) cached blocks of its own prefix, then the blocks its
         reads will fill, which nobody else holds and the cache does not list yet."""
         assert s.status == SequenceStatus.WAITING
-        hit, pending = self.bm.loads[s.seq_id]
+        hit, pending = self.bm.tier_loads.loads[s.seq_id]
         m = len(hit.blocks)
         assert s.block_table[:m] == hit.blocks and len(s.block_table) == hit.num_tokens // BS
         keys = block_hashes(s.token_ids, BS, s.cache_salt)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
-from minikv.cache.pool import KVPool
-from minikv.cache.swap import SwapSpace
-from minikv.cache.window import NO_BLOCK, first_seen, window_free_rule
+from minikv.cache.blocks.pool import KVPool
+from minikv.cache.blocks.swap import SwapSpace
+from minikv.cache.blocks.window import NO_BLOCK, first_seen, window_free_rule
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus

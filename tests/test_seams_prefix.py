@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.cache.prefix_caches import make_prefix_cache
-from minikv.cache.radix import Node, shared_blocks
+from minikv.cache.prefix.radix import Node, shared_blocks
+from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.checks.lru import ReferenceQueue as FreeBlockQueue
 from minikv.checks.padding import reference_mask as mask
 from minikv.checks.radix import reference_evict_leaf as evict_leaf

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.cache.hash_chain import block_hashes
-from minikv.cache.tiers import store_key
+from minikv.cache.prefix.hash_chain import block_hashes
+from minikv.cache.tiers.identity import store_key
 from minikv.model.loader import LoadedModel
 
 from engine_checks import checked
@@ -215,7 +215,7 @@ def test_a_sequence_swapped_out_while_a_load_holds_the_pool_comes_back_once_the_
 
 @pytest.mark.parametrize("how", ["raises", "hangs"])
 def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(base, tmp_path, monkeypatch, how):
-    from minikv.cache import offload
+    from minikv.cache.tiers import offload
 
     want_doc = warm_directory(base, tmp_path)
     monkeypatch.setattr(offload, "READ_TIMEOUT_S", 0.5)
@@ -233,10 +233,13 @@ def test_a_disk_read_that_fails_or_hangs_ends_the_hit_and_the_rest_is_computed(b
 def test_a_load_mixing_cpu_and_disk_blocks_puts_each_block_in_its_place_and_stops_at_a_bad_file(tmp_path):
     """Blocks 0 and 2 in the CPU tier, 1 and 3 on disk only: one load, each block where it belongs; then
     block 1's file damaged: block 0 alone comes back."""
-    from minikv.cache.hash_chain import HashChainCache
-    from minikv.cache.offload import Offload
-    from minikv.cache.pool import KVPool
-    from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, file_bytes
+    from minikv.cache.blocks.pool import KVPool
+    from minikv.cache.prefix.hash_chain import HashChainCache
+    from minikv.cache.tiers.block_file import file_bytes
+    from minikv.cache.tiers.cpu import CpuTier
+    from minikv.cache.tiers.disk import DiskTier
+    from minikv.cache.tiers.offload import Offload
+    from minikv.cache.tiers.tiered import TieredStore
 
     pool = KVPool(2, 8, BS, 2, 8, torch.float32, "cpu")
     for plane in pool.planes:
@@ -351,7 +354,7 @@ def test_two_engines_sharing_a_directory_at_once_never_corrupt_it(base, tmp_path
 
 
 def test_budgets_are_never_exceeded(base, tmp_path):
-    from minikv.cache.tiers import file_bytes
+    from minikv.cache.tiers.block_file import file_bytes
 
     block = base.backend.pool.block_bytes
     disk_budget = 5 * file_bytes(block) + 10

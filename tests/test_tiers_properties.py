@@ -19,7 +19,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, decode_block, file_bytes, payload_tensors, store_identity
+from minikv.cache.tiers.block_file import decode_block, file_bytes, payload_tensors
+from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.disk import DiskTier
+from minikv.cache.tiers.identity import store_identity
+from minikv.cache.tiers.tiered import TieredStore
 
 SHAPE = (2, 4, 2, 3)  # [num_layers, block_size, kv_heads, head_dim]
 BLOCK_BYTES = 2 * torch.Size(SHAPE).numel() * 4

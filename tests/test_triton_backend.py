@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 from minikv.attention.metadata import PagedMetadata  # noqa: E402
 from minikv.attention.paged import PagedBackend  # noqa: E402
 from minikv.attention.triton_backend import TritonPagedBackend  # noqa: E402
-from minikv.cache.pool import KVPool  # noqa: E402
+from minikv.cache.blocks.pool import KVPool  # noqa: E402
 from minikv.model.loader import load_model  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 40

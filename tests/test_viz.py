@@ -338,7 +338,7 @@ def test_recompute_grid_marks_what_each_step_computes_and_reads():
 
 
 def test_recompute_bytes_come_from_the_engines_model_and_cache():
-    from minikv.viz.memory import format_bytes
+    from minikv.model.shapes import format_bytes
     from minikv.viz.recompute import KVRowShape, recompute_lines
 
     llm = LLM("tiny-random", kv_backend="contiguous", max_num_seqs=2, max_model_len=64)

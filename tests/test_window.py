@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from minikv import LLM, SamplingParams  # noqa: E402
 from minikv.attention.metadata import AttentionMetadata  # noqa: E402
-from minikv.cache.window import NO_BLOCK, window_free_rule  # noqa: E402
+from minikv.cache.blocks.window import NO_BLOCK, window_free_rule  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 from test_kernels import HEAD_DIM, SCALE, assert_close, poisoned, scattered_pool  # noqa: E402
@@ -215,7 +215,7 @@ def test_a_free_rule_that_frees_a_block_still_in_sight_is_refused():
 
 
 def test_kernels_on_a_quantized_pool_with_window_sinks_and_given_back_blocks_equal_the_dequantized_reference():
-    from minikv.cache.quant import dequantize_block, quantize_block
+    from minikv.cache.blocks.quant import dequantize_block, quantize_block
 
     bs, window, sinks = 8, 16, 3
     seq_lens = [5, 40, 77]

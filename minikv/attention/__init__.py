@@ -1,5 +1,5 @@
 """Attention backends behind one interface: naive (rung 1), contiguous (rung 2), paged (rung 4).
-Each reads and writes the KV memory it is given (minikv/cache/pool.py) and builds its own metadata."""
+Each reads and writes the KV memory it is given (minikv/cache/blocks/pool.py) and builds its own metadata."""
 from minikv.attention.base import AttentionBackend
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.metadata import AttentionMetadata, BatchInputs, ContiguousMetadata, PagedMetadata

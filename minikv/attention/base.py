@@ -1,7 +1,7 @@
 """The interface every attention backend implements.
 
 A backend reads and writes the KV memory of its rung (none, a RowPool, or a KVPool from
-minikv/cache/pool.py; it never owns those tensors), builds its own metadata from the runner's
+minikv/cache/blocks/pool.py; it never owns those tensors), builds its own metadata from the runner's
 `BatchInputs`, and is called by every attention layer with that layer's new q/k/v and the metadata,
 passed explicitly.
 

@@ -1,5 +1,5 @@
 """Rung 2: a contiguous KV cache. Each request owns one preallocated row of max_len positions
-(the RowPool of minikv/cache/pool.py):
+(the RowPool of minikv/cache/blocks/pool.py):
 
     k_cache[layer]: [num_rows, max_len, num_kv_heads, head_dim]
     row r:  [0, seq_len)         filled: prompt, then one token per decode step
@@ -14,7 +14,7 @@ import torch
 
 from minikv.attention.common import attend
 from minikv.attention.metadata import BatchInputs, ContiguousMetadata
-from minikv.cache.pool import RowPool
+from minikv.cache.blocks.pool import RowPool
 
 
 class ContiguousBackend:

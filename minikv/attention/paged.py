@@ -1,5 +1,5 @@
 """Rung 4: paged KV. All sequences share one pool of fixed-size blocks (the KVPool of
-minikv/cache/pool.py); a block table maps each sequence's logical blocks to physical ones, so memory
+minikv/cache/blocks/pool.py); a block table maps each sequence's logical blocks to physical ones, so memory
 is taken block by block as a sequence grows.
 
     pool.k_cache: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]   (v_cache the same)
@@ -12,7 +12,7 @@ is taken block by block as a sequence grows.
 This torch version is the reference the Triton kernels are checked against: it writes the new K/V
 through the slot mapping, gathers each sequence's blocks into a padded [B, L] view and runs one
 masked attention over the whole flattened batch (prefill and decode mixed, no loop over sequences).
-On a quantized pool (minikv/cache/quant.py) the store quantizes and the gather dequantizes
+On a quantized pool (minikv/cache/blocks/quant.py) the store quantizes and the gather dequantizes
 (q * scale + zero): the attention itself runs on K/V in the model's dtype.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 
 from minikv.attention.common import attend
 from minikv.attention.metadata import BatchInputs, PagedMetadata
-from minikv.cache.pool import KVPool
-from minikv.cache.quant import dequantize_block
+from minikv.cache.blocks.pool import KVPool
+from minikv.cache.blocks.quant import dequantize_block
 
 
 class PagedBackend:

@@ -24,7 +24,7 @@ context empty and one split holding all of it, so there each program cuts its ow
 into the split count instead (`split_per_seq`, read on the device). `decode_num_splits` fixes the
 count where that is wanted; `decode_split_per_seq` forces either way of cutting.
 
-A quantized pool (int8/fp8 with scales, minikv/cache/quant.py): the store kernel quantizes, the
+A quantized pool (int8/fp8 with scales, minikv/cache/blocks/quant.py): the store kernel quantizes, the
 attention kernels dequantize each tile as they read it. A learner's quantizer (the kv_quantizer seam)
 is torch code, so with one the step's K/V are stored by the pool's torch `store` instead.
 
@@ -38,8 +38,8 @@ import torch
 from minikv.attention.common import attend
 from minikv.attention.metadata import PagedMetadata
 from minikv.attention.paged import PagedBackend
-from minikv.cache.pool import KVPool
-from minikv.cache.quant import quantize_block
+from minikv.cache.blocks.pool import KVPool
+from minikv.cache.blocks.quant import quantize_block
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 

@@ -24,7 +24,7 @@ def environment(device="cpu", commit: str | None = None) -> dict:
     """Where a figure was measured: the device, library versions and minikv's commit.
 
     commit: given, else $MINIKV_COMMIT (a GPU box without .git), else git's HEAD, marked
-    "+uncommitted" when minikv/ or kernels/ differ from it."""
+    "+uncommitted" when minikv/ differs from it."""
     import torch
 
     versions = {}
@@ -58,7 +58,7 @@ def _git_commit() -> str | None:
 
     try:
         commit = git("rev-parse", "--short=12", "HEAD") or None
-        if commit and git("status", "--porcelain", "--", "minikv", "kernels"):
+        if commit and git("status", "--porcelain", "--", "minikv"):
             commit += "+uncommitted"
         return commit
     except OSError:  # no git on this machine

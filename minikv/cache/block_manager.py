@@ -23,7 +23,7 @@ takes the blocks of its cached prefix (`acquire_prefix`), and its newly full blo
 after each step (`cache_blocks`). Cached blocks are never written: writes start past the prefix.
 
 Sliding window (rung 8, `sliding_window=W, sink_tokens=S`): after each step, the blocks no later
-query can see go back (`free_outside_window`, rule in minikv/cache/window.py); their table entries
+query can see go back (`free_outside_window`, rule in minikv/cache/blocks/window.py); their table entries
 become NO_BLOCK (-1), so a table keeps its shape and a long sequence holds a bounded number of
 blocks. Every loop over a table skips NO_BLOCK. A given-back block that the prefix cache holds stays
 there, unused and evictable: its K/V still belong to its prefix (the hash chain's rule; the radix
@@ -32,25 +32,20 @@ tree, which evicts leaves only, is refused with a window by the engine's configu
 Offload tiers (rung 9, `attach_offload`): a lookup continues past the pool's hit into a store of
 evicted blocks (CPU memory, disk); those blocks are copied back into free blocks and count as
 cached. Evicted blocks go down to the store, newly cached ones are written through. A hit that
-reads files loads beside the engine's other work (`start_load`; the scheduler keeps the request in
-`loading`), holding everything it will use until it is admitted or let go:
-
-    start_load    [0, m) pool hit: ref_count + 1 (never evicted under the load)
-                  [m, m + loads) new blocks, written by nobody else (not cached yet)
-    finish_load   one copy into [m, m + n), n <= loads (the hit ends at a failed read); the blocks
-                  join the cache and the request keeps them until admitted (`acquire_prefix`)
-    free          the request went away or was not admitted this step: its blocks go back (the
-                  loaded ones stay cached, a pool hit next time)
+reads files loads beside the engine's other work (`start_load` ... `finish_load`; the scheduler keeps
+the request in `loading`): the block manager hands that lifecycle to `TierLoads`
+(minikv/cache/tiers/loading.py), which holds the loads and asks it to take, trim and cache blocks.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from minikv.cache.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
-from minikv.cache.block_table import CachedRequest, blocks_needed
-from minikv.cache.offload import Offload, PendingLoad
-from minikv.cache.prefix_cache import PrefixCache, PrefixMatch
-from minikv.cache.window import NO_BLOCK, WindowFreeRule, checked_frees, window_free_rule
+from minikv.cache.blocks.allocator import BlockAllocator, CachingAllocator, FreeListAllocator, NoFreeBlocksError
+from minikv.cache.blocks.block_table import CachedRequest, blocks_needed
+from minikv.cache.blocks.window import NO_BLOCK, WindowFreeRule, checked_frees, window_free_rule
+from minikv.cache.prefix.base import PrefixCache, PrefixMatch
+from minikv.cache.tiers.loading import TierLoads
+from minikv.cache.tiers.offload import Offload
 
 # copy_on_write(block_table, ref_count, num_computed_tokens, num_tokens, block_size, allocate) -> [(src, dst)]
 CopyOnWrite = Callable[[list[int], list[int], int, int, int, Callable[[], int]], list[tuple[int, int]]]
@@ -77,16 +72,6 @@ def copy_on_write_rule(block_table: list[int], ref_count: list[int], num_compute
     return copies
 
 
-class _Computed:
-    """A request seen with another num_computed_tokens (the cache only reads it; the caller records it)."""
-
-    def __init__(self, seq: CachedRequest, num_computed_tokens: int):
-        self.seq, self.num_computed_tokens = seq, num_computed_tokens
-
-    def __getattr__(self, name: str):
-        return getattr(self.seq, name)
-
-
 class BlockManager:
     """allocator: who hands out free block ids (`BlockAllocator`; rung 4's seam).
     copy_on_write: a function with `copy_on_write_rule`'s signature used in its place (rung 6's seam).
@@ -108,8 +93,7 @@ class BlockManager:
         self.num_window_freed = 0  # table entries given back by the window since start
         self.prefix_cache: PrefixCache | None = None
         self.offload: Offload | None = None
-        self.loads: dict[int, tuple[PrefixMatch, PendingLoad]] = {}  # seq_id -> its load in flight
-        self.loaded: dict[int, tuple[PrefixMatch, dict]] = {}  # seq_id -> its loaded prefix, tokens per tier
+        self.tier_loads: TierLoads | None = None  # loads from the offload store (with `offload`)
         # sharing figures: num_refs = sum(ref_count) = blocks the same tables would need without sharing
         self.num_refs = 0
         self.reset_sharing_stats()
@@ -169,12 +153,8 @@ class BlockManager:
         seq.block_table = []
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)
-        if self.offload is not None:
-            self.offload.forget(seq)
-            load = self.loads.pop(seq.seq_id, None)
-            if load is not None:
-                self.offload.cancel(load[1])
-            self.loaded.pop(seq.seq_id, None)
+        if self.tier_loads is not None:
+            self.tier_loads.forget(seq)
 
     def incref(self, block: int) -> None:
         if self.ref_count[block] < 1:
@@ -288,8 +268,9 @@ class BlockManager:
 
     def match_prefix(self, seq: CachedRequest) -> PrefixMatch:
         """The cached prefix a sequence about to be prefilled can take (empty if none, or caching is off)."""
-        if seq.seq_id in self.loaded:
-            return self.loaded[seq.seq_id][0]  # its blocks came back from the store: held for it
+        held = self.tier_loads.held(seq) if self.tier_loads is not None else None
+        if held is not None:
+            return held  # its blocks came back from the store: held for it
         if self.prefix_cache is None or seq.block_table:
             return PrefixMatch()
         hit = self.prefix_cache.lookup(seq)
@@ -302,45 +283,32 @@ class BlockManager:
         if offload.cache is not self.prefix_cache:
             raise RuntimeError("the offload tiers must serve this block manager's prefix cache")
         self.offload = offload
+        self.tier_loads = TierLoads(self, offload)
 
     def flush_offload(self) -> None:
         """End of a step: hand the newly cached blocks to the store's write-through."""
         if self.offload is not None:
             self.offload.flush()
 
+    # ---- loads from the offload store (the lifecycle is TierLoads') ------------------------------------
     def start_load(self, seq: CachedRequest, hit: PrefixMatch) -> bool:
         """If the hit reads files: take its blocks and start the reads, and return True (the caller keeps
         the request waiting until `load_ready`). False: nothing to read (admit it as usual)."""
-        if not hit.loads or self.offload is None or seq.block_table or not self.offload.reads_disk(hit.loads):
-            return False
-        m = len(hit.blocks)
-        for b in hit.blocks:
-            self.incref(b)
-        seq.block_table = list(hit.blocks)
-        self.grow(seq, (m + len(hit.loads)) * self.block_size)
-        self.loads[seq.seq_id] = (hit, self.offload.start_load(hit.loads, seq.block_table[m:]))
-        return True
+        return self.tier_loads is not None and self.tier_loads.start(seq, hit)
 
     def load_ready(self, seq: CachedRequest) -> bool:
-        return self.loads[seq.seq_id][1].ready
+        return self.tier_loads.ready(seq)
 
     def wait_for_load(self, seq: CachedRequest) -> None:
-        self.offload.wait(self.loads[seq.seq_id][1])
+        self.tier_loads.wait(seq)
 
     def finish_load(self, seq: CachedRequest) -> None:
         """The reads are done: one copy into the pool, the blocks join the cache, and the request holds
         them for its admission (`match_prefix` / `acquire_prefix` give them back as its hit)."""
-        hit, pending = self.loads.pop(seq.seq_id)
-        n, tier_tokens = self.offload.finish_load(pending)
-        m = len(hit.blocks)
-        self._trim_table(seq, m + n)
-        if not self.prefix_cache.enabled:  # a reset is pending: nothing loaded before it may be used
-            self.free(seq)
-            return
-        self.cache_blocks(_Computed(seq, (m + n) * self.block_size))
-        self.loaded[seq.seq_id] = (PrefixMatch(list(seq.block_table), (m + n) * self.block_size), tier_tokens)
+        self.tier_loads.finish(seq)
 
-    def _trim_table(self, seq: CachedRequest, num_blocks: int) -> None:
+    def trim_table(self, seq: CachedRequest, num_blocks: int) -> None:
+        """Keep the first `num_blocks` entries of the table; the rest are dropped, tail first."""
         for block in reversed(seq.block_table[num_blocks:]):
             self.decref(block)
         del seq.block_table[num_blocks:]
@@ -358,32 +326,20 @@ class BlockManager:
         hit.num_tokens, the tokens the caller records as computed; None if it took nothing (caching
         off, or the sequence already holds blocks) and the sequence stays as it was. A sequence whose
         load finished holds its hit already (`finish_load`)."""
-        if seq.seq_id in self.loaded:
-            hit, tier_tokens = self.loaded.pop(seq.seq_id)
-            self.offload.count_hits(tier_tokens)
-            self.prefix_cache.record(seq, hit)
-            return hit.num_tokens
+        loaded = self.tier_loads.take(seq) if self.tier_loads is not None else None
+        if loaded is not None:
+            self.prefix_cache.record(seq, loaded)
+            return loaded.num_tokens
         if self.prefix_cache is None or seq.block_table:
             return None
         for b in hit.blocks:
             self.incref(b)
         seq.block_table = list(hit.blocks)
         if hit.loads:
-            hit = self._load(seq, hit)
+            hit = self.tier_loads.load_now(seq, hit)
         self.prefix_cache.record(seq, hit)
         self._track_peaks()
         return hit.num_tokens
-
-    def _load(self, seq: CachedRequest, hit: PrefixMatch) -> PrefixMatch:
-        """Copy the hit's stored blocks back into new blocks of `seq` (one batch, waiting for any read)
-        and cache them. The prefix ends at the first block the store cannot give (a corrupted file,
-        say): its block goes back."""
-        m, bs = len(hit.blocks), self.block_size
-        self.grow(seq, (m + len(hit.loads)) * bs)
-        n = self.offload.load(hit.loads, seq.block_table[m:])
-        self._trim_table(seq, m + n)
-        self.cache_blocks(_Computed(seq, (m + n) * bs))  # [0, m + n) blocks hold their K/V now
-        return PrefixMatch(list(hit.blocks), (m + n) * bs)
 
     def cache_blocks(self, seq: CachedRequest) -> None:
         """After a step: the sequence's newly full blocks join the cache. A block the cache already

@@ -34,7 +34,7 @@ import torch
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.metadata import AttentionMetadata, ContiguousMetadata
 from minikv.attention.naive import NaiveBackend
-from minikv.cache.pool import RowPool
+from minikv.cache.blocks.pool import RowPool
 from minikv.checks.report import fail, first_difference, passed
 
 OUT_DIMS = ("position", "head", "dim")

@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from minikv.cache.quant import QMAX
-from minikv.cache.quant import dequantize_block as reference_dequantize
-from minikv.cache.quant import quantize_block as reference_quantize
+from minikv.cache.blocks.quant import QMAX
+from minikv.cache.blocks.quant import dequantize_block as reference_dequantize
+from minikv.cache.blocks.quant import quantize_block as reference_quantize
 from minikv.checks.report import fail, first_difference, passed
 
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}

@@ -29,7 +29,6 @@ from typing import Callable
 
 from minikv.checks.report import fail, passed
 
-
 # ---- references ------------------------------------------------------------------------------------
 
 class ReferenceQueue:

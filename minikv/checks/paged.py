@@ -10,7 +10,7 @@ plugs the learner's code into a running LLM and compares the generated tokens wi
         slots        [8, 9, 10]  slot = block_table[p // block_size] * block_size + p % block_size
 
     exercise 04b  class MyAllocator:  MyAllocator(num_blocks); .allocate() -> id; .free(id); .num_free_blocks
-                  (the BlockAllocator protocol of minikv/cache/allocator.py)
+                  (the BlockAllocator protocol of minikv/cache/blocks/allocator.py)
 
     exercise 05a  schedule_step(running, waiting, budget, max_num_seqs, free_blocks, block_size)
                       -> [(request_id, num_tokens), ...] in batch order
@@ -22,14 +22,14 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from minikv.cache.allocator import FreeListAllocator, NoFreeBlocksError
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.block_table import slot_mapping as engine_slot_mapping
+from minikv.cache.blocks.allocator import FreeListAllocator, NoFreeBlocksError
+from minikv.cache.blocks.block_table import slot_mapping as engine_slot_mapping
 from minikv.checks.report import fail, passed
 from minikv.engine.schedule_step import SeqInfo
 
 # ---- exercise 04a: slot mapping ----------------------------------------------------------------
-reference_slot_mapping = engine_slot_mapping  # the engine's own formula (minikv/cache/block_table.py)
+reference_slot_mapping = engine_slot_mapping  # the engine's own formula (minikv/cache/blocks/block_table.py)
 
 
 # (block_table, positions, block_size, what the case teaches)

@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from minikv.cache.allocator import FreeListAllocator
 from minikv.cache.block_manager import BlockManager
+from minikv.cache.blocks.allocator import FreeListAllocator
 from minikv.checks.report import fail, passed
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import random
 
-from minikv.cache.hash_chain import extra_keys
-from minikv.cache.radix import Node, RadixCache
-from minikv.cache.radix import match_prefix as reference_match_prefix
+from minikv.cache.prefix.hash_chain import extra_keys
+from minikv.cache.prefix.radix import Node, RadixCache
+from minikv.cache.prefix.radix import match_prefix as reference_match_prefix
 from minikv.checks.report import fail, passed
 
 
@@ -147,7 +147,7 @@ def check_hash_chain_in_engine(llm, hash_block, block_hashes, system: str, quest
     prompt: every answer must equal caching off, a tenant must hit on its own earlier prompts and never
     on the other's, and the keys the engine stored must be block_hashes' keys."""
     from minikv import SamplingParams
-    from minikv.cache.hash_chain import HashChainCache
+    from minikv.cache.prefix.hash_chain import HashChainCache
 
     if llm.block_size is None:
         raise ValueError("build the LLM with kv_backend='paged': the prefix cache keeps whole blocks")

@@ -22,10 +22,9 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from minikv.cache.radix import Node, RadixCache, match_prefix, tree_fault
+from minikv.cache.prefix.radix import Node, RadixCache, match_prefix, tree_fault
 from minikv.checks.prefix import _Seq
 from minikv.checks.report import fail, passed
-
 
 # ---- reading trees ---------------------------------------------------------------------------------
 
@@ -47,7 +46,7 @@ def tree_lines(root: Node) -> list[str]:
     return lines or ["    (empty)"]
 
 
-# ---- references (the tree surgery of minikv/cache/radix.py, on bare nodes) -------------------------
+# ---- references (the tree surgery of minikv/cache/prefix/radix.py, on bare nodes) -------------------------
 
 def reference_split(node: Node, k: int, block_size: int) -> Node:
     cut = k * block_size

@@ -11,7 +11,7 @@
 Two stages, each stopping at the first problem with a message that says where:
   1. check_window_rule: hand-picked cases (each teaches one edge: a short sequence, sinks that end
      mid-block, the window's first position, entries already given back, no sinks) and 300 random
-     ones, against the engine's rule (minikv/cache/window.py)
+     ones, against the engine's rule (minikv/cache/blocks/window.py)
   2. check_window_in_engine: the engine runs a long generation with the learner's rule plugged in
      (`llm.derive(window_free_rule=fn)`, built when the check runs): the same tokens, the same blocks
      given back and the same peak as with the engine's own rule
@@ -21,8 +21,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from minikv.cache.window import NO_BLOCK, first_seen
-from minikv.cache.window import window_free_rule as reference_rule
+from minikv.cache.blocks.window import NO_BLOCK, first_seen
+from minikv.cache.blocks.window import window_free_rule as reference_rule
 from minikv.checks.report import fail, passed
 
 # (block_table, num_computed_tokens, block_size, sliding_window, sink_tokens, what the case teaches)

@@ -3,7 +3,7 @@
 What the student copy holds (everything else of the checkout stays out):
 
     README.md           with a line saying what this copy is; the "For teachers" section left out
-    pyproject.toml, Makefile, .gitignore, minikv/, kernels/     enough to `pip install -e .`;
+    pyproject.toml, Makefile, .gitignore, minikv/               enough to `pip install -e .`;
                         the Makefile's test targets grade the exercises (`minikv check`) instead
     notebooks/          the course, with its stored outputs (pictures and measured runs to read first)
     exercises/          the stubs, every output cleared: an exercise opens clean, with no stored run
@@ -29,7 +29,7 @@ from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_
 
 MARKER = ".minikv-student-release"
 TOP_FILES = ["README.md", "GLOSSARY.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
-FOLDERS = ["minikv", "kernels", "notebooks", "exercises", "benchmarks", "lab"]  # lab/: make lab's JupyterLab settings
+FOLDERS = ["minikv", "notebooks", "exercises", "benchmarks", "lab"]  # lab/: make lab's JupyterLab settings
 NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 # Answers that live inside the package for self-study (`minikv quiz`, `drill check --reference`, `bugs check
 # --fixed`) but would hand a class the key: the bank's course questions carry the instructor key's answers,

@@ -69,7 +69,7 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ScratchShape:
     """The model sizes a step's scratch memory depends on."""
 
     hidden_size: int
@@ -78,7 +78,7 @@ class ModelShape:
     dtype_bytes: int
 
 
-def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def step_scratch_bytes(shape: ScratchShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """A generous bound on the memory one step needs besides weights and pool: the largest step's
     activations (residual, norms, q/k/v, MLP's gate, up and product: ~6 x hidden + 3 x intermediate per
     token) and the logits of every sampled row in float32 with the sampler's temporaries (8x: its noise
@@ -88,7 +88,7 @@ def step_scratch_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_s
     return max_num_batched_tokens * per_token + logits + 2**30
 
 
-def gpu_defaults(info: DeviceInfo, shape: ModelShape, bytes_per_block: int, block_size: int, max_model_len: int,
+def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, block_size: int, max_model_len: int,
                  max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None,
                  cap_seqs: bool = True) -> dict[str, int]:
     """max_num_seqs, max_num_batched_tokens and num_blocks for a paged engine on this card, each only
@@ -358,7 +358,7 @@ class _Draft:
             self.kv_layout = "hnd" if self.attention == "triton" else "nhd"
 
     def _check_kv_cache_dtype(self) -> None:
-        from minikv.cache.quant import KV_CACHE_DTYPES, fp8_supported
+        from minikv.cache.blocks.quant import KV_CACHE_DTYPES, fp8_supported
 
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_dtype == "auto":
@@ -374,12 +374,12 @@ class _Draft:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype the paged pool stores K/V in (kv_cache_dtype resolved against the model's dtype)."""
-        from minikv.cache.quant import cache_dtype
+        from minikv.cache.blocks.quant import cache_dtype
 
         return cache_dtype(self.kv_cache_dtype, self.dtype)
 
     def _check_prefix_options(self) -> None:
-        from minikv.cache.prefix_cache import PrefixCache
+        from minikv.cache.prefix.base import PrefixCache
 
         p = self.prefix_caching
         if p is not None and not isinstance(p, PrefixCache):
@@ -479,7 +479,7 @@ class _Draft:
 
     # ---- phase 2: against the model and the machine ------------------------------------------------
     def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None,
-            shape: ModelShape | None = None, info: DeviceInfo | None = None) -> None:
+            shape: ScratchShape | None = None, info: DeviceInfo | None = None) -> None:
         """Fill in the sizes left as None and check them against the model (its number of positions, its
         own sliding window) and, for a paged pool, against memory (`bytes_per_block`: K and V of one
         block, all layers). On a GPU a paged engine's sizes come from the card and the model
@@ -506,7 +506,7 @@ class _Draft:
         if on_gpu:
             info = info if info is not None else DeviceInfo.of(self.device)
             available = info.free_memory
-            shape = shape if shape is not None else ModelShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
+            shape = shape if shape is not None else ScratchShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
             picked = gpu_defaults(info, shape, bytes_per_block, self.block_size, self.max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, self.kv_cache_memory if self.num_blocks is None else
                                   self.num_blocks * bytes_per_block, cap_seqs=self.num_blocks is None)
@@ -563,7 +563,8 @@ class _Draft:
         self._fit_offload(bytes_per_block)
 
     def _fit_offload(self, bytes_per_block: int) -> None:
-        from minikv.cache.tiers import DEFAULT_DISK_BYTES, file_bytes
+        from minikv.cache.tiers.block_file import file_bytes
+        from minikv.cache.tiers.disk_budget import DEFAULT_DISK_BYTES
 
         if self.kv_offload_cpu_bytes is not None and self.kv_offload_cpu_bytes < bytes_per_block:
             raise ValueError(f"kv_offload_cpu_bytes={self.kv_offload_cpu_bytes:,} holds no block of "
@@ -713,7 +714,7 @@ class EngineConfig:
         return _Draft(**self.options())
 
     def fit(self, max_positions: int, bytes_per_block: int | None = None, model_window: int | None = None,
-            shape: ModelShape | None = None, info: DeviceInfo | None = None) -> "EngineConfig":
+            shape: ScratchShape | None = None, info: DeviceInfo | None = None) -> "EngineConfig":
         """A new config with the sizes left as None filled in and checked against the model and the
         machine (see `_Draft.fit`); this one is unchanged."""
         if self.fitted:
@@ -730,7 +731,7 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype the paged pool stores K/V in (kv_cache_dtype resolved against the model's dtype)."""
-        from minikv.cache.quant import cache_dtype
+        from minikv.cache.blocks.quant import cache_dtype
 
         return cache_dtype(self.kv_cache_dtype, self.dtype)
 

@@ -41,16 +41,19 @@ from minikv.attention.naive import NaiveBackend
 from minikv.attention.paged import PagedBackend
 from minikv.attention.seams import CausalAttentionSeam, DecodeStepSeam
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.block_table import blocks_needed
-from minikv.cache.offload import Offload
-from minikv.cache.pool import KVPool, RowPool
-from minikv.cache.prefix_cache import PrefixCache
-from minikv.cache.prefix_caches import make_prefix_cache
-from minikv.cache.swap import SwapSpace
-from minikv.cache.tiers import CpuTier, DiskTier, TieredStore, store_identity, weights_fingerprint
+from minikv.cache.blocks.block_table import blocks_needed
+from minikv.cache.blocks.pool import KVPool, RowPool
+from minikv.cache.blocks.swap import SwapSpace
+from minikv.cache.prefix.base import PrefixCache
+from minikv.cache.prefix.registry import make_prefix_cache
+from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.disk import DiskTier
+from minikv.cache.tiers.identity import store_identity, weights_fingerprint
+from minikv.cache.tiers.offload import Offload
+from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
-from minikv.engine.config import EngineConfig, ModelShape
+from minikv.engine.config import EngineConfig, ScratchShape
 from minikv.engine.cuda_graph import DecodeGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
@@ -169,7 +172,7 @@ def fit_to_model(cfg: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     c = loaded.config
     return cfg.fit(c.max_position_embeddings,
                    KVPool.bytes_per_block(c.num_layers, cfg.block_size, c.num_kv_heads, c.head_dim, cfg.kv_dtype),
-                   c.sliding_window, ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, cfg.dtype.itemsize))
+                   c.sliding_window, ScratchShape(c.hidden_size, c.intermediate_size, c.vocab_size, cfg.dtype.itemsize))
 
 
 class EngineCore:
@@ -198,7 +201,7 @@ class EngineCore:
         self.offload_store = None  # rung 9: where blocks the pool evicts go (CPU memory, disk, or yours)
         self._closed = False
         self._observers: list = []
-        self._observed_as: Callable[[], object] = lambda: self  # what observers are handed (the LLM over it)
+        self._client: weakref.ref | None = None  # what observers are handed: the LLM over the core (or the core)
         self.lock = threading.RLock()  # one step at a time, whichever thread or loop drives the engine
         self._requests: dict[str, Sequence] = {}  # request_id -> the root of every request not done yet
         self._outbox: list[EngineEvent] = []  # events not yet taken (a step's, an abort's)
@@ -397,8 +400,7 @@ class EngineCore:
 
     def observed_as(self, client) -> None:
         """Observers are handed `client` (held weakly: the client owns the core, not the other way)."""
-        ref = weakref.ref(client)
-        self._observed_as = lambda: ref() or self
+        self._client = weakref.ref(client)
 
     def _on_event(self, step: int, request_id: str, event: str) -> None:
         self._notify("on_event", step, request_id, event)
@@ -406,7 +408,7 @@ class EngineCore:
     def _notify(self, hook: str, *args) -> None:
         if not self._observers:
             return
-        owner = self._observed_as()
+        owner = (self._client() if self._client is not None else None) or self
         for obs in list(self._observers):
             fn = getattr(obs, hook, None)
             if fn is not None:

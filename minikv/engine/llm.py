@@ -118,7 +118,7 @@ class LLM:
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
-        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/quant.py),
+        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/blocks/quant.py),
         async_scheduling (the host schedules and prepares step t+1 while the device runs step t; None:
         on for a paged engine on a GPU, off on a CPU, where True still runs the same code path; see
         minikv/engine/overlap.py).
@@ -137,7 +137,7 @@ class LLM:
         wait in CPU memory, LRU within this budget), kv_offload_dir (and kv_offload_disk_bytes, default
         1 GiB, a budget for the whole directory: engines sharing it keep to it together): blocks are
         also written to files there as they are cached, and a later engine of the same model finds them. A lookup that misses the pool copies stored blocks back. Call `close()`
-        (or use `with LLM(...) as llm:`) to finish the disk writes. See minikv/cache/tiers.py.
+        (or use `with LLM(...) as llm:`) to finish the disk writes. See minikv/cache/tiers/.
 
         Named seams, where your own code runs inside the engine (each exercise plugs into one):
             causal_attention=fn   rung 1  attention of one whole sequence (kv_backend="naive")
@@ -158,7 +158,7 @@ class LLM:
 
         Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
         and the last W positions (StreamingLLM), and blocks outside every later window go back to
-        the pool while the request runs (minikv/cache/window.py). None: the model's own window, if
+        the pool while the request runs (minikv/cache/blocks/window.py). None: the model's own window, if
         its config has one (Mistral); a window on a model trained without one changes its outputs.
         """
         cfg = EngineConfig.from_options(model=model, device=device, dtype=dtype, kv_backend=kv_backend,

@@ -62,7 +62,7 @@ class ModelRunner:
     def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None,
                  slot_mapping: SlotMappingFn | None = None, pool=None):
         """block_size: the paged pool's (None: not paged). slot_mapping: a per-sequence function
-        (minikv/cache/block_table.py `slot_mapping` is the formula); None = the vectorized one here.
+        (minikv/cache/blocks/block_table.py `slot_mapping` is the formula); None = the vectorized one here.
         pool: the paged KV pool (copy-on-write copies run in it), lent by the engine that owns it."""
         self.model = model
         self.backend = backend

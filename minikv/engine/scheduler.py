@@ -54,8 +54,8 @@ from collections import deque
 from typing import Callable
 
 from minikv.cache.block_manager import BlockManager, blocks_needed
-from minikv.cache.swap import SwapSpace
-from minikv.cache.window import NO_BLOCK
+from minikv.cache.blocks.swap import SwapSpace
+from minikv.cache.blocks.window import NO_BLOCK
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.schedule_step import ScheduleStep, checked_decision

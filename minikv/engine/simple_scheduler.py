@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from minikv.cache.pool import RowPool
+from minikv.cache.blocks.pool import RowPool
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.sequence import Sequence, SequenceStatus
 
 
 class SimpleScheduler:
     def __init__(self, rows: RowPool | None, max_num_seqs: int):
-        """rows: the contiguous cache rows (minikv/cache/pool.py), None for rung 1 (no cache)."""
+        """rows: the contiguous cache rows (minikv/cache/blocks/pool.py), None for rung 1 (no cache)."""
         self.rows = rows
         self.cached = rows is not None
         self.max_num_seqs = max_num_seqs

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from minikv.attention.contiguous import ContiguousBackend
 from minikv.attention.metadata import ContiguousMetadata
-from minikv.cache.pool import RowPool
+from minikv.cache.blocks.pool import RowPool
 from minikv.engine.llm import pair_requests
 from minikv.engine.outputs import RequestOutput
 from minikv.engine.sampler import draw_key, sample

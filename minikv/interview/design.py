@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minikv.viz.memory import GIB, MODELS, ModelShape, format_bytes  # noqa: F401  (re-exported for the notebook)
+from minikv.model.shapes import GIB, MODELS, ModelShape, format_bytes  # noqa: F401  (re-exported for the notebook)
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """minikv.viz: pictures and widgets of the engine's own state, one module per notebook topic.
 
-    memory     the KV cache's size: formula, calculator (notebooks 00, 02)
+    memory     the KV cache's size: calculator and plot over minikv/model/shapes.py (notebooks 00, 02)
     recompute  what each step computes and reads, naive or cached, with running totals (01, 02)
     batching   static batching's grid of slots and its waste (03)
     pool       record_trace (watches a paged engine through llm.add_observer), the pool step by step (04, 05, 07)

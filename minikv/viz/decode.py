@@ -6,7 +6,7 @@
     seq 2     [ blk 12 s0 | blk 10 s0 | ... s1 ] table lists them, with the split that read each one
 
 The kernel runs with `trace=`: every program writes its split id into the entries of the block table
-it loaded (`kernels/decode_attention.py`), so the picture is the kernel's own account, not a guess.
+it loaded (`minikv/kernels/decode_attention.py`), so the picture is the kernel's own account, not a guess.
 `split_reads_widget` takes every tensor it draws as an argument and copies them when it is built: its
 controls (split count, tile size) never read a notebook's variables, so later cells cannot break it.
 """

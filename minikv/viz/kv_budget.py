@@ -184,7 +184,7 @@ def block_bytes_lines(block, dtype_name: str) -> list[str]:
     and the error of each element. block [block_size, num_kv_heads, head_dim] in full precision."""
     import torch
 
-    from minikv.cache.quant import dequantize_block, quantize_block
+    from minikv.cache.blocks.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
     q, scale, zero = quantize_block(block, dtype)
@@ -206,7 +206,7 @@ def plot_block_error(block, dtype_name: str, head: int = 0, ax=None):
     import matplotlib.pyplot as plt
     import torch
 
-    from minikv.cache.quant import dequantize_block, quantize_block
+    from minikv.cache.blocks.quant import dequantize_block, quantize_block
 
     dtype = torch.int8 if dtype_name == "int8" else torch.float8_e4m3fn
     q, scale, zero = quantize_block(block, dtype)

@@ -27,8 +27,6 @@ def question_browser(questions, topic: str | None = None):
     `topic` is the one shown first (default: system-design when there is one, else the largest)."""
     import ipywidgets as w
 
-    from minikv.interview import bank
-
     questions = list(questions)  # the view's own copy
     topics = sorted({q.topic for q in questions}, key=lambda t: -sum(q.topic == t for q in questions))
     if not topics:
@@ -42,7 +40,7 @@ def question_browser(questions, topic: str | None = None):
     shown = w.HTML()
 
     def chosen():
-        return bank.select(questions, topic=pick.value)
+        return [q for q in questions if q.topic == pick.value]
 
     def update(_=None):
         shown.value = (f"<p>{len(chosen())} question(s) on <b>{html.escape(pick.value)}</b>: "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minikv.viz.memory import format_bytes
+from minikv.model.shapes import format_bytes
 from minikv.viz.view import view
 
 NOT_YET, READ, COMPUTED = 0, 1, 2  # what a step does with one position's K/V (the grid's cell values)

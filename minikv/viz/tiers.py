@@ -14,8 +14,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from minikv.cache.hash_chain import block_hashes
-from minikv.cache.tiers import file_bytes
+from minikv.cache.prefix.hash_chain import block_hashes
+from minikv.cache.tiers.block_file import file_bytes
 from minikv.viz.pool import figure_png
 from minikv.viz.view import view
 

@@ -11,7 +11,7 @@ minikv.checks.paged.check_block_allocator(BumpAllocator). Then fix the code belo
 
     minikv bugs check allocator-double-hand
 """
-from minikv.cache.allocator import NoFreeBlocksError
+from minikv.cache.blocks.allocator import NoFreeBlocksError
 
 
 class BumpAllocator:

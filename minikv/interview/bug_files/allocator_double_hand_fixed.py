@@ -1,6 +1,6 @@
 """Fixed: a freed block goes back to exactly one place: under the bump pointer, or the recycled list.
 (Freeing a block twice also raises now.)"""
-from minikv.cache.allocator import NoFreeBlocksError
+from minikv.cache.blocks.allocator import NoFreeBlocksError
 
 
 class BumpAllocator:

@@ -11,7 +11,7 @@ the code below.
 
     minikv bugs check duplicate-prefix-blocks
 """
-from minikv.cache.hash_chain import CachedBlock, HashChainCache
+from minikv.cache.prefix.hash_chain import CachedBlock, HashChainCache
 
 
 class TeamHashCache(HashChainCache):

@@ -1,6 +1,6 @@
 """Fixed: a block computed twice in the same step (two requests sharing a new prefix) is swapped for
 the copy the cache already holds, and the duplicate goes back to the pool."""
-from minikv.cache.hash_chain import CachedBlock, HashChainCache
+from minikv.cache.prefix.hash_chain import CachedBlock, HashChainCache
 
 
 class TeamHashCache(HashChainCache):

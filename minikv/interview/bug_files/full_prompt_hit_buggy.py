@@ -10,8 +10,8 @@ step); ask what the first output token is computed from. Then fix the code below
 
     minikv bugs check full-prompt-hit
 """
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.prefix_cache import PrefixMatch
+from minikv.cache.prefix.base import PrefixMatch
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

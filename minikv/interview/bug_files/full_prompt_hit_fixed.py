@@ -1,7 +1,7 @@
 """Fixed: a hit stops at num_tokens - 1, so the last prompt token is computed and gives the logits of
 the first output token."""
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.prefix_cache import PrefixMatch
+from minikv.cache.prefix.base import PrefixMatch
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

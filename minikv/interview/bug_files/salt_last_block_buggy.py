@@ -11,7 +11,7 @@ both run checks that no request holds a block cached for another salt. Then fix 
 
     minikv bugs check salt-last-block
 """
-from minikv.cache.hash_chain import HashChainCache
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

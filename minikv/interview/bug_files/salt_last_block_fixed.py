@@ -1,6 +1,6 @@
 """Fixed: the salt enters the FIRST block's key; every later key inherits it through its parent, so
 no block of one tenant's chain can match another tenant's."""
-from minikv.cache.hash_chain import HashChainCache
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

@@ -11,8 +11,8 @@ prefix_caching=None; call llm.block_manager.check([]) after the reset. Then fix 
 
     minikv bugs check stale-after-weight-update
 """
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.prefix_cache import EvictionQueue
+from minikv.cache.prefix.base import EvictionQueue
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

@@ -1,7 +1,7 @@
 """Fixed: a reset forgets every entry. Cached K/V were computed by the old weights; after an update
 no key may lead to them (the blocks go back to the pool empty)."""
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.prefix_cache import EvictionQueue
+from minikv.cache.prefix.base import EvictionQueue
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

@@ -11,7 +11,7 @@ after every request (the pool's and the cache's invariants); print llm.prefix_ca
 
     minikv bugs check stale-prefix-entry          checks this file
 """
-from minikv.cache.hash_chain import HashChainCache
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

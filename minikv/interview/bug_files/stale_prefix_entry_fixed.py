@@ -1,5 +1,5 @@
 """Fixed: an evicted block leaves both indexes of the cache, the key table and the block index."""
-from minikv.cache.hash_chain import HashChainCache
+from minikv.cache.prefix.hash_chain import HashChainCache
 
 
 class TeamHashCache(HashChainCache):

@@ -1,5 +1,5 @@
 """Reference for the radix-tree drill."""
-from minikv.cache.radix import Node
+from minikv.cache.prefix.radix import Node
 
 
 def _same_blocks(key, tokens, start, block_size, limit):

@@ -1,6 +1,6 @@
 """Drill: a radix tree for prefix caching: match, split, insert, evict (45 minutes).
 
-Nodes are minikv.cache.radix.Node: node.key (a tuple of token ids on the edge into it), node.blocks
+Nodes are minikv.cache.prefix.radix.Node: node.key (a tuple of token ids on the edge into it), node.blocks
 (one KV block id per block_size tokens of the key: len(key) == len(blocks) * block_size),
 node.children (a dict: the first block_size tokens of a child's key, as a tuple -> the child) and
 node.parent. The root has an empty key. Everything works in whole blocks.
@@ -21,7 +21,7 @@ node.parent. The root has an empty key. Everything works in whole blocks.
 
 Check it with: minikv drill check radix-tree
 """
-from minikv.cache.radix import Node  # noqa: F401
+from minikv.cache.prefix.radix import Node  # noqa: F401
 
 
 def match_prefix(root, token_ids: list[int], block_size: int) -> tuple[list[int], int]:

@@ -1,5 +1,5 @@
 """Reference for the slot-mapping-allocator drill."""
-from minikv.cache.allocator import NoFreeBlocksError
+from minikv.cache.blocks.allocator import NoFreeBlocksError
 
 
 def slot_mapping(block_table, positions, block_size):

@@ -9,14 +9,14 @@
 2. class BlockAllocator:  BlockAllocator(num_blocks)
        .num_blocks                     the pool size
        .allocate() -> int              a free block id in [0, num_blocks); raise
-                                       minikv.cache.allocator.NoFreeBlocksError when none is left
+                                       minikv.cache.blocks.allocator.NoFreeBlocksError when none is left
        .free(block_id)                 give it back; freeing a block that is already free must raise
        .num_free_blocks                a property: how many blocks are free
    Every operation O(1).
 
 Check it with: minikv drill check slot-mapping-allocator
 """
-from minikv.cache.allocator import NoFreeBlocksError  # noqa: F401  (raise it when the pool is empty)
+from minikv.cache.blocks.allocator import NoFreeBlocksError  # noqa: F401  (raise it when the pool is empty)
 
 
 def slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:

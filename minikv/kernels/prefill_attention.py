@@ -16,7 +16,7 @@ same online softmax as the decode kernel; a tile's mask is causal (key pos <= qu
 a sliding window, key pos > query pos - window or key pos < sinks (StreamingLLM's sink tokens, read
 by a first loop over [0, sinks) before the window's tiles). A block the engine gave back because it
 fell wholly outside every window (block table entry -1) is never read. A quantized pool's tiles are
-dequantized as they are read (kernels/quant.py).
+dequantized as they are read (minikv/kernels/quant.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ One program per token copies its num_kv_heads x head_dim values: one contiguous 
 token-major pool, or one head_dim row per KV head of a head-major one (the pool's strides say which).
 A negative slot means "no slot" (a padding token) and is skipped.
 
-Into a quantized pool (int8 or fp8, minikv/cache/quant.py) each KV head's row is quantized on the
+Into a quantized pool (int8 or fp8, minikv/cache/blocks/quant.py) each KV head's row is quantized on the
 way, from that row alone: int8 maps the row's [min, max] onto [-127, 127] (zero = the middle, scale
 = half the range / 127, both kept beside the blocks, round((x - zero) / scale) to the slot); fp8
 keeps scale = absmax / 448 and x / scale rounded to e4m3. `quantize_block` there is this kernel's
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv.cache.quant import QMAX, has_zero_point
+from minikv.cache.blocks.quant import QMAX, has_zero_point
 from minikv.kernels.quant import quant_args
 
 

@@ -40,8 +40,8 @@ Limits: head_dim any (padded to a power of two), block_size any >= 1 (the engine
 two), any context length, group size any (padded to 16 rows for the tensor-core dot), the pool in
 any storage order with a contiguous head_dim (token- or head-major: only strides are read). fp16
 and bf16 on a GPU, fp32 too (exact dot); in the interpreter fp32 and fp16. A quantized pool (int8
-or fp8 with per token and head scales, minikv/cache/quant.py) is dequantized tile by tile as it is
-read (kernels/quant.py), before the inner loop: the seam below sees K/V in q's dtype either way.
+or fp8 with per token and head scales, minikv/cache/blocks/quant.py) is dequantized tile by tile as it is
+read (minikv/kernels/quant.py), before the inner loop: the seam below sees K/V in q's dtype either way.
 """
 from __future__ import annotations
 

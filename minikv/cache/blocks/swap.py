@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from minikv.cache.allocator import FreeListAllocator
-from minikv.cache.pool import KVPool
+from minikv.cache.blocks.allocator import FreeListAllocator
+from minikv.cache.blocks.pool import KVPool
 
 
 class SwapSpace:

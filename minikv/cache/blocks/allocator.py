@@ -57,7 +57,7 @@ class FreeListAllocator:
 
 
 class EvictableBlocks(Protocol):
-    """What `CachingAllocator` needs from a prefix cache (see minikv/cache/prefix_cache.py)."""
+    """What `CachingAllocator` needs from a prefix cache (see minikv/cache/prefix/base.py)."""
 
     @property
     def num_evictable(self) -> int: ...

@@ -1,15 +1,15 @@
 """Build a prefix cache by name: `LLM(prefix_caching="hash" | "radix" | a PrefixCache)`.
 
-    prefix_cache.py   the interface (PrefixCache, PrefixMatch, EvictionQueue); imports no design
+    base.py           the interface (PrefixCache, PrefixMatch, EvictionQueue); imports no design
     hash_chain.py     HashChainCache(PrefixCache)      both import the interface,
     radix.py          RadixCache(PrefixCache)          never each other
-    prefix_caches.py  the registry below                imports the designs, nobody imports it back
+    registry.py       the registry below                imports the designs, nobody imports it back
 """
 from __future__ import annotations
 
-from minikv.cache.hash_chain import HashChainCache
-from minikv.cache.prefix_cache import PrefixCache
-from minikv.cache.radix import RadixCache
+from minikv.cache.prefix.base import PrefixCache
+from minikv.cache.prefix.hash_chain import HashChainCache
+from minikv.cache.prefix.radix import RadixCache
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"hash": HashChainCache, "radix": RadixCache}
 

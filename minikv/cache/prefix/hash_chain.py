@@ -27,9 +27,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
-from minikv.cache.block_table import CachedRequest, TokenIds
-from minikv.cache.prefix_cache import EvictionQueue, PrefixCache, PrefixMatch
-
+from minikv.cache.blocks.block_table import CachedRequest, TokenIds
+from minikv.cache.prefix.base import EvictionQueue, PrefixCache, PrefixMatch
 
 BlockHash = bytes
 HashFn = Callable[[BlockHash | None, tuple, tuple], BlockHash]

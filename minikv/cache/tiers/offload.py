@@ -1,4 +1,4 @@
-"""The seam between the pool's prefix cache and a store of evicted blocks (tiers.py).
+"""The seam between the pool's prefix cache and a store of evicted blocks (tiered.py).
 
 The block manager asks it at three moments of a block's life:
 
@@ -21,7 +21,7 @@ with disk reads lets the engine go on without it (the request waits in the sched
                                   into the pool; the request is admitted on its loaded prefix
 
 A read that fails (a corrupted or vanished file, an error) or takes longer than `read_timeout`
-ends the hit there: the blocks after it are computed. The store only ever sees keys (tiers.store_key:
+ends the hit there: the blocks after it are computed. The store only ever sees keys (identity.store_key:
 the block's hash chain key + the model's and the pool's identity) and values (the block's tensors);
 it never sees a block id or a token.
 """
@@ -34,11 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minikv.cache.block_table import CachedRequest
-from minikv.cache.hash_chain import HashChainCache, block_hashes
-from minikv.cache.pool import KVPool, runs
-from minikv.cache.prefix_cache import PrefixMatch
-from minikv.cache.tiers import BlockStore, TieredStore, payload_tensors, store_key
+from minikv.cache.blocks.block_table import CachedRequest
+from minikv.cache.blocks.pool import KVPool, runs
+from minikv.cache.prefix.base import PrefixMatch
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes
+from minikv.cache.tiers.block_file import payload_tensors
+from minikv.cache.tiers.identity import store_key
+from minikv.cache.tiers.store import BlockStore
+from minikv.cache.tiers.tiered import TieredStore
 
 READ_TIMEOUT_S = 30.0  # a disk read slower than this is given up: its block (and the rest) is computed
 
@@ -71,7 +74,7 @@ class PendingLoad:
 
 class Offload:
     """pool: the KVPool; cache: the hash chain it serves; store: a TieredStore or any BlockStore;
-    identity: tiers.store_identity of the model and the pool (part of every key)."""
+    identity: identity.store_identity of the model and the pool (part of every key)."""
 
     def __init__(self, pool: KVPool, cache: HashChainCache, store: BlockStore, identity: str):
         if not isinstance(cache, HashChainCache):

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minikv.cache.block_table import CachedRequest, TokenIds
-from minikv.cache.prefix_cache import EvictionQueue, PrefixCache, PrefixMatch
-
+from minikv.cache.blocks.block_table import CachedRequest, TokenIds
+from minikv.cache.prefix.base import EvictionQueue, PrefixCache, PrefixMatch
 
 
 class Node:

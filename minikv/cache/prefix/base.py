@@ -13,7 +13,7 @@ Two designs implement this interface side by side:
                             key(block i) = hash(key(block i-1), tokens of block i, extra keys)
     RadixCache (SGLang)     a tree whose edges hold token runs; a lookup walks it from the root
 
-(`make_prefix_cache` in prefix_caches.py builds either by name.)
+(`make_prefix_cache` in registry.py builds either by name.)
 
 Rules both keep:
   * only FULL blocks are cached: a block is immutable once its last slot is written
@@ -25,7 +25,7 @@ Rules both keep:
 
 The BlockManager owns reference counts; the cache reads them (`bind`) to tell used from unused.
 Free blocks sit in two places: empty ones in the block allocator, unused cached ones here
-(`CachingAllocator` in allocator.py joins the two).
+(`CachingAllocator` in blocks/allocator.py joins the two).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
-from minikv.cache.block_table import CachedRequest, TokenIds
+from minikv.cache.blocks.block_table import CachedRequest, TokenIds
 
 EVICTION_POLICIES = ("lru", "fifo")
 

@@ -18,7 +18,7 @@ scheduler and the block manager decide who owns which part; nobody else holds th
              [layers, blocks, kv_heads, block_size, head_dim], seen through a transposed view), so a
              kernel reading one KV head streams whole blocks instead of rows num_kv_heads apart
 
-A quantized KVPool (cache_dtype int8 or float8_e4m3fn, see minikv/cache/quant.py) stores 8-bit
+A quantized KVPool (cache_dtype int8 or float8_e4m3fn, see minikv/cache/blocks/quant.py) stores 8-bit
 K/V and one float32 scale per token and KV head beside them, and for int8 one float32 zero point
 too (x ~ q * scale + zero), token-major whatever the layout:
         k_scale: [num_layers, num_blocks, block_size, num_kv_heads]              (v_scale the same)
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from minikv.cache.quant import QMAX, Quantizer, has_zero_point, quantize_block
+from minikv.cache.blocks.quant import QMAX, Quantizer, has_zero_point, quantize_block
 
 KV_LAYOUTS = ("nhd", "hnd")
 
