@@ -473,12 +473,7 @@ def smollm2():
 
 def with_prefix_cache(llm: LLM, design) -> LLM:
     """The same loaded model on a fresh block pool with `design` (loading SmolLM2 twice is slow)."""
-    bm = BlockManager(llm.block_manager.num_blocks, llm.block_size)
-    if design is not None:
-        bm.attach_prefix_cache(make_prefix_cache(design, llm.block_size))
-    llm.block_manager = llm.scheduler.bm = bm
-    llm.prefix_cache = bm.prefix_cache
-    return llm
+    return llm.derive(prefix_caching=design)
 
 
 @pytest.mark.slow
