@@ -138,7 +138,8 @@ def main(argv=None) -> dict:
         record["runs"][name] = {
             "median_tok_s": round(n / med(rs, "seconds"), 2), "best_tok_s": round(n / min(r["seconds"] for r in rs), 2),
             "median_tok_s_cpu_time": round(n / med(rs, "cpu_seconds"), 2),
-            "prefill_ms": round(1000 * med(rs, "prefill_s"), 1), "prefill_cpu_ms": round(1000 * med(rs, "prefill_cpu_s"), 1),
+            "prefill_ms": round(1000 * med(rs, "prefill_s"), 1),
+            "prefill_cpu_ms": round(1000 * med(rs, "prefill_cpu_s"), 1),
             "decode_ms_per_token": round(1000 * med(rs, "decode_s"), 2),
             "decode_cpu_ms_per_token": round(1000 * med(rs, "decode_cpu_s"), 2),
             "each_run": [{k: round(v, 4) for k, v in r.items()} for r in rs]}

@@ -587,7 +587,8 @@ def merge_costs(c, clock) -> dict:
             out_new,
             c["scale"] * LOG2E, 0, 0, n, split_len, tables.shape[1], q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), 0, 0, 0, tables.stride(0), out_new.stride(0), out_new.stride(1), 0,
-            SINGLE_SPLIT=False, HAS_WINDOW=False, HAS_SINKS=False, BLOCK_SIZE=block_size, GROUP=H // kvh, GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
+            SINGLE_SPLIT=False, HAS_WINDOW=False, HAS_SINKS=False, BLOCK_SIZE=block_size, GROUP=H // kvh,
+            GROUP_PAD=max(16, triton.next_power_of_2(H // kvh)),
             HEAD_DIM=D, HEAD_PAD=D, BLOCK_N=block_n, CHUNK_N=chunk_n, TABLE_CHUNK=entries,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, TRACE=False, USE_PDL=False,
             INNER_LOOP=dec.online_softmax_block, QUANT=False, HAS_ZERO=False,
@@ -766,7 +767,8 @@ def split_grid(c, clock, splits=SPLIT_GRID, launches=LAUNCH_GRID) -> dict:
     q, scale = c["q"], c["scale"]
     q4, kc, vc = _sdpa_inputs(c)
     ref = fp32_decode_reference(q, kc, vc, scale)
-    sdpa = round(kernel_time(clock, lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)), 2)
+    sdpa = round(kernel_time(
+        clock, lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)), 2)
     k_pool, v_pool = swap_storage(c["k_cache"]), swap_storage(c["v_cache"])  # head-major, as the engine stores it
     grid = []
     for n in splits:

@@ -101,8 +101,8 @@ def correctness(device, smoke) -> dict:
         got = kc[slots // bs, slots % bs]
         out[f"store_{name}"] = {
             "values_bit_equal": (got.view(torch.uint8) == wq.view(torch.uint8)).float().mean().item(),
-            "values_within_one_level": ((got.float() - wq.float()).abs() <= (1 if dt == torch.int8 else
-                                                                              wq.float().abs() / 8)).float().mean().item(),
+            "values_within_one_level": ((got.float() - wq.float()).abs()
+                                        <= (1 if dt == torch.int8 else wq.float().abs() / 8)).float().mean().item(),
             "scale_rel_err": rel_err(ks[slots // bs, slots % bs], ws),
             "zero_rel_err": rel_err(kz[slots // bs, slots % bs], wz) if wz is not None else 0.0}
     # decode and prefill on quantized pools, ragged
@@ -162,7 +162,8 @@ def decode_timing(device, clock, smoke) -> list[dict]:
             nbytes = kv_bytes + table_bytes + 2 * q.numel() * q.element_size()
             base = base or (us, nbytes)
             rows.append({"batch": B, "context": L, "kv_cache_dtype": name, "us": us, "bytes_read": nbytes,
-                         "gb_per_s": nbytes / us / 1e3, "bytes_vs_bf16": nbytes / base[1], "time_vs_bf16": us / base[0]})
+                         "gb_per_s": nbytes / us / 1e3, "bytes_vs_bf16": nbytes / base[1],
+                         "time_vs_bf16": us / base[0]})
             print(f"decode {B} x {L} {name}: {us:.1f} us, {nbytes / 2**20:.1f} MiB, {nbytes / us / 1e3:.0f} GB/s")
         del variants, kb, vb
         torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -272,7 +273,8 @@ def main() -> None:
     print(f"{'decode':>16} {'dtype':>6} {'us':>8} {'MiB':>8} {'GB/s':>6} {'bytes/bf16':>10} {'time/bf16':>9}")
     for r in record["decode"]:
         print(f"{r['batch']:>6} x {r['context']:>7} {r['kv_cache_dtype']:>6} {r['us']:8.1f} "
-              f"{r['bytes_read'] / 2**20:8.1f} {r['gb_per_s']:6.0f} {r['bytes_vs_bf16']:10.2f} {r['time_vs_bf16']:9.2f}")
+              f"{r['bytes_read'] / 2**20:8.1f} {r['gb_per_s']:6.0f} {r['bytes_vs_bf16']:10.2f} "
+              f"{r['time_vs_bf16']:9.2f}")
     for name, r in record.get("engine", {}).get("runs", {}).items():
         print(f"engine {name:>14}: {r['tokens_per_s']:8,.0f} tok/s  {r['num_blocks']:6} blocks  "
               f"{r['most_running']:4} running at most  {r['num_preemptions']:4} preemptions")

@@ -220,7 +220,8 @@ def main() -> None:
             f"{f8['teacher_forcing_per_block_scales']['kl_mean']:.1e}, perplexity "
             f"{i8['teacher_forcing_per_block_scales']['perplexity']:.3f} / "
             f"{f8['teacher_forcing_per_block_scales']['perplexity']:.3f}; bytes per token "
-            f"{full_stats['bytes_per_token']:,} (float32) vs {i8['bytes_per_token']:,} (int8) / {f8['bytes_per_token']:,} "
+            f"{full_stats['bytes_per_token']:,} (float32) vs {i8['bytes_per_token']:,} (int8) / "
+            f"{f8['bytes_per_token']:,} "
             f"(fp8) · commit {record['commit']} · "
             f"[{Path(args.out).name}]({Path(args.out).name})\n")
     write_record(record, Path(args.out), line, "kv_quant_quality")

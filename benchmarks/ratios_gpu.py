@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             record[f"prefix_{n}"] = r
             for k in ("hash", "radix"):
                 rows.append((f"prefix hit TTFT {n}, {k}: off / hit", f"{r['ratio'][k]:.2f}x",
-                             f"off {r['warm_median_s']['None'] * 1e3:.1f} ms, hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
+                             f"off {r['warm_median_s']['None'] * 1e3:.1f} ms, "
+                             f"hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
                              f"tokens identical {r['tokens_identical'][k]}"))
     if "serve" in parts:
         r = offline_vs_server(ckpt, tmp)

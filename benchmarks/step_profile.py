@@ -13,9 +13,10 @@ top-p 0.95), paged + Triton + CUDA graphs on a GPU (paged + torch on a CPU). Aft
 Each phase is timed on the host by wrapping the engine's own functions (Scheduler.schedule,
 ModelRunner.prepare_step or prepare, ModelRunner.run, the sampler), so the split is the same for any
 engine version that has these names. Async scheduling (where the engine has it) is turned off: the
-phases are those of the plain step; benchmarks/async_scheduling_gpu.py measures the overlapped one. The sample phase is where the host waits for the device: a step whose device
-time is smaller than its wall time is host-bound. On a GPU, torch.profiler then records the same
-number of steps and sums kernel time per step, grouped by kernel family.
+phases are those of the plain step; benchmarks/async_scheduling_gpu.py measures the overlapped one.
+The sample phase is where the host waits for the device: a step whose device time is smaller than
+its wall time is host-bound. On a GPU, torch.profiler then records the same number of steps and
+sums kernel time per step, grouped by kernel family.
 
 Runs with whichever minikv is on sys.path: PYTHONPATH=path/to/an/older/commit for "before".
 """

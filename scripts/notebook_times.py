@@ -126,12 +126,14 @@ def markdown(record: dict) -> str:
         f"Recorded by `scripts/notebook_times.py` on {record['date']} (commit {m['commit']}): each notebook run top to",
         "bottom in a fresh kernel (nbconvert's ExecutePreprocessor), nothing skipped.",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_GiB']} GiB, GPU: {m['gpu'] or 'none'}; Python {m['python']},"
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_GiB']} GiB, GPU: {m['gpu'] or 'none'};"
+        f" Python {m['python']},"
         f" torch {m['torch']}; OMP_NUM_THREADS={m['OMP_NUM_THREADS'] or 'unset'}. Load average (1 min) at the start"
         " of each notebook is listed: the machine is shared, and other work on it stretches the wall times;"
         " the kernel's CPU time varies much less.",
         "",
-        f"Limit: {record['limit_seconds']:.0f} s of kernel CPU time per notebook (about its wall time on an idle machine).",
+        f"Limit: {record['limit_seconds']:.0f} s of kernel CPU time per notebook"
+        " (about its wall time on an idle machine).",
         "",
         "| notebook | wall time | kernel CPU | slowest cell | its time | load avg | timed | result |",
         "|---|---:|---:|---|---:|---:|---|---|",

@@ -29,7 +29,8 @@ def test_empty_prompt(tiny):
 
 
 def test_prompt_longer_than_max_model_len_names_both_numbers_and_the_fix(tiny):
-    with pytest.raises(ValueError, match="prompt has 65 tokens but max_model_len is 64; raise max_model_len or shorten"):
+    with pytest.raises(ValueError,
+                       match="prompt has 65 tokens but max_model_len is 64; raise max_model_len or shorten"):
         tiny.generate([[1] * 65])
 
 
@@ -68,7 +69,8 @@ def test_prompts_and_params_of_different_lengths(tiny):
      "max_num_batched_tokens=100 is smaller than max_model_len=256.*enable_chunked_prefill=True"),
     (dict(kv_backend="paged", preemption="drop"), "preemption must be one of recompute, swap"),
     (dict(kv_backend="contiguous", attention="triton"), "attention='triton' runs on the paged pool"),
-    (dict(kv_backend="contiguous", kv_layout="hnd"), "kv_layout is an option of the paged pool .* use kv_backend='paged'"),
+    (dict(kv_backend="contiguous", kv_layout="hnd"),
+     "kv_layout is an option of the paged pool .* use kv_backend='paged'"),
     (dict(kv_backend="paged", kv_layout="headmajor"), "kv_layout must be (None or )?one of nhd, hnd"),
     (dict(max_model_len=10**6), "exceeds the model's 2,?048 positions"),
 ])

@@ -19,10 +19,11 @@ fresh profile; never a browser Playwright downloads) check three things:
    model not found".
 
 A self-test notebook (a widget's repr, a view saved without its widget state, an error, a dead
-widget) runs beside them: the run must report exactly what is wrong with it. `test_every_course_view_is_in_the_harness` (no browser) fails when a notebook calls a
-view the harness does not build. Screenshots go to $MINIKV_SCREENSHOTS (default
-.pytest_cache/browser/) with times.txt. `-k 05_` opens one notebook. Without Chromium or Playwright
-the browser tests skip and say why; MINIKV_CHROMIUM names the browser (empty: skip).
+widget) runs beside them: the run must report exactly what is wrong with it.
+`test_every_course_view_is_in_the_harness` (no browser) fails when a notebook calls a view the
+harness does not build. Screenshots go to $MINIKV_SCREENSHOTS (default .pytest_cache/browser/) with
+times.txt. `-k 05_` opens one notebook. Without Chromium or Playwright the browser tests skip and
+say why; MINIKV_CHROMIUM names the browser (empty: skip).
 """
 from __future__ import annotations
 
@@ -295,7 +296,8 @@ CONTROLS = {
 UNMOVABLE_JS = """(el) => Array.from(el.querySelectorAll('input, select, button, textarea, .noUi-handle'))
   .filter(n => !n.closest('.widget-slider, .widget-dropdown, .widget-checkbox, .widget-toggle-button, '
                           + '.widget-toggle-buttons, .widget-play, .widget-radio-box'))
-  .map(n => n.tagName.toLowerCase() + (n.closest('.jupyter-widgets') ? ' in ' + n.closest('.jupyter-widgets').className : ''))"""
+  .map(n => n.tagName.toLowerCase()
+            + (n.closest('.jupyter-widgets') ? ' in ' + n.closest('.jupyter-widgets').className : ''))"""
 # What is left of a view once its controls (and their readouts) are taken out: its text and the
 # bytes of its pictures (a hash), which must change when a control moves.
 VIEW_JS = """async (el) => {
@@ -690,7 +692,8 @@ async def open_all(browser, lab: Lab, notebooks: list[Path], results: dict[str, 
     page = await context.new_page()
     try:
         await page.goto(f"{lab.url}/lab/workspaces/opening?reset&token={lab.token}")
-        await page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand('docmanager:open')",
+        await page.wait_for_function("() => window.jupyterapp"
+                                     " && window.jupyterapp.commands.hasCommand('docmanager:open')",
                                      timeout=120_000)
         await page.evaluate(NO_KERNEL_JS)
         for nb in notebooks:
@@ -815,7 +818,8 @@ def browser_run(tmp_path_factory, request):
         stop_lab(lab)
     total = time.monotonic() - t0
     saved = [ln for ln in lab.log.read_text(errors="replace").splitlines() if "Saving file" in ln]
-    lines = [f"{r.name:34s} {r.seconds:6.1f} s  {r.shown} outputs shown, {len(r.moves)} moves, {len(r.problems)} problems"
+    lines = [f"{r.name:34s} {r.seconds:6.1f} s  {r.shown} outputs shown, {len(r.moves)} moves, "
+             f"{len(r.problems)} problems"
              + "".join(f", {k} {v:.1f} s" for k, v in r.phases.items()) for r in results.values()]
     lines.append(f"{'all, side by side':34s} {total:6.1f} s (load average {os.getloadavg()[0]:.1f})")
     lines += [f"{r.name}: {problem}" for r in results.values() for problem in r.problems]
@@ -888,7 +892,8 @@ def course_views() -> dict[str, str]:
     for info in pkgutil.iter_modules(minikv.viz.__path__):
         module = importlib.import_module(f"minikv.viz.{info.name}")
         for name, fn in inspect.getmembers(module, inspect.isfunction):
-            if fn.__module__ == module.__name__ and not name.startswith("_") and "import ipywidgets" in inspect.getsource(fn):
+            if (fn.__module__ == module.__name__ and not name.startswith("_")
+                    and "import ipywidgets" in inspect.getsource(fn)):
                 views[name] = module.__name__
     return views
 
@@ -928,8 +933,10 @@ def test_make_lab_saves_widget_state_and_runs_kernels_on_one_thread():
     assert overrides["@jupyter-widgets/jupyterlab-manager:plugin"]["saveState"] is True
     assert "OMP_NUM_THREADS" in env, f"`make lab` leaves OMP_NUM_THREADS to torch (all cores): {env}"
     for given, expected in ((None, "1"), ("3", "3")):  # as the shell running the recipe reads it
-        shell_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": given} if given else {})
-        said = subprocess.run(["sh", "-c", f'echo {env["OMP_NUM_THREADS"]}'], env=shell_env, capture_output=True, text=True)
+        shell_env = ({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+                     | ({"OMP_NUM_THREADS": given} if given else {}))
+        said = subprocess.run(["sh", "-c", f'echo {env["OMP_NUM_THREADS"]}'], env=shell_env,
+                              capture_output=True, text=True)
         assert said.stdout.strip() == expected, (given, env["OMP_NUM_THREADS"], said.stdout)
     opened = [a for a in args if a.endswith(".ipynb")]
     assert opened and not opened[0].startswith("notebooks/"), f"`make lab` opens a tracked notebook: {opened}"

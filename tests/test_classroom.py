@@ -147,7 +147,8 @@ def test_an_error_in_the_learners_code_names_its_line(tmp_path):
 
 def test_a_hanging_cell_stops_at_the_notebooks_time_limit(tmp_path, capsys):
     nb = notebook(tmp_path / "hang.ipynb", ("x = 1", ["exercise"]), ("print('first')", ["check"]),
-                  ("import threading\nthreading.Event().wait()  # never ends", ["check"]), ("print('never')", ["check"]))
+                  ("import threading\nthreading.Event().wait()  # never ends", ["check"]),
+                  ("print('never')", ["check"]))
     code, out, _ = cli(capsys, "check", "--json", "--timeout", "4", str(nb))
     assert code == 1
     result = json.loads(out)
@@ -299,7 +300,8 @@ def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_
 def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_path):
     """A small course with every kind of thing that must not ship."""
     root = tmp_path / "course"
-    for name, text in {"README.md": "# c\n\nExercises (with their twins in `solutions/`) here.\n\n## For teachers\n\nthe key is in instructor/\n\n## Next\n\nok\n",
+    for name, text in {"README.md": "# c\n\nExercises (with their twins in `solutions/`) here.\n\n"
+                                    "## For teachers\n\nthe key is in instructor/\n\n## Next\n\nok\n",
                        "pyproject.toml": "",
                        "Makefile": "# runs the tests\ntest: model\n\tpytest tests\n\nlab:\n\tjupyter\n",
                        "minikv/__init__.py": "", "minikv/kernels/__init__.py": "", "instructor/key.md": "answers",

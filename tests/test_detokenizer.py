@@ -130,7 +130,8 @@ def worded(tmp_path_factory):
         vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     path = tmp_path_factory.mktemp("worded")
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
     cfg = dict(TINY_RANDOM_CONFIG, vocab_size=bpe.get_vocab_size())
     model = LlamaForCausalLM(ModelConfig.from_hf(cfg))
     tiny_random_weights(model)

@@ -415,7 +415,8 @@ def test_glossary_names_only_notebooks_and_sections_that_exist():
     assert len(names) >= 15
     for name in names:
         found = [ROOT / folder / f"{name}.ipynb" for folder in ("notebooks", "exercises")]
-        assert any(p.is_file() for p in found), f"GLOSSARY.md names {name}, which is neither in notebooks/ nor in exercises/"
+        assert any(p.is_file() for p in found), (f"GLOSSARY.md names {name}, which is neither in notebooks/"
+                                                 " nor in exercises/")
     for name, sections in re.findall(r"`(\d\d[a-z]?_[a-z0-9_]+)` \(sections? ([0-9, and]+)\)", text):
         heads = {h.split(".")[0] for h in bank.notebook_headings(ROOT / "notebooks" / f"{name}.ipynb")}
         for n in re.findall(r"\d+", sections):

@@ -33,7 +33,8 @@ def random_checkpoints():
                    "original_max_position_embeddings": 16}
     return {
         "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
-        "llama3-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling=llama3_rope)),
+        "llama3-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, rope_theta=500000.0,
+                                                                    rope_scaling=llama3_rope)),
         "llama-tied": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True)),
         "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
         "mistral-sliding-window": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=16)),

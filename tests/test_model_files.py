@@ -138,7 +138,8 @@ def test_truncated_safetensors_names_the_file(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt")
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(ValueError, match="could not read the weights in .*model.safetensors.*truncated or corrupt") as e:
+    with pytest.raises(ValueError,
+                       match="could not read the weights in .*model.safetensors.*truncated or corrupt") as e:
         load_model(str(ckpt))
     assert str(weights) in str(e.value)
 

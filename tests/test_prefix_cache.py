@@ -500,7 +500,8 @@ def test_snapshot_shows_every_cached_block_once_with_its_state_and_eviction_orde
     out, snaps = run_and_snap(llm, "b", system + [9, 9, 9, 9, 9], GREEDY)
     during, after = snaps
     assert sorted(b for box in after.boxes for b in box.blocks) == sorted(llm.prefix_cache.cached_blocks())
-    assert {box.state for box in during.boxes} == {"in use", "unused"} and {box.state for box in after.boxes} == {"unused"}
+    assert {box.state for box in during.boxes} == {"in use", "unused"}
+    assert {box.state for box in after.boxes} == {"unused"}
     ranks = sorted(box.evict_rank for box in after.boxes if box.evict_rank)
     assert ranks == list(range(1, len(ranks) + 1)) and ranks
     assert after.pool.count("empty") == llm.block_manager.allocator.inner.num_free_blocks

@@ -84,8 +84,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return True
 
     # ---- rules ----------------------------------------------------------------------------------
-    @rule(family=st.integers(0, len(FAMILIES) - 1), keep=st.integers(1, 10), suffix=st.lists(st.integers(3, 40), max_size=10),
-          salt=st.sampled_from(SALTS), n=st.integers(1, 12))
+    @rule(family=st.integers(0, len(FAMILIES) - 1), keep=st.integers(1, 10),
+          suffix=st.lists(st.integers(3, 40), max_size=10), salt=st.sampled_from(SALTS), n=st.integers(1, 12))
     def arrive(self, family, keep, suffix, salt, n):
         tokens = FAMILIES[family][:keep] + suffix
         self.admit(Sequence(tokens, SamplingParams(), cache_salt=salt), n)

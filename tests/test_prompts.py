@@ -29,7 +29,8 @@ def test_token_ids_in_any_sequence_a_learner_would_pass_become_a_list_of_ints(pr
 
 def test_text_goes_through_the_tokenizer_and_keeps_its_salt():
     assert parse_prompt("ab cde", WordTokenizer(), 512) == ([2, 3], "ab cde", None)
-    assert parse_prompt({"prompt": "ab cde", "cache_salt": "alice"}, WordTokenizer(), 512) == ([2, 3], "ab cde", "alice")
+    assert (parse_prompt({"prompt": "ab cde", "cache_salt": "alice"}, WordTokenizer(), 512)
+            == ([2, 3], "ab cde", "alice"))
     assert parse_prompt({"prompt_token_ids": [1], "cache_salt": ""}, None, 512)[2] == ""
 
 

@@ -112,7 +112,8 @@ HTTP = httpx.Client(timeout=HANG_S)  # one connection pool for the plain-HTTP ca
 def client(server, key: str = "alice") -> openai.OpenAI:
     """One client per (server, API key): building one loads TLS certificates, a good part of a second."""
     if (server.url, key) not in _clients:
-        _clients[server.url, key] = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=HANG_S)
+        _clients[server.url, key] = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0,
+                                                  timeout=HANG_S)
     return _clients[server.url, key]
 
 
@@ -146,8 +147,8 @@ def test_chat_goes_through_the_chat_template(server, reference):
 
 
 def test_stream_is_server_sent_events_that_join_to_the_whole_answer_and_end_with_done(server, reference):
-    body = {"model": MODEL, "prompt": "the cache", "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
+    body = {"model": MODEL, "prompt": "the cache", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
     lines = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -222,7 +223,8 @@ BAD_REQUESTS = [  # (what, route, raw body, status, words the message must conta
 
 @pytest.mark.parametrize("what, route, body, status, words", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_a_bad_request_gets_an_openai_shaped_error_and_the_server_serves_on(server, what, route, body, status, words):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+          else {"json": body})
     r = HTTP.post(f"{server.url}/v1/{route}", **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -138,9 +138,11 @@ def test_random_requests_at_every_route_never_break_the_server(server):
         while cases < MAX_CASES and time.monotonic() < deadline:
             method, path = rng.choice(ROUTES)
             body = payload(rng, path) if method != "GET" else b""
-            headers = {"content-type": rng.choice(["application/json", "text/plain", "application/x-www-form-urlencoded"])}
+            headers = {"content-type": rng.choice(["application/json", "text/plain",
+                                                   "application/x-www-form-urlencoded"])}
             if rng.random() < 0.5:
-                headers["authorization"] = rng.choice(["Bearer alice", "Bearer", "Basic eA==", "bearer  x", "Bearer a b"])
+                headers["authorization"] = rng.choice(["Bearer alice", "Bearer", "Basic eA==", "bearer  x",
+                                                       "Bearer a b"])
             r = http.request(method, server.url + path, content=body, headers=headers)
             check(method, path, r, body)
             cases += 1

@@ -431,7 +431,8 @@ def test_tier_view_shows_where_each_block_lives_and_the_widget_follows_its_slide
             for name, row in last.rows.items()}
     assert all(line.strip().startswith(f"{n} [{r}]") for n, r in rows.items()
                for line in tier_lines(last) if line.strip().startswith(f"{n} ["))
-    assert "C" in "".join(rows.values()) and 0 < last.occupancy["cpu"][0] <= last.occupancy["cpu"][1] == 4  # down a tier
+    # down a tier
+    assert "C" in "".join(rows.values()) and 0 < last.occupancy["cpu"][0] <= last.occupancy["cpu"][1] == 4
     assert all(d for row in last.rows.values() for (_, _, d) in row[:-1])  # written through: all on disk
     assert snaps[2].hits and snaps[2].computed < len(conversations["a"])  # a came back: hits from some tier
     plot_tiers(last)

@@ -162,7 +162,8 @@ def engine_kv_layout() -> str:
     """The pool's storage order in the engine with attention="triton" (its configuration's default)."""
     from minikv.engine.config import EngineConfig
 
-    return EngineConfig.from_options(model="tiny-random", device="cpu", kv_backend="paged", attention="triton").kv_layout
+    return EngineConfig.from_options(model="tiny-random", device="cpu", kv_backend="paged",
+                                     attention="triton").kv_layout
 
 
 def decode_case(B, L, block_size, dtype, device, heads, kv_layout=None):
@@ -346,7 +347,8 @@ def engine_check(device, smoke: bool = False) -> dict:
 def print_tables(record: dict) -> None:
     print(f"\n{record['env']['device']}  torch {record['env']['torch']}  triton {record['env']['triton']}")
     print(f"copy bandwidth (read + write): {record['copy_bandwidth_GBps']:.0f} GB/s")
-    cols = ["triton_paged", "triton_paged_token_major", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa", "torch_paged_ref", "flex_contiguous"]
+    cols = ["triton_paged", "triton_paged_token_major", "sdpa_contiguous", "sdpa_expanded", "gather_sdpa",
+            "torch_paged_ref", "flex_contiguous"]
     print("\ndecode, CUDA-graph time us / K+V bandwidth GB/s  (triton eager = launched from Python)")
     print(f"{'batch':>5} {'ctx':>6} {'bs':>4} {'splits':>6} " + " ".join(f"{c:>17}" for c in cols)
           + f" {'triton eager':>12}  rel err")
@@ -396,7 +398,8 @@ def main(argv=None) -> dict:
     path = out_dir / "decode_attention_gpu.json"
     record = {"env": {**environment(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "workload": {
         "decode_shapes": shapes, "block_sizes": block_sizes, "long_shapes": [list(x) for x in long_cases],
-        "num_heads": heads[0], "num_kv_heads": heads[1], "head_dim": heads[2], "dtype": str(dtype).replace("torch.", ""),
+        "num_heads": heads[0], "num_kv_heads": heads[1], "head_dim": heads[2],
+        "dtype": str(dtype).replace("torch.", ""),
         "kv_layout": engine_kv_layout(),
         "timing": f"time_us: median of {clock.reps} CUDA-event timings of a CUDA graph replaying one call (GPU "
                   f"time, no Python launch cost) after {clock.warmup} warmups and 30 ms of back-to-back runs "

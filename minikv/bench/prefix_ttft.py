@@ -150,7 +150,8 @@ def results_line(rec: dict, json_name: str) -> str:
     return (f"- {rec['date']} · prefix_ttft · {rec['device']}{threads} · {w['model']} {w['dtype']}, "
             f"{w['prefix_tokens']}-token shared prefix + {w['suffix_tokens']}-token question, {w['requests']} requests "
             f"one at a time · warm TTFT: off {r['off']['warm_mean_ttft_s']:.3f} s, hash "
-            f"{r['hash']['warm_mean_ttft_s']:.3f} s (**{s['hash']:.1f}x**), radix {r['radix']['warm_mean_ttft_s']:.3f} s "
+            f"{r['hash']['warm_mean_ttft_s']:.3f} s (**{s['hash']:.1f}x**), "
+            f"radix {r['radix']['warm_mean_ttft_s']:.3f} s "
             f"(**{s['radix']:.1f}x**); hit rate hash {r['hash']['hit_rate']:.0%}, radix {r['radix']['hit_rate']:.0%} · "
             f"tokens {same} · commit {rec['commit']} · [{json_name}]({json_name})\n")
 

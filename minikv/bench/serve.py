@@ -190,7 +190,8 @@ class ServerProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); its log: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); "
+                                   f"its log: {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -236,7 +237,8 @@ def sweep(url: str, model: str, args, vocab: int) -> list[dict]:
         s = summarize(results, duration, args.slo_ttft, args.slo_itl)
         rows.append({"rate": rate, **s})
         print(f"[serve] rate {rate:6.2f} req/s: {s['output_tokens_per_s']:8.1f} tok/s, TTFT p50/p99 "
-              f"{s['ttft_p50_s']:.3f}/{s['ttft_p99_s']:.3f} s, ITL p50/p99 {s['itl_p50_s']:.3f}/{s['itl_p99_s']:.3f} s, "
+              f"{s['ttft_p50_s']:.3f}/{s['ttft_p99_s']:.3f} s, "
+              f"ITL p50/p99 {s['itl_p50_s']:.3f}/{s['itl_p99_s']:.3f} s, "
               f"goodput {s['goodput_requests_per_s']:.2f} req/s ({s['slo_attained']:.0%} within SLO)", flush=True)
     return rows
 
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 srv.stop()
         if "noisy" in experiments:
-            record["noisy"] = {"loads": [asdict(x) for x in noisy_loads(args)], **noisy(model, common, args, vocab, tmp)}
+            record["noisy"] = {"loads": [asdict(x) for x in noisy_loads(args)],
+                               **noisy(model, common, args, vocab, tmp)}
         if "prefix" in experiments:
             record["prefix"] = prefix(model, common, args, vocab, tmp)
     else:
@@ -379,9 +382,11 @@ def results_line(rec: dict, json_name: str) -> str:
             for r in rec["sweep"] if r["completed"]))
     if "noisy" in rec:
         n = rec["noisy"]
-        parts.append(f"noisy neighbour (A floods, B short): B's p99 TTFT **FCFS {n['fcfs']['B-quiet']['ttft_p99_s']:.2f} s "
+        parts.append(f"noisy neighbour (A floods, B short): B's p99 TTFT "
+                     f"**FCFS {n['fcfs']['B-quiet']['ttft_p99_s']:.2f} s "
                      f"vs fair (VTC) {n['vtc']['B-quiet']['ttft_p99_s']:.2f} s**, A's throughput "
-                     f"{n['fcfs']['A-flood']['output_tokens_per_s']:.0f} vs {n['vtc']['A-flood']['output_tokens_per_s']:.0f} tok/s"
+                     f"{n['fcfs']['A-flood']['output_tokens_per_s']:.0f} vs "
+                     f"{n['vtc']['A-flood']['output_tokens_per_s']:.0f} tok/s"
                      f"; refused (429/503): A {n['fcfs']['A-flood']['failed']} vs {n['vtc']['A-flood']['failed']} of "
                      f"{n['fcfs']['A-flood']['requests']}, B {n['fcfs']['B-quiet']['failed']} vs "
                      f"{n['vtc']['B-quiet']['failed']} of {n['fcfs']['B-quiet']['requests']}")

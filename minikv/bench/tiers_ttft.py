@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             out = llm.generate(prompt, sp)[0]
             moved = (offload_figures(llm)["bytes_in"] if llm.offload_store is not None else 0) - before
             runs[name].append({"user": user, "turn": turn, "prompt_tokens": len(prompt),
-                               "computed_tokens": len(prompt) - out.num_cached_tokens, "ttft_s": out.time_to_first_token,
+                               "computed_tokens": len(prompt) - out.num_cached_tokens,
+                               "ttft_s": out.time_to_first_token,
                                "bytes_in": moved, "tokens": out.token_ids})
             print(f"[tiers_ttft] user {user} turn {turn} {name:17s} ttft {out.time_to_first_token:7.3f} s, "
                   f"{len(prompt)} tokens, {out.num_cached_tokens} cached, {moved / 2**20:.1f} MiB in", flush=True)
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                       **({"offload": figures[k]} if k in figures else {})}
     base = results["off"]["returning_ttft_s"]["median"]
     speedup = {k: base / results[k]["returning_ttft_s"]["median"] for k in ("cpu", "disk")}
-    speedup["warm"] = results["off_after_restart"]["returning_ttft_s"]["median"] / results["warm"]["returning_ttft_s"]["median"]
+    speedup["warm"] = (results["off_after_restart"]["returning_ttft_s"]["median"]
+                       / results["warm"]["returning_ttft_s"]["median"])
     same = {k: [r["tokens"] for r in runs[k]] == [r["tokens"] for r in runs["off"]] for k in ("cpu", "disk")}
     same["warm"] = [r["tokens"] for r in runs["warm"]] == [r["tokens"] for r in runs["off_after_restart"]]
     record = {
@@ -196,7 +198,8 @@ def results_line(rec: dict, json_name: str) -> str:
         return f"{r[k]['returning_ttft_s']['median']:.3f} s"
 
     bw = r["disk"]["offload"]["load_bandwidth_GBps"]
-    return (f"- {rec['date']} · tiers_ttft · {rec['device']}{threads} · {w['model']} {w['dtype']}, {w['users']} users x "
+    return (f"- {rec['date']} · tiers_ttft · {rec['device']}{threads} · {w['model']} {w['dtype']}, "
+            f"{w['users']} users x "
             f"{w['turns']} turns, {w['doc_tokens']}-token documents, pool of {w['num_blocks']} blocks (one history) · "
             f"median TTFT of returning turns: recompute {t('off')}, CPU tier {t('cpu')} (**{s['cpu']:.1f}x**), "
             f"disk tier {t('disk')} (**{s['disk']:.1f}x**); after a restart, fresh engine on the warm directory "

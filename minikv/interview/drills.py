@@ -262,7 +262,8 @@ class Result:
             taken = self.seconds_taken / 60
             over = taken > self.limit_minutes
             lines.append(f"time: {taken:.1f} min of {self.limit_minutes} min"
-                         + (f" ({taken - self.limit_minutes:.1f} min over the limit)" if over else " (within the limit)"))
+                         + (f" ({taken - self.limit_minutes:.1f} min over the limit)" if over
+                            else " (within the limit)"))
         else:
             lines.append(f"time: not started (`minikv drill start {self.drill}` starts the clock); "
                          f"limit {self.limit_minutes} min")

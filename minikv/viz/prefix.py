@@ -82,8 +82,9 @@ def snapshot(llm, label: str = "", text_limit: int = 22) -> CacheSnapshot:
             s = state([b])
             if e.parent is not None and parent is None:
                 s = "unreachable" if s == "unused" else s  # its parent was evicted: no lookup reaches it
-            boxes.append(Box(f"b{b}", f"b{parent.block}" if parent else None, [b], _short(decode(e.token_ids), text_limit),
-                             len(e.token_ids), s, ref[b], e.salt, e.key.hex()[:6], rank.get(b)))
+            boxes.append(Box(f"b{b}", f"b{parent.block}" if parent else None, [b],
+                             _short(decode(e.token_ids), text_limit), len(e.token_ids), s, ref[b], e.salt,
+                             e.key.hex()[:6], rank.get(b)))
     else:
         live = [n for n in cache.leaves.ordered()  # the queue may hold leaves that are busy again
                 if n.is_leaf and n.blocks and cache.node_of.get(n.blocks[-1]) is n and cache.is_unused(n.blocks[-1])]
@@ -257,7 +258,8 @@ def plot_snapshot(snap: CacheSnapshot, ax=None, columns: int | None = None, rows
     ax.set_ylim(-rows - _BOTTOM, _TOP)
     ax.axis("off")
     st = snap.stats
-    levels = f"; tree levels {first_column + 1}-{min(last, max(depth, first_column + 1))} of {depth}" if depth > columns else ""
+    levels = (f"; tree levels {first_column + 1}-{min(last, max(depth, first_column + 1))} of {depth}"
+              if depth > columns else "")
     ax.text(-_LEFT + 0.05, _TOP - 0.05, f"{snap.design}: {snap.label}\nhit rate {st.get('hit_rate', 0):.0%} "
             f"({st.get('hits', 0)} of {st.get('queries', 0)} tokens), {st.get('evicted_blocks', 0)} evicted{levels}",
             fontsize=8.5, va="top", ha="left")
