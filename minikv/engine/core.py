@@ -212,7 +212,8 @@ class EngineCore:
         self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
         self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
         self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
-        {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}[cfg.kv_backend](cfg)
+        builders = {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}
+        builders[cfg.kv_backend](cfg)
         graphs = None
         if cfg.cuda_graphs:
             graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,

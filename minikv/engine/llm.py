@@ -118,7 +118,8 @@ class LLM:
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
-        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see minikv/cache/blocks/quant.py),
+        and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see
+        minikv/cache/blocks/quant.py),
         async_scheduling (the host schedules and prepares step t+1 while the device runs step t; None:
         on for a paged engine on a GPU, off on a CPU, where True still runs the same code path; see
         minikv/engine/overlap.py).
@@ -136,7 +137,8 @@ class LLM:
         Offload tiers (rung 9, prefix_caching="hash"): kv_offload_cpu_bytes (blocks evicted from the pool
         wait in CPU memory, LRU within this budget), kv_offload_dir (and kv_offload_disk_bytes, default
         1 GiB, a budget for the whole directory: engines sharing it keep to it together): blocks are
-        also written to files there as they are cached, and a later engine of the same model finds them. A lookup that misses the pool copies stored blocks back. Call `close()`
+        also written to files there as they are cached, and a later engine of the same model finds them. A
+        lookup that misses the pool copies stored blocks back. Call `close()`
         (or use `with LLM(...) as llm:`) to finish the disk writes. See minikv/cache/tiers/.
 
         Named seams, where your own code runs inside the engine (each exercise plugs into one):
@@ -432,9 +434,9 @@ class LLM:
             beams = [CompletionOutput(i, h.token_ids, self._decode(h.token_ids), h.finish_reason, h.cumulative_logprob)
                      for i, h in enumerate(search.results(length_penalty))]
             best = search.results(length_penalty)[0]
+            metrics = RequestMetrics(seq.arrival_time, best.token_times)
             outs.append(RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, list(best.token_ids),
-                                      beams[0].text, best.finish_reason, RequestMetrics(seq.arrival_time, best.token_times),
-                                      outputs=beams))
+                                      beams[0].text, best.finish_reason, metrics, outputs=beams))
         return outs
 
     def _decode(self, token_ids: list[int]) -> str:

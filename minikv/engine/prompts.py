@@ -80,7 +80,8 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], st
         ids = token_ids(prompt, "prompt")
     else:
         hint = "; wrap one token id in a list: [id]" if isinstance(prompt, Integral) else ""
-        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} {prompt!r}{hint}")
+        raise ValueError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__} "
+                         f"{prompt!r}{hint}")
     check_token_range(ids, vocab_size)
     return ids, text, salt
 

@@ -160,7 +160,8 @@ class Scheduler:
             seq = self.swapped[0]
             n = self._tokens_to_run(seq, budget)
             holes = sum(1 for c in seq.swap_table if c == NO_BLOCK)  # given back by a window: none needed
-            if n == 0 or blocks_needed(seq.num_computed_tokens + n, self.bm.block_size) - holes > self.bm.num_free_blocks:
+            need = blocks_needed(seq.num_computed_tokens + n, self.bm.block_size) - holes
+            if n == 0 or need > self.bm.num_free_blocks:
                 break
             self.swapped.popleft()
             self._swap_in(seq)

@@ -3,7 +3,8 @@
     pool       [num_blocks, block_size, num_kv_heads, head_dim]  int8 / fp8 (or the model's dtype)
     its scales [num_blocks, block_size, num_kv_heads]            float32, one per token and KV head
     its zeros  [num_blocks, block_size, num_kv_heads]            float32, int8 only (the same indexing)
-    tile       [BLOCK_N, HEAD_PAD] = pool row * its scale (+ its zero)   (minikv/cache/blocks/quant.py's dequantize_block)
+    tile       [BLOCK_N, HEAD_PAD] = pool row * its scale (+ its zero)
+               (minikv/cache/blocks/quant.py's dequantize_block)
 
 Only 8-bit values and one scale (and zero point) per row cross the memory bus; the multiply-add
 happens where the values land, so a decode step reads about half the bytes of a 16-bit pool.

@@ -270,7 +270,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                     ids[ev.index] += ev.token_ids
                     reasons[ev.index] = ev.finish_reason or reasons[ev.index]
                 elif ev.kind == "failed":
-                    raise ApiError(500, f"the engine failed on this request ({describe(ev.error)})", type="server_error")
+                    raise ApiError(500, f"the engine failed on this request ({describe(ev.error)})",
+                                   type="server_error")
                 elif ev.kind == "end":
                     choices = [choice(chat, i, texts[i], reasons[i], ids[i] if parsed.return_token_ids else None,
                                       delta=False) for i in range(n)]
@@ -306,7 +307,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                                       ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
                 elif ev.kind == "failed":
                     done = True  # the engine has forgotten it already
-                    err = ApiError(500, f"the engine failed on this request ({describe(ev.error)})", type="server_error")
+                    err = ApiError(500, f"the engine failed on this request ({describe(ev.error)})",
+                                   type="server_error")
                     yield f"data: {err.json().decode()}\n\n"
                     yield "data: [DONE]\n\n"
                     return

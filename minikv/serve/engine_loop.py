@@ -170,7 +170,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            with frozen_heap():  # what lived at start-up (the model, the tokenizer) is never walked by a full collection
+            # what lived at start-up (the model, the tokenizer) is never walked by a full collection
+            with frozen_heap():
                 self._loop()
         except BaseException as e:  # noqa: BLE001  a bug in the loop itself: nobody may be left waiting
             log.critical("the engine loop ended:\n%s", traceback.format_exc())

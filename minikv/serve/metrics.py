@@ -150,7 +150,8 @@ class ServerMetrics:
             by = lambda key, d: [(f'{{{key}="{_label(k)}"}}', v) for k, v in sorted(d.items())]  # noqa: E731
             metric("minikv:request_success_total", "counter", "Finished requests by finished_reason.",
                    by("finished_reason", self.finished))
-            metric("minikv:prompt_tokens_total", "counter", "Prompt tokens by tenant.", by("tenant", self.prompt_tokens))
+            metric("minikv:prompt_tokens_total", "counter", "Prompt tokens by tenant.",
+                   by("tenant", self.prompt_tokens))
             metric("minikv:generation_tokens_total", "counter", "Generated tokens by tenant.",
                    by("tenant", self.generation_tokens))
             metric("minikv:requests_rejected_total", "counter", "Requests refused before running, by reason.",
