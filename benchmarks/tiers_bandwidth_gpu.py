@@ -34,10 +34,10 @@ from collections import OrderedDict
 
 import torch
 
-from minikv.cache.prefix.hash_chain import HashChainCache
-from minikv.cache.tiers.offload import Offload
 from minikv.cache.blocks.pool import KVPool
+from minikv.cache.prefix.hash_chain import HashChainCache
 from minikv.cache.tiers.cpu import CpuTier
+from minikv.cache.tiers.offload import Offload
 from minikv.cache.tiers.tiered import TieredStore
 
 SHAPES = {  # num_layers, num_kv_heads, head_dim, block_size

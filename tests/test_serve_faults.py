@@ -275,7 +275,7 @@ from minikv.serve import run
 from minikv.serve.engine_loop import EngineLoop
 from minikv.serve.tiny import tiny_random_with_text
 
-def broken(self):  # the loop's own code fails after its first step: a bug, not a request's fault
+def broken(self, events):  # the loop's own code fails after its first step: a bug, not a request's fault
     raise RuntimeError("the loop's bookkeeping broke")
 
 EngineLoop._publish = broken

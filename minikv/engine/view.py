@@ -190,6 +190,19 @@ class EngineView:
         return offload.key(block_hash) if offload is not None else None
 
     @property
+    def tier_identity(self) -> str | None:
+        """What the offload tiers key this engine's blocks by: the model's weights, dtype and pool
+        format, hashed (engines that could share a block file share it; None without tiers)."""
+        return getattr(self._core, "_offload_identity", None) if self._core.offload_store is not None else None
+
+    def pool_format(self) -> dict:
+        """The paged pool's storage format (block size, layout, tensors' dtypes and shapes), as the
+        tiers' identity records it."""
+        from minikv.cache.tiers.identity import pool_format
+
+        return pool_format(self._core.pool)
+
+    @property
     def offload_store(self):
         """The store the pool's evicted blocks go to (rung 9), or None."""
         return self._core.offload_store

@@ -227,7 +227,9 @@ class EngineLoop:
                 self._add(*cmd[1:])
             else:
                 self._abort(cmd[1])
-        self._publish(self.core.take_events())  # what the aborts ended
+        ended = self.core.take_events()  # what the aborts ended
+        if ended:
+            self._publish(ended)
 
     def _add(self, prompt, params, tenant, request_id, on_event) -> None:
         seq = error = None
@@ -316,7 +318,11 @@ class EngineLoop:
         for rid, live in list(self._live.items()):
             if not live.quiet:
                 self._end_failed(rid, live, error)
-        self._publish(self.core.take_events())  # their last events: the metrics count them
+        try:
+            self._publish(self.core.take_events())  # their last events: the metrics count them
+        except BaseException:  # noqa: BLE001  the loop's own code may be what broke: every handler is told already
+            log.error("the failed requests' last events could not be counted:\n%s", traceback.format_exc())
+            self._live.clear()
 
     def _end_failed(self, rid: str, live: _Live, error: BaseException) -> None:
         """Tell the handler its request failed; the core stops it (its usage still reaches the metrics)."""
