@@ -153,11 +153,15 @@ def _serve_parsers(sub) -> None:
                    help="requests of one tenant waiting for a seat before that tenant's new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="a larger request body gets 413")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in a process of its own (default), so HTTP, SSE and tokenizing never "
+                        "slow a step; --no-engine-process runs it on a thread of the server's process")
 
 
 def _serve(args) -> int:
     from minikv import LLM
     from minikv.serve import run
+    from minikv.serve.core_process import CoreProcess
 
     for flag, value in (("--max-waiting", args.max_waiting), ("--max-waiting-per-tenant", args.max_waiting_per_tenant)):
         if value is not None and value < 1:
@@ -165,11 +169,12 @@ def _serve(args) -> int:
             return 2
     try:
         _check_listen(args.host, args.port)  # before the model loads: a bad port fails at once
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend="paged",
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
-                  prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
+        options = dict(device=args.device, dtype=args.dtype, kv_backend="paged",
+                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                       num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
+                       prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
+        llm = CoreProcess(args.model, **options) if args.engine_process else LLM(args.model, **options)
     except _user_errors() as e:
         return _error(e)
     name = args.served_model_name or args.model

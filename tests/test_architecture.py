@@ -151,7 +151,8 @@ def reaches_in(name: str) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if not isinstance(node, ast.Attribute):
             continue
-        own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        base = node.value.func if isinstance(node.value, ast.Call) else node.value  # super()._x is its own
+        own = isinstance(base, ast.Name) and base.id in ("self", "cls", "super")
         private = node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in THIRD_PARTY_PRIVATE
         if not own and (node.attr in ENGINE_PARTS or private):
             where = path.relative_to(REPO) if path.is_relative_to(REPO) else path

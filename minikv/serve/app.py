@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minikv.engine.llm import LLM
-from minikv.serve.engine_loop import EngineLoop, Event
+from minikv.serve.engine_loop import EngineLoop, Event, ProcessEngineLoop
 from minikv.serve.metrics import ServerMetrics
 from minikv.serve.protocol import ApiError, Parsed, choice, envelope, new_id, now, parse_request, usage
 from minikv.serve.tenants import Tenants
@@ -143,7 +143,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.view), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(engine.snapshot()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def handle(request: Request, chat: bool):
         try:
@@ -333,6 +334,15 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     return app
 
 
+def engine_loop_for(engine, metrics) -> EngineLoop:
+    """The loop over an LLM in this process, or over an EngineCore in its own (a CoreProcess)."""
+    from minikv.serve.core_process import CoreProcess
+
+    if isinstance(engine, CoreProcess):
+        return ProcessEngineLoop(engine, metrics)
+    return EngineLoop(engine, metrics)
+
+
 class Server:
     """The server on a thread of this process, on a free loopback port by default (tests, notebooks,
     benchmarks). `minikv serve` runs the same app in the foreground. Should the engine loop end
@@ -343,7 +353,7 @@ class Server:
                  max_waiting_per_tenant: int | None = None, log_level: str = "warning",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_key: bytes | str | None = None):
         self.metrics = ServerMetrics()
-        self.engine = EngineLoop(llm, self.metrics)
+        self.engine = engine_loop_for(llm, self.metrics)
         self.served_name = served_name or str(llm.loaded.source)
         self.tenants = Tenants(tenant_key, isolate=isolate_tenants)
         self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant,
@@ -398,7 +408,7 @@ def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool 
         print(f"error: --max-body-bytes must be at least 1, got {max_body_bytes}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     metrics = ServerMetrics()
-    engine = EngineLoop(llm, metrics)
+    engine = engine_loop_for(llm, metrics)
     app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=2))

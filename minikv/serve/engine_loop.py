@@ -33,6 +33,7 @@ from minikv.engine.core import EngineEvent, Usage
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
+from minikv.engine.view import ViewSnapshot
 
 log = logging.getLogger("minikv.serve")
 
@@ -84,6 +85,10 @@ class EngineLoop:
             raise ValueError("the server runs the continuous-batching engine: build the LLM with kv_backend='paged'")
         self.llm = llm
         self.core, self.view = llm.core, llm.view
+        self._init_loop(metrics, idle_wait)
+        self._stop_observing = llm.add_observer(self)  # until the loop ends: then the engine may go
+
+    def _init_loop(self, metrics, idle_wait: float) -> None:
         self.metrics = metrics
         self.idle_wait = idle_wait
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,7 +101,7 @@ class EngineLoop:
         self._waiting_by_tenant: Counter[str] = Counter()  # queued in the scheduler: +1 on submit, recounted
         #   as soon as a step's batch is picked (a request admitted then no longer waits, though the step
         #   that runs it, a long prefill say, has not finished) and again after the step
-        self._stop_observing = llm.add_observer(self)  # until the loop ends: then the engine may go
+        self._stop_observing: Callable[[], None] = lambda: None
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self._closed: Exception | None = None  # set (under _pending_lock) once no submit can be served
         self.error: BaseException | None = None  # what ended the loop, if it was not stop()
@@ -139,6 +144,10 @@ class EngineLoop:
         self.num_aborts_asked += 1
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    def snapshot(self) -> ViewSnapshot:
+        """The engine's numbers the server reads (/metrics), now."""
+        return self.view.snapshot()
 
     def num_queued(self, tenant: str | None = None) -> int:
         """Requests not running yet: queued in the scheduler, or submitted and not yet queued (of one
@@ -333,6 +342,121 @@ class EngineLoop:
         except BaseException:  # noqa: BLE001  best effort: the engine may be the thing that broke
             log.error("the engine could not abort failed request %s:\n%s", rid, traceback.format_exc())
             self._live.pop(rid, None)
+
+
+class ProcessEngineLoop(EngineLoop):
+    """The same loop with the EngineCore in its own process (minikv/serve/core_process.py): this
+    thread forwards submits and aborts to it and hands each handler its events as they arrive; the
+    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step."""
+
+    def __init__(self, proc, metrics=None, idle_wait: float = 0.05):
+        self.proc = proc
+        self.llm = proc  # what the handlers read: tokenizer, max_model_len, encode, loaded.source
+        self.core = _RemoteCore(proc)
+        self._snapshot: ViewSnapshot = proc.snapshot
+        self._submitted: dict[str, tuple[Callable[[Event], None], str]] = {}  # sent, not yet answered
+        self._init_loop(metrics, idle_wait)
+
+    def snapshot(self) -> ViewSnapshot:
+        return self._snapshot
+
+    def num_queued(self, tenant: str | None = None) -> int:
+        if tenant is None:
+            return self._snapshot.num_waiting + self._pending
+        return self._waiting_by_tenant[tenant] + self._pending_by_tenant[tenant]
+
+    def free_seats(self) -> int:
+        return self._snapshot.free_seats
+
+    def _recount_waiting(self) -> None:
+        self._waiting_by_tenant = Counter(self._snapshot.waiting_by_tenant)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
+        self.proc.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            try:
+                msg = self.proc.results.get(timeout=self.idle_wait)
+            except queue.Empty:
+                if not self.proc.alive:
+                    raise RuntimeError(f"the engine process ended (exit code {self.proc.process.exitcode})") from None
+                continue
+            while msg is not None:
+                self._handle(msg)
+                try:  # every message already here, before the next commands: a busy server catches up
+                    msg = self.proc.results.get_nowait()
+                except queue.Empty:
+                    msg = None
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "answers":
+            self._snapshot = msg[2]
+            for answer, rid, detail in msg[1]:
+                self._answered(answer, rid, detail)
+            self._recount_waiting()
+        elif kind == "events":
+            _, events, self._snapshot, failed = msg
+            self.num_steps += 1
+            self._recount_waiting()
+            if failed is not None:  # the core recovered; its live requests end, as in one process
+                log.error("engine step failed in the engine process: %s", failed)
+                self._fail_all(RuntimeError(failed))
+            self._publish(events)
+        elif kind == "stopped":
+            raise RuntimeError("the engine process stopped")
+
+    def _add(self, prompt, params, tenant, request_id, on_event) -> None:
+        try:
+            request = self.proc.request(prompt, params, request_id, tenant)
+        except ValueError as e:  # the request's fault: its handler answers 400
+            self._answered("rejected", request_id, str(e), (on_event, tenant))
+            return
+        self._submitted[request_id] = (on_event, tenant)
+        self.proc.send("add", request)
+
+    def _answered(self, answer: str, rid: str, detail, sent=None) -> None:
+        on_event, tenant = sent if sent is not None else self._submitted.pop(rid)
+        with self._pending_lock:
+            self._pending -= 1
+            self._pending_by_tenant[tenant] -= 1
+            if not self._pending_by_tenant[tenant]:
+                del self._pending_by_tenant[tenant]
+            if answer == "accepted":
+                self._waiting_by_tenant[tenant] += 1
+        if answer != "accepted":
+            error = ValueError(detail) if answer == "rejected" else RuntimeError(
+                f"the engine could not take this request ({detail})")
+            _tell(on_event, Event("rejected" if answer == "rejected" else "failed", error=error))
+            return
+        self._live[rid] = _Live(on_event, tenant)
+        if not _tell(on_event, Event("accepted", prompt_tokens=detail)):
+            self._abort(rid)
+
+    def _close(self) -> None:
+        for on_event, _ in list(self._submitted.values()):
+            _tell(on_event, Event("failed", error=RuntimeError("the server is shutting down")))
+        self._submitted.clear()
+        super()._close()
+
+
+class _RemoteCore:
+    """What the loop asks of a core, sent to the core process."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def abort(self, request_id: str) -> None:
+        self.proc.send("abort", request_id)
+
+    def take_events(self) -> list:
+        return []  # they come with the step messages
+
+    def has_unfinished(self) -> bool:
+        return True
 
 
 def _tell(on_event: Callable[[Event], None], event: Event) -> bool:

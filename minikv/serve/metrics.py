@@ -30,6 +30,7 @@ import threading
 from collections import defaultdict
 
 from minikv.engine.core import Usage
+from minikv.engine.view import ViewSnapshot
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)  # vLLM's
@@ -114,11 +115,10 @@ class ServerMetrics:
             self.rejected[reason] += 1
 
     # ---- the scrape -------------------------------------------------------------------------------
-    def render(self, view) -> str:
+    def render(self, view: ViewSnapshot) -> str:
         """The Prometheus text exposition (version 0.0.4) of everything above; `view`: the engine's
-        EngineView (minikv/engine/view.py)."""
-        prefix = view.prefix_stats() if view.has_prefix_cache else {}
-        queries, hits = prefix.get("queries", 0), prefix.get("hits", 0)
+        numbers (EngineView.snapshot(), minikv/engine/view.py)."""
+        queries, hits = view.prefix_queries, view.prefix_hits
         out: list[str] = []
 
         def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]] | float) -> None:
@@ -130,9 +130,9 @@ class ServerMetrics:
 
         metric("minikv:kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of blocks held by requests (1 = full).",
                view.kv_usage)
-        metric("minikv:num_requests_running", "gauge", "Requests in the running batch.", len(view.running))
+        metric("minikv:num_requests_running", "gauge", "Requests in the running batch.", view.num_running)
         metric("minikv:num_requests_waiting", "gauge", "Requests waiting for a seat.",
-               len(view.waiting) + len(view.swapped))
+               view.num_waiting + view.num_swapped)
         metric("minikv:num_preemptions_total", "counter", "Preemptions since start.", view.num_preemptions)
         metric("minikv:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
         metric("minikv:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
@@ -140,7 +140,7 @@ class ServerMetrics:
                hits / queries if queries else 0.0)
         fair: dict[str, float] = defaultdict(float)
         with self._lock:
-            for tenant, value in view.tenant_service().items():
+            for tenant, value in view.tenant_service.items():
                 fair[self.label(str(tenant))] += value
             for name, doc, hist in (
                     ("minikv:time_to_first_token_seconds", "Time to first token.", self.ttft),
