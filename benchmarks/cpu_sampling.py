@@ -114,7 +114,8 @@ def main() -> None:
               f"({row['sampled_over_greedy']:.2f}x greedy), reference {med['reference']:.1f} ms "
               f"({row['reference_over_greedy']:.2f}x greedy)")
     if args.out:
-        record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)},
+        record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"),
+                  "args": vars(args) | {"out": str(args.out)},
                   "logits": model_like_logits.__doc__, "sampling": SAMPLED,
                   "tokens_equal_reference": [equal, total],
                   "nucleus_sizes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
