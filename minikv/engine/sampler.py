@@ -132,8 +132,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
     Nothing here waits for the device. Greedy rows are an argmax; top-k rows draw among their k most
     likely tokens (a partial top-k: the set always fits). On a GPU, the other sampled rows (temperature,
     top-p) are drawn by one Triton kernel that finds the nucleus by pivoting, without a sort
-    (minikv/kernels/sample.py). On the CPU, where asking the device is free, they look among their most
-    likely candidates first (see `_sample_nucleus`)."""
+    (minikv/kernels/sample.py). On the CPU, where asking the device is free, top-p rows look among their
+    most likely candidates, found from the maxima of blocks of the vocabulary (`_sample_nucleus_cpu`)."""
     sampled_rows: list[int] = []  # rows of the batch that draw; below, indexes into this list
     top_k_rows: list[int] = []
     top_p_rows: list[int] = []
@@ -162,6 +162,9 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
             continue
         temperature, top_p = mine[:, :TOP_K].to(torch.int32).view(torch.float32).unbind(1)
         key = mine[:, KEY]
+        if how == "top_p" and dev.type == "cpu" and vocab >= MIN_BLOCKED_VOCAB:
+            choice[g] = _sample_nucleus_cpu(logits, [sampled_rows[j] for j in group], temperature, key, top_p)
+            continue
         scaled = logits.index_select(0, mine[:, ROW]).float() / temperature[:, None]
         if how == "plain":  # the whole vocabulary
             choice[g] = gumbel_argmax(scaled, key, torch.arange(vocab, device=dev))
@@ -226,14 +229,17 @@ def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return host.pin_memory().to(dev, non_blocking=True)
 
 
-def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Draws for top-p rows without a top-k, on the CPU: a row's nucleus is looked for among its
-    CANDIDATES most likely tokens (a partial top-k instead of sorting the vocabulary), 64 first, then
+def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor,
+                    lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Draws for top-p rows without a top-k, from their scaled logits: a row's nucleus is looked for among
+    its CANDIDATES most likely tokens (a partial top-k instead of sorting the vocabulary), 64 first, then
     1,024 for the rows whose nucleus may reach past 64. A row whose nucleus may reach past those too (a
     flat distribution) is redone exactly over the whole sorted vocabulary. The noise is keyed by vocab
     id, not rank, so a row draws the same token from any candidate list that holds its whole set: the
-    batch it sits in changes nothing."""
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    batch it sits in changes nothing. The reference of `_sample_nucleus_cpu`, which draws the same
+    tokens, and the path of a GPU whose kernel is off."""
+    if lse is None:
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
     no_k = torch.zeros_like(key)
     choice = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
     todo = torch.arange(scaled.shape[0], device=scaled.device)  # rows still to draw
@@ -247,6 +253,113 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
     allowed, order = allowed_logits(scaled[todo], torch.ones_like(top_p[todo]), no_k[todo], top_p[todo])
     choice[todo] = order.gather(1, gumbel_argmax(allowed, key[todo], order)[:, None])[:, 0]
     return choice
+
+
+# The CPU's top-p path reads the vocabulary as blocks of BLOCK ids, strided so that one vectorised max
+# over [BLOCK, V // BLOCK] gives every block's maximum; the ids past BLOCK * (V // BLOCK) form one more:
+#
+#     block c < nb:  ids c, c + nb, c + 2 nb, ..., c + (BLOCK - 1) nb        nb = V // BLOCK
+#     block nb:      ids BLOCK * nb .. V - 1  (V % BLOCK of them; none when BLOCK divides V)
+#
+# The k + 1 largest logits of a row lie in its k + 1 blocks of largest maxima (each larger logit sits in
+# a block whose maximum is at least as large), so those blocks hold the row's top-(k + 1) exactly.
+BLOCK = 16
+MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold the whole vocabulary
+
+
+def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """`_sample_nucleus` of logits[rows] / temperature, the same tokens, without the work over the whole
+    vocabulary that greedy decoding does not also do. Over the whole vocabulary: one max per block, and
+    the log-sum-exp computed as torch.logsumexp computes it (bit for bit, the tests check it), a few rows
+    at a time so that its temporaries stay in the cache. Then each level of CANDIDATES takes the top-(k + 1)
+    from the k + 1 best blocks: the same values as a top-k of the whole row, so the same probabilities,
+    the same nucleus and the same noise. Rows where the order of equal values could matter (a tie across
+    the nucleus' edge, two equal scores) or whose maximum is not finite are drawn by `_sample_nucleus`
+    itself, as are the rows whose nucleus reaches past the last level."""
+    lse, block_max = _lse_and_block_max(logits, rows, temperature)
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    choice = torch.empty(len(rows), dtype=torch.long)
+    todo = torch.arange(len(rows))  # rows still to draw
+    redo = []  # rows for the reference
+    for k in CANDIDATES:
+        got, exact, clean = _draw_among_blocks(logits, rows_t[todo], temperature[todo], lse[todo], key[todo],
+                                               top_p[todo], block_max[todo], k)
+        choice[todo] = got
+        redo.append(todo[exact & ~clean])
+        todo = todo[~exact]
+        if todo.numel() == 0:
+            break
+    redo = torch.cat(redo + [todo])
+    if redo.numel():
+        scaled = logits.index_select(0, rows_t[redo]).float() / temperature[redo, None]
+        mine = lse[redo]
+        lse_redo = torch.where(mine.isfinite(), mine, torch.logsumexp(scaled, dim=-1, keepdim=True))
+        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo], lse_redo)
+    return choice
+
+
+def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logsumexp(logits[rows] / T) [n, 1] and the maximum of every block [n, nb (+1)], a few rows at a time.
+
+    torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here s - m is one addcdiv on the raw
+    logits (-m + x / T, the same two roundings). A row's sum does not depend on the rows beside it, except
+    that torch splits a lone row across threads: with several threads, chunks hold two rows or more."""
+    n, vocab = len(rows), logits.shape[-1]
+    nb, tail = divmod(vocab, BLOCK)
+    block_max = torch.empty(n, nb + (tail > 0))
+    z = torch.empty(n, 1)
+    neg_m = torch.empty(n, 1)
+    t = temperature[:, None]
+    step = 1 if torch.get_num_threads() == 1 else max(2, min(n, 16))
+    bounds = list(range(0, n, step)) + [n]
+    if step > 1 and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]  # no chunk of a lone row (see above)
+    consecutive = rows == list(range(rows[0], rows[0] + n))
+    buf = torch.empty(max(b - a for a, b in zip(bounds, bounds[1:])), vocab)
+    for a, b in zip(bounds, bounds[1:]):
+        x = logits[rows[a]:rows[a] + b - a] if consecutive else logits.index_select(0, torch.tensor(rows[a:b]))
+        x = x.float()
+        block_max[a:b, :nb] = x[:, :nb * BLOCK].view(b - a, BLOCK, nb).amax(1)
+        if tail:
+            block_max[a:b, nb] = x[:, nb * BLOCK:].amax(1)
+        torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=neg_m[a:b])  # amax(x / T) = amax(x) / T
+        neg_m[a:b].neg_()
+        s = torch.addcdiv(neg_m[a:b], x, t[a:b], out=buf[:b - a])
+        torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
+    return z.log_().sub_(neg_m), block_max
+
+
+def _draw_among_blocks(logits, rows, temperature, lse, key, top_p, block_max, k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_draw_among` at k_cap = k for top-p rows, its top-k taken from the k + 1 blocks of largest maxima.
+    Returns (choice, exact, clean): exact as `_draw_among` says it; clean when neither the order of equal
+    values nor the maximum could make this token differ from `_draw_among`'s."""
+    vocab = logits.shape[-1]
+    nb = vocab // BLOCK
+    blocks = block_max.topk(k + 1, dim=-1).indices[..., None]  # [n, k + 1, 1]
+    lane = torch.arange(BLOCK)
+    ids = torch.where(blocks < nb, blocks + nb * lane, nb * BLOCK + lane).flatten(1)  # [n, (k + 1) * BLOCK]
+    valid = ids < vocab
+    ids = ids.clamp_max(vocab - 1)
+    s = (logits[rows[:, None], ids].float() / temperature[:, None]).masked_fill_(~valid, float("-inf"))
+    vals, at = s.topk(k + 1, dim=-1)  # the row's k + 1 largest scaled logits, most likely first
+    ids = ids.gather(1, at)
+    # _draw_among's arithmetic on the first k, in the same shapes
+    top, top_ids = vals[:, :k].contiguous(), ids[:, :k].contiguous()
+    probs = torch.exp(top - lse)
+    outside = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    scores = top.masked_fill(outside, float("-inf")) - torch.log(-torch.log(uniform_noise(key, top_ids)))
+    choice = top_ids.gather(1, scores.argmax(dim=-1)[:, None])[:, 0]
+    exact = probs.sum(-1) >= top_p
+    # another order of equal values changes the token only where equal values straddle the nucleus' edge
+    # (the (k + 1)-th is outside), or where two scores are equal
+    inside = torch.cat([~outside, torch.zeros_like(outside[:, :1])], dim=1)
+    straddle = ((vals[:, 1:] == vals[:, :-1]) & (inside[:, 1:] != inside[:, :-1])).any(-1)
+    two_best = (scores == scores.amax(-1, keepdim=True)).sum(-1) > 1
+    clean = ~straddle & ~two_best & lse[:, 0].isfinite()
+    return choice, exact, clean
 
 
 def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:

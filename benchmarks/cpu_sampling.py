@@ -1,0 +1,127 @@
+"""The sampling step alone on the CPU: temperature 0.6 and top-p 0.95 against greedy (argmax), on the same
+logits, 64 requests over Qwen2.5's 151,936-token vocabulary.
+
+    OMP_NUM_THREADS=1 python benchmarks/cpu_sampling.py --out benchmarks/cpu_sampling.json
+
+Logits, float32 [64, 151936], seeded: a model-like row is a long normal tail, N(0, 2^2) for every
+token, plus a Zipf-like head of 40 tokens at random ids, logit_r = top - slope * ln(r) for rank r = 1..40,
+top uniform in [10, 20] and slope uniform in [0.5, 4] per row: some rows are peaked (one token holds
+nearly all the mass at T = 0.6), others spread their nucleus over tens to hundreds of tokens. The
+record gives the nucleus sizes it produced.
+
+Checks first: the sampler's tokens equal the reference's (`_sample_nucleus`, the sorted top-p path
+the CPU took before the block search; selected by raising MIN_BLOCKED_VOCAB past the vocabulary) for
+--checks draws of every row (each a different position, so different noise). Then, for each thread
+count, greedy, the sampler and the reference take turns --repeats rounds; the medians give the ratios
+sampled / greedy (the goal: at most 1.1) and reference / greedy (the figure before).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import minikv.engine.sampler as sampler
+from minikv import SamplingParams
+from minikv.bench import environment
+from minikv.engine.sampler import draw_keys, filtered_probs, sample
+
+SAMPLED = {"temperature": 0.6, "top_p": 0.95}
+
+
+def model_like_logits(rows: int, vocab: int, seed: int, head: int = 40) -> torch.Tensor:
+    """[rows, vocab] float32: a normal tail and a Zipf-like head at random ids (see the module's docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 2.0
+    top = 10 + 10 * torch.rand(rows, 1, generator=g)
+    slope = 0.5 + 3.5 * torch.rand(rows, 1, generator=g)
+    ranks = torch.arange(1, head + 1, dtype=torch.float32)[None, :]
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:head] for _ in range(rows)])
+    return logits.scatter_(1, ids, top - slope * ranks.log())
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Top-p rows take the sorted path (`_sample_nucleus`) whatever the vocabulary."""
+    saved = sampler.MIN_BLOCKED_VOCAB
+    sampler.MIN_BLOCKED_VOCAB = 1 << 62
+    try:
+        yield
+    finally:
+        sampler.MIN_BLOCKED_VOCAB = saved
+
+
+def reference_sample(logits, params, keys) -> list[int]:
+    with reference_path():
+        return sample(logits, params, keys)
+
+
+def nucleus_sizes(logits: torch.Tensor, params: SamplingParams) -> list[int]:
+    return [int((filtered_probs(row, params) > 0).sum()) for row in logits]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--checks", type=int, default=8)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    logits = model_like_logits(args.rows, args.vocab, args.seed)
+    sampled = [SamplingParams(seed=i, **SAMPLED) for i in range(args.rows)]
+    greedy = [SamplingParams() for _ in range(args.rows)]
+    seeds = list(range(args.rows))
+    sizes = sorted(nucleus_sizes(logits, sampled[0]))
+    equal = 0
+    for position in range(args.checks):
+        keys = draw_keys(seeds, [position] * args.rows)
+        equal += sum(a == b for a, b in zip(sample(logits, sampled, keys), reference_sample(logits, sampled, keys)))
+    total = args.checks * args.rows
+    print(f"tokens equal to the reference: {equal}/{total}; nucleus sizes min {sizes[0]}, median "
+          f"{sizes[len(sizes) // 2]}, max {sizes[-1]}")
+    assert equal == total, "the sampler's tokens differ from the reference's"
+
+    keys = draw_keys(seeds, [0] * args.rows)
+    runs = {"greedy": lambda: sample(logits, greedy, keys), "sampled": lambda: sample(logits, sampled, keys),
+            "reference": lambda: reference_sample(logits, sampled, keys)}
+    results = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        times = {name: [] for name in runs}
+        for _ in range(2):  # warm-up
+            for run in runs.values():
+                run()
+        for r in range(args.repeats):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))  # slow spells hit every path
+            for name in order:
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        row = {"threads": threads, "median_ms": med, "sampled_over_greedy": med["sampled"] / med["greedy"],
+               "reference_over_greedy": med["reference"] / med["greedy"]}
+        results.append(row)
+        print(f"{threads} thread(s): greedy {med['greedy']:.1f} ms, sampled {med['sampled']:.1f} ms "
+              f"({row['sampled_over_greedy']:.2f}x greedy), reference {med['reference']:.1f} ms "
+              f"({row['reference_over_greedy']:.2f}x greedy)")
+    if args.out:
+        record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"),
+                  "args": vars(args) | {"out": str(args.out)},
+                  "logits": model_like_logits.__doc__, "sampling": SAMPLED,
+                  "tokens_equal_reference": [equal, total],
+                  "nucleus_sizes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
+                  "load_average": list(__import__("os").getloadavg()), "results": results}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The CPU's top-p path (candidates from block maxima, `_sample_nucleus_cpu`) draws the sorted path's
+token (`_sample_nucleus`, the reference) on random and edge-case rows, and reads a row of logits a
+bounded number of times, with no int64 or float64 temporary of a row's size."""
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import minikv.engine.sampler as sampler
+from minikv import SamplingParams
+from minikv.engine.sampler import draw_keys, sample
+
+VOCAB = 20_011  # past MIN_BLOCKED_VOCAB, and not a multiple of the block: the last block is short
+
+
+@contextlib.contextmanager
+def reference_path():
+    saved = sampler.MIN_BLOCKED_VOCAB
+    sampler.MIN_BLOCKED_VOCAB = 1 << 62
+    try:
+        yield
+    finally:
+        sampler.MIN_BLOCKED_VOCAB = saved
+
+
+def both(logits, params, position=0):
+    keys = draw_keys([p.seed or 0 for p in params], [position] * len(params))
+    with reference_path():
+        want = sample(logits, params, keys)
+    return sample(logits, params, keys), want
+
+
+def model_like(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0]).repeat(rows // 5 + 1)[:rows, None]
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    ids = torch.randint(0, vocab, (rows, 30), generator=g)
+    return logits.scatter_(1, ids, torch.randn(rows, 30, generator=g).abs() * 4 + 6 * scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_search_draws_the_sorted_paths_token_on_model_like_rows(threads):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits = model_like(40, VOCAB, seed=threads)
+        params = [SamplingParams(temperature=(0.6, 1.0, 0.25, 1.7)[i % 4], top_p=(0.95, 0.5, 0.99, 0.05, 0.8)[i % 5],
+                                 seed=i) for i in range(40)]
+        for position in range(3):
+            got, want = both(logits, params, position)
+            assert got == want
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_block_search_matches_on_edge_cases():
+    """Ties at the nucleus' edge (bf16-like logits and whole rows of one value), a flat row whose nucleus
+    is most of the vocabulary, top_p 1 and top-k rows beside top-p rows, a tiny temperature, -inf logits,
+    greedy rows, and rows given out of order."""
+    g = torch.Generator().manual_seed(7)
+    rows = [
+        torch.zeros(VOCAB),  # all tied: the nucleus is decided by the order of ties
+        (torch.randn(VOCAB, generator=g) * 3).to(torch.bfloat16).float(),  # many ties
+        torch.randn(VOCAB, generator=g) * 0.01,  # flat: nucleus past 1,024
+        torch.randn(VOCAB, generator=g) * 5,
+        torch.randn(VOCAB, generator=g).masked_fill(torch.rand(VOCAB, generator=g) < 0.9, float("-inf")),
+        torch.full((VOCAB,), float("-inf")).index_fill(0, torch.tensor([3, 9000, 20_010]), 1.0),  # 3-way tie
+    ]
+    logits = torch.stack(rows * 2)
+    params = [SamplingParams(temperature=0.6, top_p=0.95, seed=1), SamplingParams(temperature=1.0, top_p=0.5, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=3), SamplingParams(temperature=1e-5, top_p=0.9, seed=4),
+              SamplingParams(temperature=0.8, top_p=0.7, seed=5), SamplingParams(temperature=1.0, top_p=0.5, seed=6),
+              SamplingParams(temperature=0.6, top_p=1.0, seed=7), SamplingParams(temperature=0.6, top_k=20, seed=8),
+              SamplingParams(), SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=9),
+              SamplingParams(temperature=2.0, top_p=0.999, seed=10), SamplingParams(temperature=0.3, top_p=0.6, seed=11)]
+    for position in range(4):
+        got, want = both(logits, params, position)
+        assert got == want
+    order = [5, 0, 11, 3, 8, 1]
+    got, want = both(logits[order], [params[i] for i in order], 2)
+    assert got == want
+
+
+def test_log_sum_exp_is_torchs_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 151_936, generator=g) * 4
+    t = torch.tensor([0.6, 1.0, 0.05, 2.0, 1e-5])
+    for rows in ([0, 1, 2, 3, 4], [3, 1], [4]):
+        lse, _ = sampler._lse_and_block_max(x, rows, t[rows])
+        assert torch.equal(lse, torch.logsumexp(x[rows] / t[rows, None], dim=-1, keepdim=True))
+
+
+class RowReads(TorchDispatchMode):
+    """Counts the elements each op reads or writes in tensors of at least a row's size (views and
+    index lookups excluded: they touch what they return), and the dtypes of those it creates."""
+    SKIP = {"view", "_unsafe_view", "slice", "select", "alias", "as_strided", "index", "gather",
+            "expand", "unsqueeze", "squeeze", "detach", "t", "unbind", "split", "lift_fresh", "_to_copy", "empty"}
+
+    def __init__(self, row: int):
+        super().__init__()
+        self.row, self.elements, self.big_dtypes = row, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] not in self.SKIP:
+            given = [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)]
+            self.elements += sum(a.numel() for a in given if a.numel() >= self.row)
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and o.numel() >= self.row:
+                    self.big_dtypes.add(o.dtype)
+                    if not any(o is a for a in given):  # a new tensor: written
+                        self.elements += o.numel()
+        return out
+
+
+def test_sampled_rows_read_the_vocabulary_a_bounded_number_of_times():
+    """Greedy reads each row once (argmax). A top-p row whose nucleus lies within its 1,024 most likely
+    tokens costs five row-sized reads or writes, all float32: the block maxima, -m + x / T (read x, write
+    a row-sized buffer), exp in place, sum. (The sorted path: six or more, its top-k of the whole row
+    reading as one.)"""
+    rows, vocab = 8, 151_936  # 8 rows: the block maxima, 8 x 9,496, stay under a row's size
+    logits = model_like(rows, vocab, seed=5)
+    logits[:, 17] += 30  # peaked rows: the nucleus is found among the first candidates
+    params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i) for i in range(rows)]
+    keys = draw_keys(list(range(rows)), [0] * rows)
+    with RowReads(vocab) as greedy:
+        sample(logits, [SamplingParams()] * rows, keys)
+    with RowReads(vocab) as sampled:
+        sample(logits, params, keys)
+    with reference_path(), RowReads(vocab) as reference:
+        sample(logits, params, keys)
+    assert greedy.elements == rows * vocab
+    assert sampled.elements <= 5 * rows * vocab, sampled.elements / (rows * vocab)
+    assert sampled.big_dtypes <= {torch.float32}, sampled.big_dtypes
+    assert reference.elements >= 6 * rows * vocab
