@@ -73,7 +73,8 @@ def test_block_search_matches_on_edge_cases():
               SamplingParams(temperature=0.8, top_p=0.7, seed=5), SamplingParams(temperature=1.0, top_p=0.5, seed=6),
               SamplingParams(temperature=0.6, top_p=1.0, seed=7), SamplingParams(temperature=0.6, top_k=20, seed=8),
               SamplingParams(), SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=9),
-              SamplingParams(temperature=2.0, top_p=0.999, seed=10), SamplingParams(temperature=0.3, top_p=0.6, seed=11)]
+              SamplingParams(temperature=2.0, top_p=0.999, seed=10),
+              SamplingParams(temperature=0.3, top_p=0.6, seed=11)]
     for position in range(4):
         got, want = both(logits, params, position)
         assert got == want
