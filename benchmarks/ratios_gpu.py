@@ -70,12 +70,12 @@ def prefix_hits(ckpt: str, prefix_len: int, requests: int = 8, suffix_len: int =
             "ratio": {k: med["None"] / med[k] for k in ("hash", "radix")}}
 
 
-def offline_vs_server(ckpt: str, tmp: Path) -> dict:
+def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = ()) -> dict:
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
     reqs = workload()  # [(prompt ids, output length)]: the nano-vllm workload
     # the server first, in its own process, so that its pool is fitted to an empty card
-    server = ServerProcess(ckpt, [], tmp / "server.log").wait_ready()
+    server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
     try:
         name = server_name(server)
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--parts", default="prefix,serve,second", help="comma-separated: prefix, serve, second")
+    ap.add_argument("--server-args", default="", help="more `minikv serve` flags, e.g. --no-engine-process")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device; this script measures the GPU ratios (run it on the GPU machine)", file=sys.stderr)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
                              f"tokens identical {r['tokens_identical'][k]}"))
     if "serve" in parts:
-        r = offline_vs_server(ckpt, tmp)
+        r = offline_vs_server(ckpt, tmp, args.server_args.split())
         record["serve"] = r
         rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
                      f"server {r['server']['tok_s']:,.0f}, offline {r['offline']['tok_s']:,.0f} tok/s, "
