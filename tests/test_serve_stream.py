@@ -78,7 +78,7 @@ def test_a_stream_without_stream_options_has_no_usage_chunk_and_every_chunk_foll
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
-    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}  # on the last content chunk, only there
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}  # on the last content chunk, only there
     text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in chunks)
     assert text == reference.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True))[0].text
 

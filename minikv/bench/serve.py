@@ -94,7 +94,8 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.send_at - time.perf_counter()))
     res = Result(req.tenant, len(req.prompt), req.max_tokens)
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # usage on a last chunk
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},  # usage on a last chunk
+            "return_token_ids": True}  # how many tokens each chunk carries (a server behind sends several)
     start = last = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body,
@@ -112,10 +113,12 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
+                k = len(chunk["choices"][0].get("token_ids") or []) or 1
                 if res.ttft is None:
                     res.ttft = now - start
-                else:
-                    res.itls.append(now - last)
+                    res.itls += [0.0] * (k - 1)
+                else:  # k tokens came together: one gap, then k - 1 gaps of nothing (as the client saw them)
+                    res.itls += [now - last] + [0.0] * (k - 1)
                 last = now
         res.e2e = last - start
         res.ok = res.output_tokens == req.max_tokens

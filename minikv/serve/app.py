@@ -296,13 +296,31 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         def so_far() -> dict | None:
             return usage(prompt_tokens, generated, 0) if parsed.continuous_usage else None
 
+        held: list[Event] = []  # taken from the queue while coalescing, not yet sent
+
+        def coalesced(ev: Event) -> Event:
+            """ev and the tokens events of the same sample already waiting behind it, as one: a server
+            that falls behind sends fewer, fuller chunks instead of falling further behind."""
+            ids_, text = list(ev.token_ids), [ev.text]
+            reason = ev.finish_reason
+            while reason is None and not held and not events.empty():
+                nxt = events.get_nowait()
+                if nxt.kind != "tokens" or nxt.index != ev.index:
+                    held.append(nxt)
+                    break
+                ids_ += nxt.token_ids
+                text.append(nxt.text)
+                reason = nxt.finish_reason
+            return Event("tokens", ev.index, ids_, "".join(text), reason)
+
         try:
             if chat:  # the first chunk names the role, as OpenAI's do
                 yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for i in range(parsed.params.n)], so_far())
             while True:
-                ev: Event = await events.get()
+                ev: Event = held.pop(0) if held else await events.get()
                 if ev.kind == "tokens":
+                    ev = coalesced(ev)
                     generated += len(ev.token_ids)
                     yield sse([choice(chat, ev.index, ev.text, ev.finish_reason,
                                       ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())

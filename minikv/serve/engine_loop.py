@@ -384,12 +384,30 @@ class ProcessEngineLoop(EngineLoop):
                 if not self.proc.alive:
                     raise RuntimeError(f"the engine process ended (exit code {self.proc.process.exitcode})") from None
                 continue
+            steps: list[tuple] = []  # every step already here is handed over at once: a busy server catches up
             while msg is not None:
-                self._handle(msg)
-                try:  # every message already here, before the next commands: a busy server catches up
+                if msg[0] == "events":
+                    steps.append(msg)
+                else:
+                    self._handle_steps(steps)
+                    steps = []
+                    self._handle(msg)
+                try:
                     msg = self.proc.results.get_nowait()
                 except queue.Empty:
                     msg = None
+            self._handle_steps(steps)
+
+    def _handle_steps(self, steps: list[tuple]) -> None:
+        """Several steps' messages as one: each request hears all its new tokens in one event."""
+        if not steps:
+            return
+        if len(steps) == 1 or any(m[3] is not None for m in steps):  # a failed step: each in its order
+            for m in steps:
+                self._handle(m)
+            return
+        self._handle(("events", [e for m in steps for e in m[1]], steps[-1][2], None))
+        self.num_steps += len(steps) - 1
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
