@@ -70,6 +70,9 @@ def prefix_hits(ckpt: str, prefix_len: int, requests: int = 8, suffix_len: int =
             "ratio": {k: med["None"] / med[k] for k in ("hash", "radix")}}
 
 
+CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients are never what is measured
+
+
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = ()) -> dict:
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
@@ -80,7 +83,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = ()) -> dict
         name = server_name(server)
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
         load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(reqs)]
-        results, duration = run_load(server.url, name, load)
+        results, duration = run_load(server.url, name, load, processes=CLIENT_PROCESSES)
     finally:
         server.stop()
     llm = LLM(ckpt)

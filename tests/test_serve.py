@@ -416,3 +416,13 @@ def test_bench_serve_replays_the_same_seeded_load_and_measures_every_request(ser
     assert s["goodput_requests_per_s"] == s["request_throughput"]  # a generous target: all met it
     assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"]
     assert set(by_tenant(results, duration, 1.0, 1.0)) == {"A", "B"}
+
+
+@pytest.mark.slow  # two spawned client processes import minikv
+def test_the_load_spread_over_client_processes_returns_every_result_in_the_requests_order(server):
+    from minikv.bench.serve import TenantLoad, make_requests, run_load
+
+    reqs = make_requests([TenantLoad("A", 40.0, 5, (8, 24), (2, 6))], seed=5, vocab=512)
+    results, duration = run_load(server.url, MODEL, reqs, processes=2)
+    assert [r.max_tokens for r in results] == [q.max_tokens for q in reqs]
+    assert all(r.ok and r.output_tokens == r.max_tokens for r in results) and duration > 0

@@ -129,19 +129,49 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
     return res
 
 
-async def _run(url: str, model: str, reqs: list[Req]) -> tuple[list[Result], float]:
+async def _run(url: str, model: str, reqs: list[Req], ready=None) -> tuple[list[Result], float]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        if ready is not None:
+            ready.wait()  # every client process starts its clock together
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(http, url, model, r, t0) for r in reqs))
         return list(results), time.perf_counter() - t0
 
 
-def run_load(url: str, model: str, reqs: list[Req]) -> tuple[list[Result], float]:
-    """Send every request at its time (each its own streaming connection); wait for all of them."""
-    return asyncio.run(_run(url, model, reqs))
+def _client_process(k: int, url: str, model: str, reqs: list[Req], ready, out) -> None:
+    out.put((k, *asyncio.run(_run(url, model, reqs, ready))))
+
+
+def run_load(url: str, model: str, reqs: list[Req], processes: int = 1) -> tuple[list[Result], float]:
+    """Send every request at its time (each its own streaming connection); wait for all of them.
+
+    processes > 1 spreads the clients over that many processes (request i in process i % processes),
+    all starting their clocks together: one Python process reading hundreds of streams is itself
+    the bottleneck of a fast server, and would be measured instead of it. Results come back in the
+    requests' order; the duration is the slowest process's."""
+    if processes <= 1:
+        return asyncio.run(_run(url, model, reqs))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(k, url, model, reqs[k::processes], ready, out),
+                         daemon=True) for k in range(processes)]
+    for p in procs:
+        p.start()
+    ready.wait()
+    results: list[Result] = [None] * len(reqs)  # type: ignore[list-item]
+    duration = 0.0
+    for _ in procs:
+        k, share, seconds = out.get()
+        results[k::processes] = share
+        duration = max(duration, seconds)
+    for p in procs:
+        p.join()
+    return results, duration
 
 
 def pct(values: list[float], q: float) -> float | None:
