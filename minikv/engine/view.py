@@ -153,8 +153,10 @@ class EngineView:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the pool's blocks held by requests (1 = full)."""
-        return self.held_blocks / self.num_blocks
+        """Fraction of the pool's blocks a new request cannot take (1 = full): held by requests or
+        pinned; cached blocks nobody holds count as free (they are evicted on demand). O(1): the
+        server reads it every step."""
+        return self.used_blocks / self.num_blocks
 
     def ref_counts(self) -> tuple[int, ...]:
         return tuple(self._bm().ref_count)

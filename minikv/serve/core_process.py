@@ -19,6 +19,7 @@ What the server reads of the engine (queues for 429/503, pool usage for /metrics
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import traceback
 from dataclasses import dataclass
@@ -45,7 +46,21 @@ class CoreInfo:
 
 
 def _core_main(model, options: dict, commands, results) -> None:
-    """The core process: build the engine, then take commands and step until told to stop."""
+    """The core process: build the engine, then take commands and step until told to stop. With
+    MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop."""
+    path = os.environ.get("MINIKV_CORE_PROFILE")
+    if not path:
+        return _core_loop(model, options, commands, results)
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(_core_loop, model, options, commands, results)
+    finally:
+        profile.dump_stats(path)
+
+
+def _core_loop(model, options: dict, commands, results) -> None:
     try:
         from minikv.engine.llm import LLM
 

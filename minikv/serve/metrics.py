@@ -128,7 +128,8 @@ class ServerMetrics:
                 samples = [("", samples)]
             out.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
 
-        metric("minikv:kv_cache_usage_perc", "gauge", "KV-cache usage: fraction of blocks held by requests (1 = full).",
+        metric("minikv:kv_cache_usage_perc", "gauge",
+               "KV-cache usage: fraction of blocks held by requests or pinned (1 = full).",
                view.kv_usage)
         metric("minikv:num_requests_running", "gauge", "Requests in the running batch.", view.num_running)
         metric("minikv:num_requests_waiting", "gauge", "Requests waiting for a seat.",
