@@ -426,3 +426,16 @@ def test_the_load_spread_over_client_processes_returns_every_result_in_the_reque
     results, duration = run_load(server.url, MODEL, reqs, processes=2)
     assert [r.max_tokens for r in results] == [q.max_tokens for q in reqs]
     assert all(r.ok and r.output_tokens == r.max_tokens for r in results) and duration > 0
+
+
+@pytest.mark.slow  # a server process (and its engine process), then the offline engine
+def test_bench_serve_compare_offline_runs_the_same_requests_offline_and_prints_the_ratio(tmp_path, capsys):
+    from minikv.bench.serve import main
+
+    out = tmp_path / "serve.json"
+    assert main(["--model", "tiny-random", "--rates", "8", "--requests", "4", "--tenants", "2", "--output-len",
+                 "4,8", "--prompt-len", "8,16", "--compare-offline", "--device", "cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (row,) = record["compare_offline"]
+    assert row["rate"] == 8 and row["offline_tokens_per_s"] > 0 and row["server_over_offline"] > 0
+    assert "server / offline" in capsys.readouterr().out

@@ -263,10 +263,8 @@ def warm_up(url: str, model: str, vocab: int) -> None:
 def sweep(url: str, model: str, args, vocab: int) -> list[dict]:
     rows = []
     for rate in args.rates:
-        loads = [TenantLoad(f"tenant-{i}", rate / args.tenants, max(1, round(args.requests / args.tenants)),
-                            args.prompt_len, args.output_len) for i in range(args.tenants)]
-        reqs = make_requests(loads, args.seed, vocab)
-        results, duration = run_load(url, model, reqs)
+        reqs = sweep_requests(args, vocab, rate)
+        results, duration = run_load(url, model, reqs, processes=args.client_processes)
         s = summarize(results, duration, args.slo_ttft, args.slo_itl)
         rows.append({"rate": rate, **s})
         print(f"[serve] rate {rate:6.2f} req/s: {s['output_tokens_per_s']:8.1f} tok/s, TTFT p50/p99 "
@@ -274,6 +272,37 @@ def sweep(url: str, model: str, args, vocab: int) -> list[dict]:
               f"ITL p50/p99 {s['itl_p50_s']:.3f}/{s['itl_p99_s']:.3f} s, "
               f"goodput {s['goodput_requests_per_s']:.2f} req/s ({s['slo_attained']:.0%} within SLO)", flush=True)
     return rows
+
+
+def sweep_requests(args, vocab: int, rate: float) -> list[Req]:
+    loads = [TenantLoad(f"tenant-{i}", rate / args.tenants, max(1, round(args.requests / args.tenants)),
+                        args.prompt_len, args.output_len) for i in range(args.tenants)]
+    return make_requests(loads, args.seed, vocab)
+
+
+def compare_offline(model: str, args, vocab: int, rows: list[dict]) -> list[dict]:
+    """Each rate's requests once more through `LLM(model).generate`, all at once, in this process
+    (after the server has stopped: the card is the engine's alone); server / offline output tok/s."""
+    from minikv import LLM, SamplingParams
+
+    llm = LLM(model, device=args.device, kv_backend="paged")
+    out = []
+    try:
+        llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # lazy initialisation
+        for row in rows:
+            reqs = sweep_requests(args, vocab, row["rate"])
+            params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+            t0 = time.perf_counter()
+            done = llm.generate([r.prompt for r in reqs], params)
+            seconds = time.perf_counter() - t0
+            tok_s = sum(len(o.token_ids) for o in done) / seconds
+            ratio = row["output_tokens_per_s"] / tok_s
+            out.append({"rate": row["rate"], "offline_tokens_per_s": tok_s, "server_over_offline": ratio})
+            print(f"[serve] rate {row['rate']:6.2f} req/s: server {row['output_tokens_per_s']:8.1f} tok/s, offline "
+                  f"{tok_s:8.1f} tok/s (the same requests at once): server / offline {ratio:.2f}", flush=True)
+    finally:
+        llm.close()
+    return out
 
 
 def noisy_loads(args) -> list[TenantLoad]:
@@ -358,7 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-itl", type=float, default=0.25, help="goodput: mean ITL target (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON record here (and a line in RESULTS.md beside it)")
+    ap.add_argument("--compare-offline", action="store_true",
+                    help="sweep: run each rate's requests offline too (LLM.generate, in this process, after the "
+                         "server stops) and print server / offline output tok/s")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="spread the sweep's clients over this many processes (one Python process reading "
+                         "hundreds of streams is itself a bottleneck)")
     args = ap.parse_args(argv)
+    if args.client_processes < 1:
+        ap.error(f"--client-processes must be at least 1, got {args.client_processes}")
 
     tmp = Path(tempfile.mkdtemp(prefix="minikv-bench-serve-"))
     model, vocab = args.model, 10000
@@ -386,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   if "bucket" not in k}
             finally:
                 srv.stop()
+            if args.compare_offline:
+                record["compare_offline"] = compare_offline(model, args, vocab, record["sweep"])
         if "noisy" in experiments:
             record["noisy"] = {"loads": [asdict(x) for x in noisy_loads(args)],
                                **noisy(model, common, args, vocab, tmp)}
@@ -395,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         if experiments != ("sweep",):
             ap.error("--url runs the sweep against that server; noisy and prefix start their own servers (--model)")
         record["sweep"] = sweep(args.url, name, args, vocab)
+        if args.compare_offline:
+            ap.error("--compare-offline builds the engine in this process; use --model (no --url): the card must "
+                     "be free of the server when the offline run starts")
     record["load_average_1min_after"] = os.getloadavg()[0]
     if args.out:
         out = Path(args.out)
