@@ -143,3 +143,14 @@ def test_the_config_parts_hold_every_option_once():
     assert len(names) == len(set(names)) == len(OPTIONS)
     cfg = EngineConfig.from_options(model="tiny-random", kv_backend="paged", copy_on_write=lambda *a: None)
     assert set(cfg.options()) == set(OPTIONS) and cfg.seams.copy_on_write is cfg.copy_on_write
+
+
+def test_stats_report_the_time_to_first_token_of_hits_and_misses(llm):
+    engine = llm.derive()
+    shared = list(range(40, 72))  # 8 full blocks of 4
+    engine.generate([shared + [1]], SamplingParams(max_tokens=2))
+    outs = engine.generate([shared + [2], [300 + i for i in range(9)]], SamplingParams(max_tokens=2))
+    assert outs[0].num_cached_tokens == 32 and outs[1].num_cached_tokens == 0
+    pc = engine.stats()["prefix_cache"]
+    assert pc["ttft_hit_median_s"] == outs[0].time_to_first_token
+    assert pc["ttft_miss_median_s"] == outs[1].time_to_first_token

@@ -481,7 +481,12 @@ class LLM:
              "num_cached_tokens": s.num_cached_tokens}
             for s in self._last for o in [self.output(s)]
         ]
-        if prefix is not None:
+        if prefix is not None:  # the time to first token of the last call's hits and misses (median, seconds)
+            ttft = {hit: sorted(r["time_to_first_token"] for r in out["requests"]
+                                if r["time_to_first_token"] is not None and (r["num_cached_tokens"] > 0) == hit)
+                    for hit in (True, False)}
+            prefix["ttft_hit_median_s"] = ttft[True][len(ttft[True]) // 2] if ttft[True] else None
+            prefix["ttft_miss_median_s"] = ttft[False][len(ttft[False]) // 2] if ttft[False] else None
             out["prefix_cache"] = prefix
         return out
 
