@@ -91,3 +91,10 @@ def test_an_engine_process_that_dies_stops_the_server_and_nobody_hangs():
             pass  # the HTTP server stopped with it: refused, not left waiting
     finally:
         server.stop()
+
+
+def test_an_option_the_engine_refuses_is_the_same_one_line_error_as_in_process():
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        CoreProcess(tiny_random_with_text(), kv_backend="paged", block_size=3)
+    with pytest.raises(FileNotFoundError):
+        CoreProcess("/nonexistent/model-dir", kv_backend="paged")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -61,6 +62,7 @@ def _core_main(model, options: dict, commands, results) -> None:
 
 
 def _core_loop(model, options: dict, commands, results) -> None:
+    results.cancel_join_thread()  # a server gone mid-load must not keep this process from exiting
     try:
         from minikv.engine.llm import LLM
 
@@ -129,11 +131,17 @@ class CoreProcess:
         self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, self.results),
                                    name="minikv-core", daemon=True)
         self.process.start()
-        try:
-            msg = self.results.get(timeout=timeout)
-        except queue.Empty:
-            self.kill()
-            raise RuntimeError(f"the engine process did not start within {timeout:.0f} s") from None
+        deadline, msg = time.monotonic() + timeout, None
+        while msg is None:
+            try:
+                msg = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():  # died before it could say why (killed, out of memory)
+                    raise RuntimeError(f"the engine process ended while starting (exit code "
+                                       f"{self.process.exitcode})") from None
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"the engine process did not start within {timeout:.0f} s") from None
         if msg[0] == "start_failed":
             self.process.join(5)
             _, kind, message, trace = msg
