@@ -439,3 +439,25 @@ def test_bench_serve_compare_offline_runs_the_same_requests_offline_and_prints_t
     (row,) = record["compare_offline"]
     assert row["rate"] == 8 and row["offline_tokens_per_s"] > 0 and row["server_over_offline"] > 0
     assert "server / offline" in capsys.readouterr().out
+
+
+def test_a_stopped_server_keeps_no_engine_alive():
+    """FastAPI caches route functions in module-level caches: the routes reach the engine through one
+    holder that stop() empties, so the engine (and its pool) go with the last reference to them."""
+    import gc
+    import weakref
+
+    def serve_once():
+        llm = engine()
+        server = Server(llm).start()
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3},
+                       timeout=HANG_S)
+        assert r.status_code == 200
+        threads = list(server.app.state.deps.tokenizer_pool._threads)  # this server's tokenizing threads
+        server.stop()
+        return weakref.ref(llm), weakref.ref(llm.core.pool), threads
+
+    llm, pool, threads = serve_once()
+    gc.collect()
+    assert llm() is None and pool() is None, "a stopped server kept its engine alive"
+    assert threads and not any(t.is_alive() for t in threads), "a stopped server left its tokenizing threads"

@@ -96,6 +96,20 @@ def max_token_bytes(tokenizer) -> int:
         return 0
 
 
+class AppDeps:
+    """What the routes of one app reach: the engine loop (and through it the LLM or the engine process),
+    the metrics, the tenants, the tokenizer threads. `release()` (when the server stops) lets go of them,
+    so a stopped server keeps no engine alive."""
+
+    def __init__(self, engine: EngineLoop, tenants: Tenants, tokenizer_pool: ThreadPoolExecutor):
+        self.engine, self.llm, self.metrics = engine, engine.llm, engine.metrics
+        self.tenants, self.tokenizer_pool = tenants, tokenizer_pool
+
+    def release(self) -> None:
+        self.tokenizer_pool.shutdown(wait=True)  # no handler runs any more: its threads end now
+        self.engine = self.llm = self.metrics = None
+
+
 def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = False,
               max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastAPI:
@@ -105,19 +119,21 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     (minikv/serve/tenants.py; a fresh key if None)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
-    llm, metrics = engine.llm, engine.metrics
     tenants = tenants or Tenants(isolate=isolate_tenants)
     app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tenants = tenants
     created = now()
-    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="minikv-tokenize")
-    text_limit = 4 * max_token_bytes(llm.tokenizer) * llm.max_model_len  # bytes of text that surely overflow
+    # what the routes reach, held in one place: `app.state.deps.release()` lets go of the engine (FastAPI
+    # caches route functions in module-level caches, so nothing the routes close over may be the engine)
+    deps = app.state.deps = AppDeps(engine, tenants, ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                                        thread_name_prefix="minikv-tokenize"))
+    text_limit = 4 * max_token_bytes(deps.llm.tokenizer) * deps.llm.max_model_len  # bytes of text that surely overflow
     admitting: Counter[str] = Counter()  # past the queue limits, not yet submitted (tokenizing): they count
 
     def num_waiting(tenant: str | None = None) -> int:
         """Requests that will wait for a seat: queued (or being admitted) beyond the free seats."""
         extra = admitting[tenant] if tenant is not None else sum(admitting.values())
-        return max(0, engine.num_queued(tenant) + extra - engine.free_seats())
+        return max(0, deps.engine.num_queued(tenant) + extra - deps.engine.free_seats())
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
@@ -132,18 +148,18 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not engine.alive:
+        if not deps.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
-                                            "owned_by": "minikv", "max_model_len": llm.max_model_len}]}
+                                            "owned_by": "minikv", "max_model_len": deps.llm.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.snapshot()),
+        return PlainTextResponse(deps.metrics.render(deps.engine.snapshot()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def handle(request: Request, chat: bool):
@@ -161,40 +177,40 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, an int of 4,300+ digits, deep nesting
-            metrics.rejected_request("bad_request")
+            deps.metrics.rejected_request("bad_request")
             why = "it nests too deeply" if isinstance(e, RecursionError) else f"{e}"[:200]
             raise ApiError(400, f"the request body is not valid JSON: {why}") from None
         try:
             parsed = parse_request(body, chat, [served_name])
             check_max_tokens(parsed, chat)
         except ApiError as e:
-            metrics.rejected_request("bad_request" if e.status < 404 else "not_found")
+            deps.metrics.rejected_request("bad_request" if e.status < 404 else "not_found")
             raise
-        tenant = tenants.of(request.headers.get("authorization", ""), parsed.user)
+        tenant = deps.tenants.of(request.headers.get("authorization", ""), parsed.user)
         if max_waiting_per_tenant is not None and num_waiting(tenant) >= max_waiting_per_tenant:
-            metrics.rejected_request("tenant_limit")
+            deps.metrics.rejected_request("tenant_limit")
             raise ApiError(429, f"tenant {tenant} already has {max_waiting_per_tenant} requests waiting for a seat "
                                 "(--max-waiting-per-tenant); retry after a second", type="rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         if num_waiting() >= max_waiting:
-            metrics.rejected_request("overloaded")
+            deps.metrics.rejected_request("overloaded")
             raise ApiError(503, f"the server is overloaded: {max_waiting} requests are already waiting for a seat "
                                 "(--max-waiting); retry after a second", type="server_overloaded",
                            headers={"Retry-After": "1"})
-        if not engine.alive:
+        if not deps.engine.alive:
             raise ApiError(503, "the engine has stopped; the server is shutting down", type="server_error")
         rid, loop, events = new_id(chat), asyncio.get_running_loop(), asyncio.Queue()
         admitting[tenant] += 1
         try:
-            ids = await loop.run_in_executor(tokenizer_pool, token_ids, parsed, chat)
+            ids = await loop.run_in_executor(deps.tokenizer_pool, token_ids, parsed, chat)
             prompt = {"prompt_token_ids": ids}
-            salt = tenants.cache_salt(tenant, parsed.cache_salt)
+            salt = deps.tenants.cache_salt(tenant, parsed.cache_salt)
             if salt is not None:
                 prompt["cache_salt"] = salt
-            engine.submit(prompt, parsed.params, tenant, rid,
+            deps.engine.submit(prompt, parsed.params, tenant, rid,
                           lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except ApiError:
-            metrics.rejected_request("bad_request")
+            deps.metrics.rejected_request("bad_request")
             raise
         finally:
             admitting[tenant] -= 1
@@ -203,13 +219,13 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         try:
             first: Event = await events.get()
         except asyncio.CancelledError:  # the client went away before the engine took it
-            engine.abort(rid)
+            deps.engine.abort(rid)
             raise
         if first.kind == "rejected":
-            metrics.rejected_request("bad_request")
+            deps.metrics.rejected_request("bad_request")
             raise ApiError(400, str(first.error), param="messages" if chat else "prompt")
         if first.kind == "failed":
-            raise ApiError(503 if not engine.alive else 500,
+            raise ApiError(503 if not deps.engine.alive else 500,
                            f"the engine could not run this request ({describe(first.error)})",
                            type="server_error")
         if parsed.stream:
@@ -218,14 +234,15 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         return await collect(request, rid, chat, parsed, events)
 
     def check_max_tokens(parsed: Parsed, chat: bool) -> None:
-        if parsed.params.max_tokens > llm.max_model_len:
+        if parsed.params.max_tokens > deps.llm.max_model_len:
             raise ApiError(400, f"'max_tokens' is {parsed.params.max_tokens:,} but this model's context is "
-                                f"{llm.max_model_len:,} tokens (prompt included); lower max_tokens", param="max_tokens")
-        if chat and (llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None)):
+                                f"{deps.llm.max_model_len:,} tokens (prompt included); lower max_tokens",
+                           param="max_tokens")
+        if chat and (deps.llm.tokenizer is None or not getattr(deps.llm.tokenizer, "chat_template", None)):
             raise ApiError(400, f"model {served_name!r} has no chat template; use /v1/completions "
                                 "(with token ids if it has no tokenizer)", param="messages")
         if not parsed.max_tokens_given and chat:
-            parsed.params.max_tokens = llm.max_model_len  # until EOS or the context is full
+            parsed.params.max_tokens = deps.llm.max_model_len  # until EOS or the context is full
 
     def token_ids(parsed: Parsed, chat: bool) -> list[int]:
         """(On a tokenizer thread.) The prompt's token ids, checked against max_model_len and the
@@ -233,17 +250,17 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
         param = "messages" if chat else "prompt"
         prompt = parsed.prompt
         if chat:
-            prompt = llm.tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
+            prompt = deps.llm.tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
         if isinstance(prompt, str) and text_limit and len(prompt) > text_limit // 4:
             size = len(prompt.encode("utf-8"))
             if size > text_limit:
-                raise ApiError(400, f"prompt has {size:,} bytes of text, more than {llm.max_model_len:,} tokens "
+                raise ApiError(400, f"prompt has {size:,} bytes of text, more than {deps.llm.max_model_len:,} tokens "
                                     f"(max_model_len) can hold; shorten the prompt", param=param)
-        if isinstance(prompt, list) and len(prompt) > llm.max_model_len:
-            raise ApiError(400, f"prompt has {len(prompt):,} tokens but max_model_len is {llm.max_model_len:,}; "
+        if isinstance(prompt, list) and len(prompt) > deps.llm.max_model_len:
+            raise ApiError(400, f"prompt has {len(prompt):,} tokens but max_model_len is {deps.llm.max_model_len:,}; "
                                 "shorten the prompt", param=param)
         try:
-            ids, _, _ = llm.encode(prompt)
+            ids, _, _ = deps.llm.encode(prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
         return ids
@@ -262,7 +279,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                 if loop.time() >= next_check:  # tokens may keep coming: check by the clock, not on silence
                     next_check = loop.time() + POLL_DISCONNECT_S
                     if await request.is_disconnected():
-                        engine.abort(rid)
+                        deps.engine.abort(rid)
                         return {}
                 if ev is None:
                     continue
@@ -279,7 +296,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                     return envelope(chat, rid, served_name, now(), choices, False,
                                     usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
         except asyncio.CancelledError:
-            engine.abort(rid)
+            deps.engine.abort(rid)
             raise
 
     async def stream(rid: str, chat: bool, parsed: Parsed, events: asyncio.Queue,
@@ -339,7 +356,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                     return
         finally:
             if not done:  # the client went away (or the server stops): free its blocks now
-                engine.abort(rid)
+                deps.engine.abort(rid)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -409,6 +426,7 @@ class Server:
         self._thread.join(10)
         self.engine.stop()
         self._sock.close()
+        self.app.state.deps.release()  # no handler runs any more: a stopped server keeps no engine alive
 
     def __enter__(self) -> "Server":
         return self.start()
