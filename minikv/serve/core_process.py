@@ -62,7 +62,6 @@ def _core_main(model, options: dict, commands, results) -> None:
 
 
 def _core_loop(model, options: dict, commands, results) -> None:
-    results.cancel_join_thread()  # a server gone mid-load must not keep this process from exiting
     try:
         from minikv.engine.llm import LLM
 
@@ -70,6 +69,7 @@ def _core_loop(model, options: dict, commands, results) -> None:
         if not llm.is_paged:
             raise ValueError("the server runs the continuous-batching engine: build it with kv_backend='paged'")
         core, view = llm.core, llm.view
+        results.cancel_join_thread()  # from now on a server gone mid-load must not keep this process alive
         results.put(("ready", CoreInfo(core.max_model_len, llm.config.vocab_size, view.num_blocks,
                                        view.block_size, str(llm.loaded.source)), view.snapshot()))
     except BaseException as e:  # noqa: BLE001  the server says why and exits
@@ -136,7 +136,12 @@ class CoreProcess:
             try:
                 msg = self.results.get(timeout=1.0)
             except queue.Empty:
-                if not self.process.is_alive():  # died before it could say why (killed, out of memory)
+                if not self.process.is_alive():  # it may have said why just before it ended: look once more
+                    try:
+                        msg = self.results.get(timeout=5.0)
+                        break
+                    except queue.Empty:
+                        pass  # died before it could say why (killed, out of memory)
                     raise RuntimeError(f"the engine process ended while starting (exit code "
                                        f"{self.process.exitcode})") from None
                 if time.monotonic() > deadline:
