@@ -98,3 +98,16 @@ def test_an_option_the_engine_refuses_is_the_same_one_line_error_as_in_process()
         CoreProcess(tiny_random_with_text(), kv_backend="paged", block_size=3)
     with pytest.raises(FileNotFoundError):
         CoreProcess("/nonexistent/model-dir", kv_backend="paged")
+
+
+def test_a_request_aborted_before_the_engine_process_answered_is_stopped_there(served):
+    server, _ = served
+    before = metrics(server.url).get('minikv:request_success_total{finished_reason="abort"}', 0)
+    heard = []
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    server.engine.submit({"prompt_token_ids": PROMPTS[0]}, params, "t", "early-abort", heard.append)
+    server.engine.abort("early-abort")  # queued right behind the submit: the core may not have answered yet
+    wait_until(lambda: (lambda m: m.get('minikv:request_success_total{finished_reason="abort"}', 0) == before + 1
+                        and m["minikv:num_requests_running"] == 0 and m["minikv:kv_cache_usage_perc"] == 0)(
+        metrics(server.url)), "the engine process stopped the request and freed its blocks")
+    assert all(e.kind in ("accepted", "tokens") for e in heard)

@@ -355,6 +355,7 @@ class ProcessEngineLoop(EngineLoop):
         self.core = _RemoteCore(proc)
         self._snapshot: ViewSnapshot = proc.snapshot
         self._submitted: dict[str, tuple[Callable[[Event], None], str]] = {}  # sent, not yet answered
+        self._gone: set[str] = set()  # sent, then aborted before the core answered
         self._init_loop(metrics, idle_wait)
 
     def snapshot(self) -> ViewSnapshot:
@@ -436,8 +437,17 @@ class ProcessEngineLoop(EngineLoop):
         self._submitted[request_id] = (on_event, tenant)
         self.proc.send("add", request)
 
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._submitted:  # the core has it (or soon will): it stops it, in order
+            self._gone.add(request_id)
+            self.core.abort(request_id)
+            return
+        super()._abort(request_id)
+
     def _answered(self, answer: str, rid: str, detail, sent=None) -> None:
         on_event, tenant = sent if sent is not None else self._submitted.pop(rid)
+        gone = rid in self._gone
+        self._gone.discard(rid)
         with self._pending_lock:
             self._pending -= 1
             self._pending_by_tenant[tenant] -= 1
@@ -450,8 +460,8 @@ class ProcessEngineLoop(EngineLoop):
                 f"the engine could not take this request ({detail})")
             _tell(on_event, Event("rejected" if answer == "rejected" else "failed", error=error))
             return
-        self._live[rid] = _Live(on_event, tenant)
-        if not _tell(on_event, Event("accepted", prompt_tokens=detail)):
+        self._live[rid] = _Live(on_event, tenant, quiet=gone, reason="abort" if gone else None)
+        if not gone and not _tell(on_event, Event("accepted", prompt_tokens=detail)):
             self._abort(rid)
 
     def _close(self) -> None:
