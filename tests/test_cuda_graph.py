@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minikv.attention.metadata import BatchInputs
-from minikv.engine.cuda_graph import DecodeGraphs, batch_buckets
+from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs, batch_buckets, token_buckets
 from minikv.engine.llm import LLM
 from minikv.engine.sampling_params import SamplingParams
 
@@ -126,3 +126,70 @@ def test_bad_input_names_the_limit():
     with pytest.raises(ValueError, match="True, False or None"):
         LLM("tiny-random", device="cpu", kv_backend="paged", cuda_graphs="yes")
     assert cpu.runner.decode_graphs is None  # off by default on a CPU
+
+
+def _step_graphs(llm: LLM, max_tokens: int = 32) -> StepGraphs:
+    logits = torch.zeros(llm.scheduler.max_num_seqs, llm.config.vocab_size, device=llm.device)
+    graphs = StepGraphs(llm.model, llm.backend, llm.device, llm.block_size, llm.scheduler.max_num_seqs,
+                        llm.max_model_len, logits, max_tokens, capture=CAPTURE)
+    calls = []
+    run = graphs.run
+    graphs.run = lambda inputs: calls.append((inputs.input_ids.numel(), inputs.num_seqs)) or run(inputs)
+    graphs.calls = calls
+    return graphs
+
+
+def test_token_buckets_double_from_16_up_to_the_limit_and_max_model_len():
+    assert token_buckets(256, 4096) == [16, 32, 64, 128, 256]
+    assert token_buckets(100, 4096) == [16, 32, 64]
+    assert token_buckets(256, 40) == [16, 32]
+    assert token_buckets(8, 4096) == []
+
+
+def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_tokens():
+    """Prefix hits (a short suffix over a cached prefix), chunked prompts and prompts beside decodes run
+    through the padded step buffers: same tokens as eager steps, and every block comes back."""
+    shared = list(range(20, 44))  # three blocks of 8: cached after the first request
+    prompts = [shared + [5, 6, 7], shared + [9], list(range(50, 70)), [3, 4], shared + list(range(60, 71))]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 2, 2, 3, 2)]
+    want = [o.token_ids for o in _tiny_llm(max_num_seqs=4, prefix_caching="hash").generate(prompts, params)]
+    llm = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
+    llm.runner.step_graphs = graphs = _step_graphs(llm)
+    assert [o.token_ids for o in llm.generate([prompts[0]], [params[0]])] == want[:1]  # fills the cache
+    assert [o.token_ids for o in llm.generate(prompts[1:], params[1:])] == want[1:]
+    sizes = {t for t, _ in graphs.calls}
+    assert any(t <= 16 for t in sizes) and any(16 < t <= 32 for t in sizes), graphs.calls  # both buckets ran
+    assert any(b > 1 for _, b in graphs.calls), graphs.calls  # a mixed step of several sequences
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.stats()["prefix_cache"]["hits"] >= 2 * 24  # both later requests hit the shared prefix
+
+
+def test_step_padding_stores_nothing_and_larger_steps_run_eagerly():
+    llm = _tiny_llm(max_num_seqs=4)
+    graphs = _step_graphs(llm, max_tokens=16)
+    pool = llm.backend.pool
+    before = [(k.clone(), v.clone()) for k, v in zip(pool.k_cache, pool.v_cache)]
+    bs = llm.block_size
+    long = lambda xs: torch.tensor(xs, dtype=torch.long, device=llm.device)  # noqa: E731
+    # two sequences: 3 new tokens at positions 8..10 (block 5 then block 6) and one decode at position 2 (block 7)
+    slots = [5 * bs + 0, 5 * bs + 1, 5 * bs + 2, 7 * bs + 2]
+    inputs = BatchInputs(input_ids=long([1, 2, 3, 4]), positions=long([8, 9, 10, 2]),
+                         query_start_loc=long([0, 3, 4]), seq_lens=long([11, 3]), query_lens_list=[3, 1],
+                         seq_lens_list=[11, 3], max_seq_len=11, block_tables=long([[6, 5], [7, -1]]),
+                         slot_mapping=long(slots), logits_indices=long([2, 3]))
+    logits = graphs.run(inputs)
+    assert logits.shape == (2, llm.config.vocab_size) and torch.isfinite(logits).all()
+    for (k0, v0), k1, v1 in zip(before, pool.k_cache, pool.v_cache):
+        changed = ((k1 != k0) | (v1 != v0)).flatten(2).any(-1)
+        assert sorted(b * bs + o for b, o in changed.nonzero().tolist()) == sorted(slots)  # padding stored nothing
+    meta = llm.backend.prepare_metadata(inputs)  # the same step eagerly: the same logits
+    eager = llm.model(inputs.input_ids, inputs.positions, meta, llm.backend, logits_indices=inputs.logits_indices)
+    torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+    many = BatchInputs(input_ids=long(range(17)), positions=long(range(17)), query_start_loc=long([0, 17]),
+                       seq_lens=long([17]), query_lens_list=[17], seq_lens_list=[17], max_seq_len=17,
+                       block_tables=long([[1, 2, 3]]), slot_mapping=long(range(8, 25)), logits_indices=long([16]))
+    assert not graphs.fits(many)
+    with pytest.raises(ValueError, match="largest captured step"):
+        graphs.run(many)
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        LLM("tiny-random", device="cpu", kv_backend="paged", cuda_graph_max_tokens=8)

@@ -89,9 +89,9 @@ def test_the_pool_layouts_index_alike_and_store_the_heads_in_their_own_order(tin
                                                                 cfg.num_kv_heads, cfg.head_dim)
     assert nhd.pool.k_cache.stride()[2:] == (cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, 1)  # slot, head, dim
     assert hnd.pool.k_cache.stride()[2:] == (cfg.head_dim, BLOCK_SIZE * cfg.head_dim, 1)
-    k = torch.randn(3, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.randn(3, cfg.num_kv_heads, cfg.head_dim, device=hnd.pool.device)
     for b in (nhd, hnd):
-        b.store(1, k, -k, torch.tensor([5, 17, 40]))
+        b.store(1, k, -k, torch.tensor([5, 17, 40], device=hnd.pool.device))
     assert torch.equal(nhd.pool.k_cache, hnd.pool.k_cache) and torch.equal(nhd.pool.v_cache, hnd.pool.v_cache)
     assert torch.equal(hnd.pool.k_cache[1, 2, 1], k[1])  # slot 17 = block 2, offset 1
     with pytest.raises(ValueError, match="kv_layout"):

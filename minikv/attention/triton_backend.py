@@ -6,6 +6,8 @@ metadata as `PagedBackend` (rung 4); only `forward` changes:
                              split-K over long contexts         (replaces gather + masked SDPA)
     paged_prefill_attention  any step with prefill rows (whole prompts, chunks, cached prefixes,
                              decode rows mixed in)
+    paged_decode_attention   also a step of few new tokens per sequence (at most query_rows_max: a
+      one row per token      prefix hit's suffix, a chunk's tail), each token a row over keys [0, pos]
 
 Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read once, from the
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
@@ -52,6 +54,8 @@ class TritonPagedBackend(PagedBackend):
     # split ranges cut per sequence on the device (True) or from max_seq_len on the host (False);
     # None = per sequence exactly when the host does not know the lengths (a CUDA graph's buffers)
     decode_split_per_seq: bool | None = None
+    # steps whose longest query run is at most this many tokens go through the decode kernel, one row per token
+    query_rows_max: int = 32
 
     def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0, decode_inner_loop=None):
         if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
@@ -59,6 +63,21 @@ class TritonPagedBackend(PagedBackend):
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
         super().__init__(pool, sliding_window, sink_tokens)
         self.decode_inner_loop = decode_inner_loop  # None: the kernel's own online-softmax step
+
+    def _query_rows(self, q, k_cache, v_cache, meta: PagedMetadata, scale: float, k_scale, v_scale, k_zero, v_zero):
+        """A step of few new tokens per sequence (a prefix hit's suffix, a chunk's tail, decodes beside a short
+        prompt) through the split-K decode kernel, each new token its own row: the token at position p reads
+        its sequence's block table over keys [0, p] (causal by construction). The prefill kernel gives such a
+        step one program per (sequence, head) walking the whole context alone; here the context is cut into
+        splits across the GPU, and a row's K/V reads hit the cache its neighbours' rows just filled."""
+        if "query_rows" not in meta.step_memo:  # once per step, for every layer
+            meta.step_memo["query_rows"] = (meta.block_tables.index_select(0, meta.token_seq), meta.token_pos + 1)
+        tables, lens = meta.step_memo["query_rows"]
+        return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=self.decode_num_splits,
+                                      sliding_window=self.sliding_window, sink_tokens=self.sink_tokens,
+                                      max_seq_len=meta.max_seq_len, inner_loop=self.decode_inner_loop,
+                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+                                      split_per_seq=True)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.pool.quantizer is not quantize_block:  # the kv_quantizer seam: torch code, slot -1 skipped
@@ -82,6 +101,8 @@ class TritonPagedBackend(PagedBackend):
                                           k_zero=k_zero, v_zero=v_zero,
                                           split_per_seq=(meta.seq_lens_list is None if self.decode_split_per_seq
                                                          is None else self.decode_split_per_seq))
+        if meta.max_query_len <= self.query_rows_max and self.prefill_impl == "triton":
+            return self._query_rows(q, k_cache, v_cache, meta, scale, k_scale, v_scale, k_zero, v_zero)
         if self.prefill_impl == "torch":
             keys, values = self.gather(layer, meta)
             return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)

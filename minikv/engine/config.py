@@ -236,6 +236,7 @@ class _Draft:
     attention: str | None = None
     kv_layout: str | None = None
     cuda_graphs: bool | None = None
+    cuda_graph_max_tokens: int = 256  # with cuda_graphs: steps of up to this many tokens replay too (0: decode only)
     async_scheduling: bool | None = None  # overlap step t+1's host work with step t on the device (paged)
     kv_cache_dtype: str = "auto"  # what the pool stores: "auto" (the model's dtype), "int8" or "fp8" (e4m3)
     fused_ops: bool | None = None  # the model's fused Triton kernels and merged matmuls; None: on a GPU only
@@ -289,6 +290,10 @@ class _Draft:
         _check_choice("attention", self.attention, ATTENTION_IMPLS)
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (on where supported), got {self.cuda_graphs!r}")
+        if (not isinstance(self.cuda_graph_max_tokens, int) or isinstance(self.cuda_graph_max_tokens, bool)
+                or not (self.cuda_graph_max_tokens == 0 or 16 <= self.cuda_graph_max_tokens <= 8192)):
+            raise ValueError(f"cuda_graph_max_tokens must be 0 (graphs for decode steps only) or 16 to 8,192 tokens "
+                             f"(steps up to that size replay from graphs), got {self.cuda_graph_max_tokens!r}")
         self._check_paged_options()
         self._check_prefix_options()
         self._check_offload_options()
@@ -631,6 +636,7 @@ class ExecutionConfig:
     attention: str
     fused_ops: bool
     cuda_graphs: bool
+    cuda_graph_max_tokens: int
     async_scheduling: bool
 
 

@@ -54,7 +54,7 @@ from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ScratchShape
-from minikv.engine.cuda_graph import DecodeGraphs
+from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs
 from minikv.engine.detokenizer import detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
@@ -214,13 +214,19 @@ class EngineCore:
         self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
         builders = {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}
         builders[cfg.kv_backend](cfg)
-        graphs = None
+        graphs = small = None
         if cfg.cuda_graphs:
             graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,
                                   self.max_model_len, c.vocab_size)
+            if cfg.cuda_graph_max_tokens and self.max_model_len >= 16:
+                small = StepGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,
+                                   self.max_model_len, graphs.logits, cfg.cuda_graph_max_tokens, graphs.memory_pool)
             with torch.inference_mode():
                 graphs.capture_all()
+                if small is not None:
+                    small.capture_all()
         self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
+                                  step_graphs=small,
                                   **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
 
     # ---- one builder per rung -------------------------------------------------------------------

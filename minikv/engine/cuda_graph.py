@@ -27,7 +27,20 @@ sized by the largest. What a graph freezes, and so what must stay fixed:
   is still correct (the last split reads whatever lies past the others); short contexts just
   leave splits empty.
 - tensor addresses: the pool, the weights and these buffers are allocated once, before capture.
-Prefill and mixed steps (different shapes every step) stay eager.
+
+Small prefill and mixed steps get graphs too (`StepGraphs`, bucketed by token count: 16, 32, ... up to
+`cuda_graph_max_tokens`, as vLLM V1's piecewise graphs are). A prefix hit runs only its new suffix
+(a 2,048-token hit with 32 new tokens is a 32-token step): eagerly that is ~150 kernel launches from
+Python for ~2 ms of GPU work. A step of T tokens over B sequences runs the graph of the smallest bucket
+T_b >= T; its rows hold every sequence the bucket can take (min(T_b, max_num_seqs)) plus one:
+
+    tokens         [ seq 0 .. seq B-1 (T tokens) | padding tokens [T, T_b) ]
+    sequences      [ 0 .. B-1 | B: the padding tokens, slot -1, attends over block 0 | B+1..: 0 tokens ]
+    logits_indices [ the step's sampled rows | 0 ... ]
+
+The prefill kernel's grid is frozen at capture (every row, cdiv(T_b, BLOCK_M) query tiles); a program
+past its sequence's queries returns at once, so a real sequence of any length up to T_b is covered.
+Larger steps (long prompts, big chunks) stay eager: their launches are a small part of their time.
 """
 from __future__ import annotations
 
@@ -142,4 +155,150 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
             self._forward(bs)
+        return graph
+
+
+def token_buckets(max_tokens: int, max_model_len: int) -> list[int]:
+    """The step sizes (new tokens) that get a graph: 16, 32, 64, ... up to max_tokens, none past max_model_len."""
+    sizes, t = [], 16
+    while t <= min(max_tokens, max_model_len):
+        sizes.append(t)
+        t *= 2
+    return sizes
+
+
+class StepGraphs:
+    """Runs small prefill and mixed steps (a prefix hit's suffix, a chunk's tail, a few prompts beside
+    decodes) through per-token-count CUDA graphs (capture=True) or, on a CPU, eagerly through the very
+    same static buffers (capture=False). See the top of the file for the layout.
+
+    The logits land in `logits` (shared with the decode graphs: steps run one after another on one
+    stream, and each step's logits are sampled before the next step overwrites them)."""
+
+    def __init__(self, model, backend, device: torch.device, block_size: int, max_num_seqs: int,
+                 max_model_len: int, logits: torch.Tensor, max_tokens: int, memory_pool=None, capture: bool = True):
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}; run small steps eagerly on it")
+        self.model, self.backend, self.device, self.capture = model, backend, device, capture
+        self.block_size, self.max_model_len, self.max_num_seqs = block_size, max_model_len, max_num_seqs
+        self.buckets = token_buckets(max_tokens, max_model_len)
+        if not self.buckets:
+            raise ValueError(f"cuda_graph_max_tokens {max_tokens} leaves no step size to capture (the smallest is "
+                             f"16 tokens, and at most max_model_len {max_model_len}); use at least 16, or 0 for none")
+        t_max = self.buckets[-1]
+        rows = max(self.rows_of(t) for t in self.buckets)
+        if logits.shape[0] < self.samples_of(t_max):
+            raise ValueError(f"the logits buffer has {logits.shape[0]} rows; a step of {t_max} tokens samples up to "
+                             f"{self.samples_of(t_max)}")
+        self.max_blocks = -(-max_model_len // block_size)
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(t_max, **long)
+        self.positions = torch.zeros(t_max, **long)
+        self.slot_mapping = torch.full((t_max,), -1, **long)
+        self.query_start_loc = torch.zeros(rows + 1, **long)
+        self.seq_lens = torch.zeros(rows, **long)
+        self.block_tables = torch.zeros(rows, self.max_blocks, **long)  # padding rows read block 0
+        self.logits_indices = torch.zeros(self.samples_of(t_max), **long)
+        self.logits = logits
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.memory_pool = memory_pool if memory_pool is not None or not capture else torch.cuda.graph_pool_handle()
+
+    def samples_of(self, t_b: int) -> int:
+        """Sequences (and so sampled rows) a step of bucket t_b can hold."""
+        return min(t_b, self.max_num_seqs)
+
+    def rows_of(self, t_b: int) -> int:
+        """Sequence rows of bucket t_b: every sequence it can hold and the padding row (one more when that
+        would make as many rows as tokens, which the metadata would take for a decode step)."""
+        rows = self.samples_of(t_b) + 1
+        return rows + 1 if rows == t_b else rows
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest captured step size that holds num_tokens new tokens (None: too many, run eagerly)."""
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def fits(self, inputs: BatchInputs) -> bool:
+        """A step of few enough tokens for the largest graph, of at most max_num_seqs sequences, with block
+        tables that fit the static buffer."""
+        return (inputs.input_ids.numel() <= self.buckets[-1] and inputs.num_seqs <= self.max_num_seqs
+                and inputs.block_tables.shape[1] <= self.max_blocks)
+
+    def static_inputs(self, t_b: int) -> BatchInputs:
+        """The static buffers as one step of bucket t_b. Host values are bounds: the grid covers every row
+        and t_b queries per row (a row with fewer returns early), and max_seq_len is max_model_len."""
+        rows = self.rows_of(t_b)
+        return BatchInputs(input_ids=self.input_ids[:t_b], positions=self.positions[:t_b],
+                           query_start_loc=self.query_start_loc[:rows + 1], seq_lens=self.seq_lens[:rows],
+                           query_lens_list=[t_b] + [0] * (rows - 1), seq_lens_list=None,
+                           max_seq_len=self.max_model_len, block_tables=self.block_tables[:rows],
+                           slot_mapping=self.slot_mapping[:t_b],
+                           logits_indices=self.logits_indices[:self.samples_of(t_b)])
+
+    def _forward(self, t_b: int) -> None:
+        inputs = self.static_inputs(t_b)
+        meta = self.backend.prepare_metadata(inputs)
+        out = self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_indices=inputs.logits_indices)
+        self.logits[:out.shape[0]] = out
+
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        """One step of T = inputs.input_ids.numel() tokens over B sequences: the logits [S, vocab] of its
+        S = len(logits_indices) sampled rows (a view of the static buffer, valid until the next step)."""
+        T, B = inputs.input_ids.numel(), inputs.num_seqs
+        t_b = self.bucket(T)
+        if t_b is None:
+            raise ValueError(f"a step of {T} tokens exceeds the largest captured step ({self.buckets[-1]} tokens); "
+                             "run it eagerly")
+        if B > self.max_num_seqs:
+            raise ValueError(f"{B} sequences exceed max_num_seqs {self.max_num_seqs}")
+        width = inputs.block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"a block table of {width} blocks exceeds max_model_len {self.max_model_len} "
+                             f"({self.max_blocks} blocks of {self.block_size})")
+        rows, S = self.rows_of(t_b), inputs.logits_indices.numel()
+        self.input_ids[:T].copy_(inputs.input_ids)
+        self.positions[:T].copy_(inputs.positions)
+        self.slot_mapping[:T].copy_(inputs.slot_mapping)
+        self.input_ids[T:t_b] = 0  # padding tokens: row B, stored nowhere, attending over block 0
+        self.positions[T:t_b] = 0
+        self.slot_mapping[T:t_b] = -1
+        self.query_start_loc[:B + 1].copy_(inputs.query_start_loc)
+        self.query_start_loc[B + 1:rows + 1] = t_b  # row B ends at t_b; rows past it hold no token
+        self.seq_lens[:B].copy_(inputs.seq_lens)
+        self.seq_lens[B] = t_b - T  # the padding row's keys: its own positions, all in block 0's rows
+        self.seq_lens[B + 1:rows] = 0
+        # entries past a table's end may be stale: never read (only positions < seq_len are)
+        self.block_tables[:B, :width].copy_(inputs.block_tables)
+        self.block_tables[B:rows] = 0
+        self.logits_indices[:S].copy_(inputs.logits_indices)
+        self.logits_indices[S:self.samples_of(t_b)] = 0
+        if not self.capture:
+            self._forward(t_b)
+        else:
+            if t_b not in self.graphs:
+                self.graphs[t_b] = self._capture(t_b)
+            self.graphs[t_b].replay()
+        return self.logits[:S]
+
+    def capture_all(self) -> None:
+        """Record every bucket on padding only (no token stored, every row reads block 0)."""
+        for t_b in reversed(self.buckets):
+            rows = self.rows_of(t_b)
+            self.slot_mapping.fill_(-1)
+            self.query_start_loc[:rows + 1] = t_b
+            self.query_start_loc[0] = 0
+            self.seq_lens[:rows] = 0
+            self.seq_lens[0] = t_b
+            self.block_tables.zero_()
+            if t_b not in self.graphs:
+                self.graphs[t_b] = self._capture(t_b)
+
+    def _capture(self, t_b: int) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(t_b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            self._forward(t_b)
         return graph

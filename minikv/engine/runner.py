@@ -12,7 +12,7 @@
 `prepare` builds these tensors once (`BatchInputs`); the backend builds its own metadata from them.
 A step that only decodes (one token per sequence, every one sampled) goes instead through the CUDA
 graphs when the engine has them (minikv/engine/cuda_graph.py), which copy the same tensors into
-their static buffers and replay.
+their static buffers and replay; so does a small prefill or mixed step (up to cuda_graph_max_tokens).
 
 `run` = `prepare_step` + `forward`. The engine's overlapped step (minikv/engine/overlap.py) calls
 them apart: it prepares step t+1 while the device still runs step t, whose sampled tokens are not
@@ -60,7 +60,7 @@ class PreparedStep(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model, backend, device, block_size: int | None = None, decode_graphs=None,
-                 slot_mapping: SlotMappingFn | None = None, pool=None):
+                 slot_mapping: SlotMappingFn | None = None, pool=None, step_graphs=None):
         """block_size: the paged pool's (None: not paged). slot_mapping: a per-sequence function
         (minikv/cache/blocks/block_table.py `slot_mapping` is the formula); None = the vectorized one here.
         pool: the paged KV pool (copy-on-write copies run in it), lent by the engine that owns it."""
@@ -70,13 +70,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.decode_graphs = decode_graphs  # a DecodeGraphs: decode-only steps replayed from CUDA graphs
+        self.step_graphs = step_graphs  # a StepGraphs: small prefill and mixed steps replayed from CUDA graphs
         self.slot_mapping_fn = slot_mapping
         self._staging = [torch.empty(0, dtype=torch.long)] * 2  # pinned host buffers, used in turn (GPU)
         self._turn = 0
 
     def close(self) -> None:
         """The engine is closed: the CUDA graphs (their buffers and memory pool) and staging buffers go."""
-        self.decode_graphs = None
+        self.decode_graphs = self.step_graphs = None
         self._staging = [torch.empty(0, dtype=torch.long)] * 2
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
@@ -204,6 +205,9 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and len(sample_rows) == len(batch.seqs) and graphs.fits(inputs):
             return graphs.run(inputs)
+        small = self.step_graphs
+        if small is not None and small.fits(inputs) and getattr(self.backend, "prefill_impl", None) == "triton":
+            return small.run(inputs)
         meta = self.backend.prepare_metadata(inputs)
         return self.model(inputs.input_ids, inputs.positions, meta, self.backend,
                           logits_indices=inputs.logits_indices)
