@@ -176,3 +176,23 @@ def test_an_engine_served_by_an_engine_loop_is_freed_once_the_loop_stopped():
     with collector_off():
         del llm, loop
         assert engine() is None, "the stopped loop (an engine observer) still holds the engine"
+
+
+def test_close_releases_the_weights_it_loaded_unless_another_open_engine_shares_them():
+    owner = LLM("tiny-random", **PAGED)
+    child = owner.derive()
+    owner.close(release_weights=True)  # the child still serves on them: they stay
+    assert not owner.loaded.released
+    assert child.generate(PROMPTS[0], PARAMS)[0].token_ids
+    child.close(release_weights=True)  # a derived engine never releases what it did not load
+    assert not owner.loaded.released
+    alone = LLM("tiny-random", **PAGED)
+    alone.close(release_weights=True)
+    assert alone.loaded.released and next(alone.model.parameters()).device.type == "meta"
+    with pytest.raises(ValueError, match="released when the engine that loaded them was closed"):
+        alone.derive()
+    kept = LLM("tiny-random", **PAGED)
+    kept.close()  # on a CPU the default keeps them: later engines may still be built on kept.loaded
+    assert not kept.loaded.released and kept.derive().generate(PROMPTS[0], PARAMS)[0].token_ids
+    with pytest.raises(ValueError, match="release_weights must be"):
+        kept.close(release_weights="yes")

@@ -171,6 +171,9 @@ class LLM:
                              max_num_seqs=max_num_seqs, seed=seed, **options)
         device, dtype = cfg.device, cfg.dtype
         if isinstance(model, LoadedModel):  # the weights of another engine (see derive)
+            if model.released:
+                raise ValueError("these weights were released when the engine that loaded them was closed; load the "
+                                 "model again (LLM(name)) or derive engines before closing it")
             weight = next(model.model.parameters())
             if (weight.device.type, weight.dtype) != (device.type, dtype):
                 raise ValueError(f"the loaded weights are {weight.dtype} on {weight.device}, the engine asks for "
@@ -191,6 +194,8 @@ class LLM:
         self.core = EngineCore(loaded, cfg)
         self.core.observed_as(self)
         self.loaded, self.engine_config = loaded, cfg
+        self._owns_weights = loaded is not model  # loaded here (not handed another engine's weights)
+        loaded.engines.add(self)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.device, self.dtype, self.kv_backend, self.seed = cfg.device, cfg.dtype, cfg.kv_backend, cfg.seed
         self.max_model_len, self.attention, self.block_size = self.core.max_model_len, self.core.attention, \
@@ -237,7 +242,7 @@ class LLM:
     def async_scheduling(self, on: bool) -> None:
         self.core.async_scheduling = on
 
-    def close(self) -> None:
+    def close(self, release_weights: bool | None = None) -> None:
         """Abort every request not finished yet (finish reason "abort": a stream of one gets its last
         event), queue the cached blocks not yet written through, finish the offload tiers' disk writes
         and stop the writer thread, then give back the memory the engine allocated: the KV pool, the
@@ -245,17 +250,27 @@ class LLM:
         that the next engine sized from free memory sees it). Afterwards `step()`, `generate()` and
         `add_request()` raise CLOSED_MESSAGE. Idempotent; `with LLM(...) as llm:` calls it on leaving.
 
-        The weights stay (`llm.loaded`: `derive()` still builds engines on them); they go with the
-        engine (`del llm`: nothing in it holds a cycle back to it) unless another engine shares them."""
+        The weights: release_weights=None gives them back on a GPU when this engine loaded them and no
+        other open engine shares them (engines made by `derive()`); True does so on any device; False keeps
+        them (`llm.loaded` then still builds engines). Kept weights go with the last engine on them (`del`:
+        nothing in an engine holds a cycle back to it)."""
+        if release_weights not in (None, True, False):
+            raise ValueError(f"release_weights must be True, False or None (on a GPU), got {release_weights!r}")
         with self._lock:
             self.core.close()
             self._dispatch(self.core.take_events())
+            shared = any(e is not self and not e.core.closed for e in self.loaded.engines)
+            wanted = self.device.type == "cuda" if release_weights is None else release_weights
+            if wanted and self._owns_weights and not shared and not self.loaded.released:
+                self.loaded.release()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close()  # on a GPU the weights go too, unless shared (see close)
 
     def derive(self, **changes) -> "LLM":
         """A new engine on the same loaded weights, with the same options except `changes`. This is how a

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,25 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer, or None (prompts are then token ids)
     source: str
+    # the engines built on these weights (weakly): the last one open releases them on close()
+    engines: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["engines"] = None  # engines stay with their process; a copy starts with none
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, engines=weakref.WeakSet())
+
+    @property
+    def released(self) -> bool:
+        """Whether the weights were given back (by the close() of the engine that loaded them)."""
+        return next(self.model.parameters()).device.type == "meta"
+
+    def release(self) -> None:
+        """Give the weights' memory back (they move to the meta device: shapes without storage)."""
+        self.model.to("meta")
 
 
 def looks_like_a_path(name: str) -> bool:

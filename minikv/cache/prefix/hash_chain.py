@@ -36,7 +36,7 @@ HashFn = Callable[[BlockHash | None, tuple, tuple], BlockHash]
 
 def hash_block(parent: BlockHash | None, token_ids: TokenIds, extra_keys: tuple = ()) -> BlockHash:
     """Key of one full block: sha256 of (parent key, its token ids, its extra keys)."""
-    text = repr((parent.hex() if parent is not None else None, tuple(int(t) for t in token_ids), tuple(extra_keys)))
+    text = repr((parent.hex() if parent is not None else None, tuple(map(int, token_ids)), tuple(extra_keys)))
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -181,9 +181,11 @@ class HashChainCache(PrefixCache):
             return {}
         keys = self._seq_keys.setdefault(seq.seq_id, [])
         adopt: dict[int, int] = {}
-        for i in range(len(keys), seq.num_computed_tokens // self.block_size):
+        first, end = len(keys), seq.num_computed_tokens // self.block_size
+        token_ids = seq.token_ids if end > first else ()  # built once: it is a new list of the whole sequence
+        for i in range(first, end):
             parent = keys[-1] if keys else None
-            key, toks, extra = self._key(parent, seq.token_ids, i, seq.cache_salt)
+            key, toks, extra = self._key(parent, token_ids, i, seq.cache_salt)
             keys.append(key)
             block, entry = seq.block_table[i], self.table.get(key)
             if block < 0:  # given back by a sliding window before it was offered: stop here
