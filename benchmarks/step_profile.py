@@ -56,6 +56,13 @@ class PhaseTimer:
     def __init__(self, llm, sync):
         import minikv.engine.llm as llm_mod
 
+        try:  # the sampler is called from the engine core where there is one, from llm.py before
+            import minikv.engine.core as core_mod
+
+            sampler_owner = core_mod if hasattr(core_mod, "sample") else llm_mod
+        except ImportError:
+            sampler_owner = llm_mod
+
         self.times: dict[str, list[float]] = defaultdict(list)
         self.record = False
         self.sync = sync
@@ -64,7 +71,7 @@ class PhaseTimer:
         # the batch's tensors: prepare_step where the runner has it (run calls it), prepare before that
         self._wrap(llm.runner, "prepare_step" if hasattr(llm.runner, "prepare_step") else "prepare", "prepare")
         self._wrap(llm.runner, "run", "run")  # prepare's time is taken out of it
-        self._wrap(llm_mod, "sample", "sample")
+        self._wrap(sampler_owner, "sample", "sample")
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         fn = getattr(owner, name)
