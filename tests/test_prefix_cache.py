@@ -524,3 +524,29 @@ def test_checkers_pass_the_engines_own_functions_and_explain_a_missing_parent():
 
     with pytest.raises(AssertionError, match="the parent key is missing"):
         check_block_hashes(no_parent, hash_block, num_random=0)
+
+
+def test_a_long_hit_hashes_its_prefix_once_and_caches_the_same_blocks():
+    """lookup keeps the hit's chain keys for the sequence's insert: a 10-block hit is hashed at lookup and
+    only the blocks the request computes itself are hashed at insert."""
+    calls = []
+
+    def counting(parent, toks, extra):
+        calls.append(toks)
+        return hash_block(parent, toks, extra)
+
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=64,
+              prefix_caching=HashChainCache(4, hash_fn=counting))
+    plain = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=64, prefix_caching="hash")
+    shared = list(range(30, 70))  # 10 blocks of 4
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    for engine in (llm, plain):
+        engine.generate(shared + [1, 2, 3, 4, 5], sp)
+    calls.clear()
+    second = shared + [9, 8, 7, 6, 5]
+    got = llm.generate(second, sp)[0]
+    assert got.num_cached_tokens == 40 and got.token_ids == plain.generate(second, sp)[0].token_ids
+    # lookup: the 10 hit blocks and the 11th, where the chain stops; insert: only the 11th again (computed
+    # here), never the hit (22 hashes before lookup kept its keys)
+    assert len(calls) == 11 + 1, len(calls)
+    assert llm.view.prefix_stats()["cached_blocks"] == plain.view.prefix_stats()["cached_blocks"]

@@ -138,6 +138,7 @@ class HashChainCache(PrefixCache):
         self.by_block: dict[int, CachedBlock] = {}  # physical block -> entry
         self.free_queue = self._new_free_queue()  # unused, unpinned cached blocks, next to evict first
         self._seq_keys: dict[int, list[BlockHash]] = {}  # seq_id -> keys of its full blocks so far
+        self._looked_up: dict[int, tuple] = {}  # seq_id -> (salt, keys of its last lookup's hit), for insert
         self.num_collisions = 0
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -153,8 +154,14 @@ class HashChainCache(PrefixCache):
         return False
 
     def match(self, token_ids: TokenIds, salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
+        return self._match(token_ids, salt, max_tokens)[0]
+
+    def _match(self, token_ids: TokenIds, salt: str | None, max_tokens: int | None
+               ) -> tuple[PrefixMatch, list[BlockHash]]:
+        """The match, and the keys of its blocks (what `insert` would hash again for the same tokens)."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         blocks: list[int] = []
+        keys: list[BlockHash] = []
         parent = None
         for i in range(limit // self.block_size):
             key, toks, extra = self._key(parent, token_ids, i, salt)
@@ -162,8 +169,21 @@ class HashChainCache(PrefixCache):
             if entry is None or not self._same(entry, parent, toks, extra):
                 break
             blocks.append(entry.block)
+            keys.append(key)
             parent = key
-        return PrefixMatch(blocks, len(blocks) * self.block_size)
+        return PrefixMatch(blocks, len(blocks) * self.block_size), keys
+
+    def lookup(self, seq: CachedRequest) -> PrefixMatch:
+        """As every prefix cache's, and the chain keys of the hit are kept for the sequence's `insert`: a
+        key depends only on the tokens and the salt, so a long hit's prefix is hashed once, not twice."""
+        if not self.enabled:
+            return PrefixMatch()
+        hit, keys = self._match(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
+        if keys:
+            self._looked_up[seq.seq_id] = (seq.cache_salt, keys)
+            while len(self._looked_up) > 1024:  # sequences looked up and never inserted: keep the newest
+                self._looked_up.pop(next(iter(self._looked_up)))
+        return hit
 
     def touch(self, blocks: list[int]) -> None:
         now = self.tick()
@@ -183,9 +203,16 @@ class HashChainCache(PrefixCache):
         adopt: dict[int, int] = {}
         first, end = len(keys), seq.num_computed_tokens // self.block_size
         token_ids = seq.token_ids if end > first else ()  # built once: it is a new list of the whole sequence
+        salt, known = self._looked_up.pop(seq.seq_id, (None, ()))
+        if salt != seq.cache_salt:
+            known = ()
+        bs = self.block_size
         for i in range(first, end):
             parent = keys[-1] if keys else None
-            key, toks, extra = self._key(parent, token_ids, i, seq.cache_salt)
+            if i < len(known):  # hashed by this sequence's lookup: the same tokens, the same salt
+                key, toks, extra = known[i], tuple(token_ids[i * bs:(i + 1) * bs]), extra_keys(i, seq.cache_salt)
+            else:
+                key, toks, extra = self._key(parent, token_ids, i, seq.cache_salt)
             keys.append(key)
             block, entry = seq.block_table[i], self.table.get(key)
             if block < 0:  # given back by a sliding window before it was offered: stop here
@@ -202,6 +229,7 @@ class HashChainCache(PrefixCache):
 
     def forget(self, seq: CachedRequest) -> None:
         self._seq_keys.pop(seq.seq_id, None)
+        self._looked_up.pop(seq.seq_id, None)
 
     # ---- unused blocks --------------------------------------------------------------------------
     def holds(self, block: int) -> bool:
@@ -257,6 +285,7 @@ class HashChainCache(PrefixCache):
         self.by_block.clear()
         self.free_queue = self._new_free_queue()
         self._seq_keys.clear()
+        self._looked_up.clear()
 
     def salt_of(self, block: int) -> str | None:
         return self.by_block[block].salt
