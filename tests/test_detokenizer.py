@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import save_file
 
 from minikv import LLM, SamplingParams
-from minikv.engine.detokenizer import REPLACEMENT, detokenize, find_stop, flush, stop_prefix_len
+from minikv.engine.detokenizer import REPLACEMENT, DecodeState, detokenize, find_stop, flush, stop_prefix_len
 from minikv.model.config import ModelConfig
 from minikv.model.llama import LlamaForCausalLM
 from minikv.model.loader import tiny_random_weights
@@ -25,11 +25,14 @@ class ByteTokenizer:
         return b"".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0)).decode("utf-8", "replace")
 
 
-def run(tokenizer, ids, stop, finish_at_end=True):
-    """Feed ids one at a time as the engine does; returns (deltas, final text, stopped)."""
+def run(tokenizer, ids, stop, finish_at_end=True, incremental=False):
+    """Feed ids one at a time as the engine does; returns (deltas, final text, stopped). incremental: with a
+    DecodeState (a few tokens decoded per call), as the engine's plain sequences are."""
     sent, deltas = "", []
+    state = DecodeState() if incremental else None
     for i in range(len(ids)):
-        update = detokenize(tokenizer, ids[: i + 1], sent, stop, finished=finish_at_end and i == len(ids) - 1)
+        update = detokenize(tokenizer, ids[: i + 1], sent, stop, finished=finish_at_end and i == len(ids) - 1,
+                            state=state)
         deltas.append(update.delta)
         sent += update.delta
         if update.stopped:
@@ -108,9 +111,28 @@ def test_random_streams_join_to_the_reference_text():
         full = tok.decode(ids)
         stop = [full[i:i + rng.randint(1, 5)] for i in (rng.randrange(len(full) + 1) for _ in range(rng.randint(0, 2)))]
         stop = [s for s in stop if s] + rng.sample(["vast", "st,", "a s", "🌊"], rng.randint(0, 2))
-        deltas, text, stopped = run(tok, ids, stop)
-        assert "".join(deltas) == text
-        assert (text, stopped) == reference(tok, ids, stop), (ids, stop)
+        for incremental in (False, True):
+            deltas, text, stopped = run(tok, ids, stop, incremental=incremental)
+            assert "".join(deltas) == text
+            assert (text, stopped) == reference(tok, ids, stop), (ids, stop, incremental)
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_incremental_decoding_reads_a_few_tokens_per_step_not_the_whole_output():
+    rng = random.Random(1)
+    ids = [rng.randrange(1, len(ByteTokenizer.PIECES)) for _ in range(400)]
+    whole, windowed = CountingTokenizer(), CountingTokenizer()
+    assert run(whole, ids, ["never"])[1] == run(windowed, ids, ["never"], incremental=True)[1] == whole.decode(ids)
+    assert whole.decoded > 400 * 400 / 2  # O(n^2): the whole output at every step
+    assert windowed.decoded < 400 * 16, windowed.decoded  # O(n): a window of a few tokens (longer mid-character)
 
 
 # ---- through the engine: tiny random weights with a real (trained in code, byte-level BPE) tokenizer ----
@@ -198,6 +220,12 @@ def test_smollm2_tokenizer_streams_multibyte_text_and_a_stop_string_across_token
     ids = tok.encode("The sea is a vast, deep ocean 🌊 海は広い. Naïve sailors!", add_special_tokens=False)
     deltas, text, stopped = run(tok, ids, [], finish_at_end=False)
     assert text == tok.decode(ids) and all(REPLACEMENT not in d for d in deltas)
+    assert run(tok, ids, [], finish_at_end=False, incremental=True) == (deltas, text, stopped)
+    rng = random.Random(2)  # random ids (odd byte pieces, special tokens): the window joins to the whole decode
+    for _ in range(20):
+        rand = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        assert run(tok, rand, [], incremental=True)[1] == run(tok, rand, [])[1] == tok.decode(rand,
+                                                                                                skip_special_tokens=True)
     assert any(d == "" for d in deltas)  # the emoji and the kanji arrive in pieces: held back, then sent whole
     pieces = [tok.decode([t]) for t in ids]
     assert " vast" in pieces and "," in pieces  # so "st," spans two tokens

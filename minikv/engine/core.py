@@ -55,7 +55,7 @@ from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ScratchShape
 from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs
-from minikv.engine.detokenizer import detokenize, flush
+from minikv.engine.detokenizer import DecodeState, detokenize, flush
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
@@ -848,7 +848,10 @@ class EngineCore:
             seq.finish_reason = "length"
         delta = ""
         if self.tokenizer is not None:  # finishing: what was held back goes out; a stop string: cut there
-            update = detokenize(self.tokenizer, seq.output_token_ids, seq.text, p.stop, seq.finish_reason is not None)
+            if seq.decode_state is None and seq.beam_search is None:  # beams rewrite outputs: decode them whole
+                seq.decode_state = DecodeState()
+            update = detokenize(self.tokenizer, seq.output_token_ids, seq.text, p.stop, seq.finish_reason is not None,
+                                seq.decode_state)
             seq.text, delta = seq.text + update.delta, update.delta
             if update.stopped:
                 seq.finish_reason = "stop"

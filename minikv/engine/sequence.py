@@ -48,6 +48,7 @@ class Sequence:
         self.finish_reason: str | None = None  # stop, length, abort, or error (then `error` says why)
         self.error: str | None = None
         self.text = ""
+        self.decode_state = None  # its incremental detokenizer's window (minikv/engine/detokenizer.py)
         self.seed = 0  # its draws are keyed by (seed, position) (minikv/engine/sampler.py)
         # forks (parallel sampling, beam search; see minikv/engine/fork.py)
         self.index = 0  # which of its request's samples / beams this sequence is
