@@ -66,6 +66,7 @@ from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
 from minikv.engine.simple_scheduler import SimpleScheduler
+from minikv.engine.speculative import build_speculator
 from minikv.engine.view import EngineView
 from minikv.model.loader import LoadedModel
 
@@ -222,6 +223,9 @@ class EngineCore:
                 graphs.capture_all()
         self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
                                   **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
+        self.speculator = build_speculator(cfg, loaded, cfg.num_blocks) if cfg.is_paged else None  # rung 11
+        if self.speculator is not None:
+            self.scheduler.num_drafts = self.speculator.num_drafts
 
     # ---- one builder per rung -------------------------------------------------------------------
     def _build_naive(self, cfg: EngineConfig) -> None:
@@ -581,6 +585,8 @@ class EngineCore:
             return self.last_tokens
 
     def _step(self) -> list[tuple[Sequence, int, str]]:
+        if self.speculator is not None:  # drafts verified in this step (minikv/engine/speculative.py)
+            return self.speculator.step(self)
         if self._async_scheduling:
             return self._step_overlapped()
         batch = self._schedule()
@@ -799,6 +805,8 @@ class EngineCore:
         Tokens already sampled stay: each came from correct logits. Nothing else is lost but time (and the
         prefix cache's content, which a fresh engine would not have either)."""
         self._reset_pending = False
+        if self.speculator is not None:  # drafts still in the tokens leave them
+            self.speculator.strip_all()
         if self._inflight is not None or self._placeholders:  # drain: the device finishes what it was given
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -982,6 +990,8 @@ class EngineCore:
                 sliding_window=cfg.sliding_window, sink_tokens=cfg.sink_tokens,
                 window_freed_blocks=bm.num_window_freed,
             )
+        if self.speculator is not None:  # rung 11: drafted, accepted, acceptance rate
+            out["speculative"] = self.speculator.stats()
         if self.prefix_cache is not None:  # queries and hits count tokens, summed over admissions
             out["prefix_cache"] = self.prefix_cache.stats()
             offload = self.block_manager.offload

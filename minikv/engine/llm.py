@@ -505,4 +505,6 @@ class LLM:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             outputs=completions,
+            num_accepted_tokens=seq.num_accepted_tokens,
+            num_drafted_tokens=seq.num_drafted_tokens,
         )
