@@ -250,3 +250,31 @@ def test_parallel_samples_and_beams_run_without_drafts(tiny):
     assert spec.beam_search([REPEATS[0]], beam_width=2, max_tokens=6)[0].token_ids == \
         base.beam_search([REPEATS[0]], beam_width=2, max_tokens=6)[0].token_ids
     assert spec.stats()["speculative"]["drafted"] == 0
+
+
+def test_verification_runs_through_the_triton_kernels(tiny):
+    """k + 1 query tokens per request go through the Triton paged kernels (the interpreter on a CPU),
+    mixed with a prefill in the same step, and give the torch reference's tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    opts = dict(kv_backend="paged", block_size=8, num_blocks=16, dtype="float32")
+    want = [o.token_ids for o in LLM(tiny.loaded, **opts).generate(REPEATS[:2], params)]
+    spec = LLM(tiny.loaded, **opts, attention="triton", speculative="draft", draft_model=tiny.loaded,
+               num_speculative_tokens=3)
+    spec.add_observer(RollbackInvariant())
+    assert [o.token_ids for o in spec.generate(REPEATS[:2], params)] == want
+    assert spec.stats()["speculative"]["accepted"] > 0
+
+
+def test_minikv_serve_passes_speculation_to_the_engine(monkeypatch, capsys):
+    import minikv.serve
+    from minikv.cli import main
+
+    served = []
+    monkeypatch.setattr(minikv.serve, "run", lambda llm, *a, **k: served.append(llm))
+    assert main(["serve", "--model", "tiny-random", "--port", "0", "--no-engine-process", "--speculative", "ngram",
+                 "--num-speculative-tokens", "4"]) == 0
+    cfg = served[0].engine_config
+    assert (cfg.speculative, cfg.num_speculative_tokens) == ("ngram", 4)
+    assert main(["serve", "--model", "tiny-random", "--port", "0", "--no-engine-process", "--speculative",
+                 "draft"]) == 2
+    assert "needs draft_model" in capsys.readouterr().err
