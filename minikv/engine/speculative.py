@@ -158,6 +158,8 @@ class DraftModelProposer:
             if st is None:
                 st = self.states[seq.seq_id] = _DraftSeq(seq)
             st.prompt_token_ids, st.output_token_ids = seq.token_ids, []
+            # the draft re-runs at least the last token (its logits give the first draft)
+            st.num_computed_tokens = min(st.num_computed_tokens, len(st.prompt_token_ids) - 1)
             if not self.bm.can_grow(st, len(st.prompt_token_ids) + k - 1):
                 continue  # the draft pool is full: this sequence goes without drafts this step
             self.bm.grow(st, len(st.prompt_token_ids) + k - 1)
@@ -383,6 +385,8 @@ class Speculator:
             self._strip(seq, granted)
             if granted:
                 rows[i] = granted
+            else:  # not verified this step: the draft's K/V of its proposals go
+                self.proposer.rollback(seq, 0)
         return rows
 
     def step(self, core) -> list:
