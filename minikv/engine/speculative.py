@@ -57,17 +57,32 @@ def propose_ngram(token_ids: list[int], k: int, max_n: int = NGRAM_MAX, min_n: i
     before, at its most recent earlier place, and propose the (up to k) tokens that followed it there.
 
         tokens  a b c d e b c d [?]     suffix "b c d" occurred at 1: propose "e b c d"[:k]
-    """
+
+    One pass over the tokens: every earlier place of the last token is a candidate end, and each
+    candidate's match is extended backwards (at most max_n tokens), all candidates at once."""
     if k <= 0 or len(token_ids) < 2:
         return []
-    a = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, len(a) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(a[:-1], n)  # every earlier n-gram, by start
-        hits = np.flatnonzero((windows == a[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return a[start:start + k].tolist()
-    return []
+    return lookup(np.fromiter(token_ids, dtype=np.int64, count=len(token_ids)), k, max_n, min_n)
+
+
+def lookup(a: np.ndarray, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN) -> list[int]:
+    """`propose_ngram` on the tokens as an int64 array."""
+    last = len(a) - 1
+    if k <= 0 or last < 1:
+        return []
+    ends = np.flatnonzero(a[:-1] == a[-1])  # where an earlier n-gram ends on the same token
+    if not len(ends):
+        return []
+    length = np.ones(len(ends), dtype=np.int64)  # how far back each candidate matches the suffix
+    for j in range(1, max_n):
+        ok = (length == j) & (ends >= j)
+        ok[ok] = a[ends[ok] - j] == a[last - j]
+        length[ok] += 1
+    best = int(length.max())
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1  # the most recent of the longest
+    return a[start:start + k].tolist()
 
 
 class NgramProposer:
@@ -76,17 +91,36 @@ class NgramProposer:
 
     method = "ngram"
 
+    def __init__(self):
+        self.arrays: dict[int, tuple[Sequence, np.ndarray, int]] = {}  # seq_id -> its tokens so far, as int64
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [propose_ngram(s.token_ids, k) for s, k in zip(seqs, ks)]
+        return [lookup(self._tokens(s), k) for s, k in zip(seqs, ks)]
+
+    def _tokens(self, seq: Sequence) -> np.ndarray:
+        """seq's tokens as an array, kept from step to step: only the tokens new since the last call are
+        converted (a request's tokens only grow; a sequence that changed otherwise is converted anew)."""
+        _, buf, n = self.arrays.get(seq.seq_id, (seq, np.empty(0, dtype=np.int64), 0))
+        total, prompt = seq.num_tokens, seq.prompt_token_ids
+        if n > total or (n and buf[n - 1] != (prompt[n - 1] if n <= len(prompt)
+                                              else seq.output_token_ids[n - 1 - len(prompt)])):
+            n = 0
+        if total > len(buf):
+            buf = np.concatenate([buf[:n], np.empty(max(total, 2 * len(buf)) - n, dtype=np.int64)])
+        new = prompt[n:] + seq.output_token_ids[max(0, n - len(prompt)):]
+        buf[n:total] = new
+        self.arrays[seq.seq_id] = (seq, buf, total)
+        return buf[:total]
 
     def rollback(self, seq: Sequence, num_accepted: int) -> None:
         pass
 
     def sweep(self) -> None:
-        pass
+        for sid in [sid for sid, (seq, _, _) in self.arrays.items() if seq.is_finished]:
+            del self.arrays[sid]
 
     def reset(self) -> None:
-        pass
+        self.arrays = {}
 
 
 class _DraftSeq:
@@ -258,10 +292,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def verify(seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
-    """The tokens seq keeps from its k drafts and the target's k + 1 rows of logits."""
+def verify(seq: Sequence, drafts: list[int], logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    """The tokens seq keeps from its k drafts and the target's k + 1 rows of logits (argmax: theirs, if
+    known already: the engine takes the whole batch's in one copy from the device)."""
     if seq.params.greedy:
-        return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
+        return accept_greedy(drafts, argmax if argmax is not None else logits.argmax(dim=-1).tolist())
     p = target_probs(logits, seq.params).cpu()
     start = len(seq.output_token_ids)
     vocab = p.shape[-1]
@@ -410,6 +445,8 @@ class Speculator:
             ids = torch.tensor(wide, dtype=torch.long).to(prepared.inputs.logits_indices.device)
             prepared = prepared._replace(inputs=replace(prepared.inputs, logits_indices=ids))
         logits = core.runner.forward(batch, prepared)
+        greedy = any(batch.seqs[r].params.greedy for r in spec_rows)
+        argmax = logits.argmax(dim=-1).tolist() if greedy else None  # one copy from the device for all
         plain_seqs, plain_rows, events, verified = [], [], [], []
         for j, r in enumerate(prepared.sample_rows):
             seq, (at, width) = batch.seqs[r], spans[j]
@@ -421,7 +458,7 @@ class Speculator:
             self._strip(seq)
             if seq.is_finished:  # aborted meanwhile (an observer)
                 continue
-            kept = verify(seq, drafts, logits[at:at + width])
+            kept = verify(seq, drafts, logits[at:at + width], argmax[at:at + width] if argmax is not None else None)
             accepted = len(kept) - 1
             self.num_drafted += len(drafts)
             self.num_accepted += accepted
