@@ -14,7 +14,9 @@ GPU mode: the repetitive prompts at batch 1, 8, 64 and 256 (EOS ignored, --new-t
 against n-gram: at a small batch k + 1 query tokens cost about one decode step (the step reads the
 weights once either way), at a large batch the step is compute-bound and rejected drafts cost real
 work. The table gives the speedup at each batch size and the crossover, the first batch size where
-speculation stops paying: set `speculative_disable_by_batch_size` below it.
+speculation stops paying: set `speculative_disable_by_batch_size` below it. Speculation turns the
+overlapped (async) steps off, so on a GPU the plain engine runs twice, with its defaults (overlap on,
+the speedup that counts) and without overlap (what the drafts alone change).
 """
 from __future__ import annotations
 
@@ -68,22 +70,31 @@ def run(llm: LLM, prompts: list, params: SamplingParams) -> dict:
             "acceptance_rate": accepted / drafted if drafted else None, "token_ids": [o.token_ids for o in outs]}
 
 
-def compare(plain: LLM, spec: LLM, prompts: list, params: SamplingParams, repeats: int) -> dict:
-    runs = {"plain": [], "ngram": []}
-    for r in range(repeats):  # take turns: a slow spell of a shared machine hits both
-        order = ("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")
-        for name in order:
-            runs[name].append(run(plain if name == "plain" else spec, prompts, params))
-    p, s = runs["plain"], runs["ngram"]
-    same = all(a["token_ids"] == b["token_ids"] for a, b in zip(p, s))
-    row = {"batch": len(prompts), "greedy_tokens_identical": same,
-           "plain_tok_s": statistics.median(x["tok_s"] for x in p),
+def compare(engines: dict[str, LLM], prompts: list, params: SamplingParams, repeats: int) -> dict:
+    """Each engine runs the prompts `repeats` times, taking turns (a slow spell of a shared machine hits
+    them all); "ngram" is compared with every other."""
+    runs = {name: [] for name in engines}
+    names = list(engines)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            runs[name].append(run(engines[name], prompts, params))
+    s = runs["ngram"]
+    row = {"batch": len(prompts), "tokens": s[-1]["tokens"], "acceptance_rate": s[-1]["acceptance_rate"],
+           "drafted": s[-1]["drafted"], "accepted": s[-1]["accepted"],
            "ngram_tok_s": statistics.median(x["tok_s"] for x in s),
-           "paired_speedups": [b["tok_s"] / a["tok_s"] for a, b in zip(p, s)],
-           "acceptance_rate": s[-1]["acceptance_rate"], "drafted": s[-1]["drafted"], "accepted": s[-1]["accepted"],
-           "plain_forwards_per_token": p[-1]["forwards_per_token"],
-           "ngram_forwards_per_token": s[-1]["forwards_per_token"], "tokens": s[-1]["tokens"]}
-    row["speedup"] = statistics.median(row["paired_speedups"])
+           "ngram_forwards_per_token": s[-1]["forwards_per_token"]}
+    for name in names:
+        if name == "ngram":
+            continue
+        p = runs[name]
+        row[f"{name}_tok_s"] = statistics.median(x["tok_s"] for x in p)
+        row[f"{name}_forwards_per_token"] = p[-1]["forwards_per_token"]
+        row[f"paired_speedups_vs_{name}"] = [b["tok_s"] / a["tok_s"] for a, b in zip(p, s)]
+        row[f"speedup_vs_{name}"] = statistics.median(row[f"paired_speedups_vs_{name}"])
+        row[f"greedy_tokens_identical_to_{name}"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(p, s))
+    row["speedup"] = row["speedup_vs_plain"]
+    row["greedy_tokens_identical"] = row["greedy_tokens_identical_to_plain"]
+    row["plain_forwards_per_token"] = row["plain_forwards_per_token"]
     return row
 
 
@@ -112,6 +123,9 @@ def main() -> None:
         common.update(num_blocks=256, block_size=8)
     plain = LLM(model, **common)
     spec = LLM(plain.loaded, **common, speculative="ngram", num_speculative_tokens=args.k)
+    engines = {"plain": plain, "ngram": spec}
+    if args.gpu and (plain.async_scheduling or args.cpu_smoke):  # speculation turns overlap off: show that too
+        engines = {"plain": plain, "plain_no_overlap": plain.derive(async_scheduling=False), "ngram": spec}
     tok = plain.tokenizer
 
     def encode(text: str):
@@ -121,17 +135,17 @@ def main() -> None:
     if args.cpu:
         params = SamplingParams(max_tokens=new_tokens, temperature=0)
         for name, text in PROMPTS.items():
-            row = compare(plain, spec, [encode(text)], params, repeats)
+            row = compare(engines, [encode(text)], params, repeats)
             rows.append({"workload": name, **row})
     else:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         repetitive = [encode(t) for name, t in PROMPTS.items() if "low" not in name]
         batches = [1, 2] if args.cpu_smoke else [int(b) for b in args.batches.split(",")]
-        run(plain, repetitive[:1], SamplingParams(max_tokens=4))  # warm-up (kernels, graphs)
-        run(spec, repetitive[:1], SamplingParams(max_tokens=4))
+        for engine in engines.values():  # warm-up (kernels, graphs)
+            run(engine, repetitive[:1], SamplingParams(max_tokens=4))
         for b in batches:
             prompts = [repetitive[i % len(repetitive)] for i in range(b)]
-            rows.append({"workload": "repetitive (passage, code)", **compare(plain, spec, prompts, params, repeats)})
+            rows.append({"workload": "repetitive (passage, code)", **compare(engines, prompts, params, repeats)})
     crossover = next((r["batch"] for r in rows if args.gpu and r["speedup"] < 1.0), None)
     print(f"{'workload':32} {'batch':>5} {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} {'accept':>6} "
           f"{'fwd/tok plain':>13} {'fwd/tok ngram':>13} same")
@@ -139,7 +153,9 @@ def main() -> None:
         acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
         print(f"{r['workload']:32} {r['batch']:>5} {r['plain_tok_s']:>11.1f} {r['ngram_tok_s']:>11.1f} "
               f"{r['speedup']:>6.2f}x {acc:>6} {r['plain_forwards_per_token']:>13.2f} "
-              f"{r['ngram_forwards_per_token']:>13.2f} {r['greedy_tokens_identical']}")
+              f"{r['ngram_forwards_per_token']:>13.2f} {r['greedy_tokens_identical']}"
+              + (f"  (vs plain without overlap: {r['speedup_vs_plain_no_overlap']:.2f}x)"
+                 if "speedup_vs_plain_no_overlap" in r else ""))
     if args.gpu:
         print(f"crossover (first batch size where n-gram speculation is slower): {crossover}")
     record = {"benchmark": "speculative decoding, n-gram, with and without", **environment(device),
