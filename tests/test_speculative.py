@@ -278,3 +278,17 @@ def test_minikv_serve_passes_speculation_to_the_engine(monkeypatch, capsys):
     assert main(["serve", "--model", "tiny-random", "--port", "0", "--no-engine-process", "--speculative",
                  "draft"]) == 2
     assert "needs draft_model" in capsys.readouterr().err
+
+
+def test_rollback_checker_passes_the_engines_rollback_and_names_a_wrong_order():
+    from minikv.checks.rollback import check_rollback
+
+    check_rollback(rollback_blocks, num_random=20)
+
+    def first_to_last(block_table, num_computed_tokens, block_size, free):
+        keep = -(-num_computed_tokens // block_size)
+        for b in block_table[keep:]:
+            free(b)
+        del block_table[keep:]
+    with pytest.raises(AssertionError, match="the last block first"):
+        check_rollback(first_to_last, num_random=0)

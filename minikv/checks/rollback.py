@@ -71,8 +71,9 @@ class _Trace:
         self.steps: list = []
 
     def on_step(self, llm, batch, events):
-        seqs = sorted(llm.scheduler.running, key=lambda s: s.request_id)
-        self.steps.append(([(s.num_tokens, len(s.block_table)) for s in seqs], llm.block_manager.num_used_blocks))
+        view = llm.view
+        seqs = sorted(view.running, key=lambda s: s.request_id)
+        self.steps.append(([(s.num_tokens, len(s.block_table)) for s in seqs], view.used_blocks))
 
 
 def check_rollback_in_engine(llm, rollback, prompts: list, max_tokens: int = 24, **speculative) -> dict:
