@@ -46,6 +46,16 @@ class RollbackInvariant:
         self.steps += 1
 
 
+class NoDraftsWhenPreempting:
+    """A step that preempts a request runs no draft token: drafts shrink (to none) first."""
+
+    def on_schedule(self, llm, batch):
+        if batch.preempted:
+            drafts = llm.core.speculator.num_drafts
+            assert all(n <= s.num_tokens - start - drafts(s)
+                       for s, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens)), batch
+
+
 # ---- proposals and acceptance, alone -----------------------------------------------------------------
 def test_ngram_proposes_what_followed_the_longest_recent_match():
     assert propose_ngram([1, 2, 3, 4, 5, 2, 3, 4], 3) == [5, 2, 3]
@@ -119,6 +129,7 @@ def test_greedy_speculation_equals_rung_7(case, tiny):
     for draft in (tiny.loaded, "self:1"):
         spec = LLM(tiny.loaded, speculative="draft", draft_model=draft, num_speculative_tokens=3, **opts)
         spec.add_observer(RollbackInvariant())
+        spec.add_observer(NoDraftsWhenPreempting())
         for _ in range(2 if "prefix_caching" in opts else 1):  # the second time on cached blocks
             assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want, (case, draft)
         if "num_blocks" in CASES[case]:
@@ -292,3 +303,11 @@ def test_rollback_checker_passes_the_engines_rollback_and_names_a_wrong_order():
         del block_table[keep:]
     with pytest.raises(AssertionError, match="the last block first"):
         check_rollback(first_to_last, num_random=0)
+
+
+def test_no_drafts_while_more_requests_run_than_speculative_disable_by_batch_size(tiny):
+    spec = LLM(tiny.loaded, **TINY, speculative="draft", draft_model=tiny.loaded, speculative_disable_by_batch_size=1)
+    spec.generate(REPEATS[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert spec.stats()["speculative"]["drafted"] == 0
+    spec.generate(REPEATS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert spec.stats()["speculative"]["drafted"] > 0
