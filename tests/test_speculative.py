@@ -99,7 +99,7 @@ def test_rollback_gives_back_the_blocks_past_the_accepted_tokens_last_first():
 def test_greedy_ngram_speculation_equals_rung_7_on_smollm2(smollm2_dir):
     base = LLM(str(smollm2_dir), kv_backend="paged", dtype="float32", num_blocks=64)
     prompts = [base.chat_prompt("Repeat exactly: red green blue, red green blue, red green blue.")]
-    params = SamplingParams(max_tokens=12, temperature=0)
+    params = SamplingParams(max_tokens=10, temperature=0)
     want = [o.token_ids for o in base.generate(prompts, params)]
     spec = LLM(base.loaded, kv_backend="paged", dtype="float32", num_blocks=64, speculative="ngram",
                num_speculative_tokens=4)
@@ -266,11 +266,11 @@ def test_parallel_samples_and_beams_run_without_drafts(tiny):
 def test_verification_runs_through_the_triton_kernels(tiny):
     """k + 1 query tokens per request go through the Triton paged kernels (the interpreter on a CPU),
     mixed with a prefill in the same step, and give the torch reference's tokens."""
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     opts = dict(kv_backend="paged", block_size=8, num_blocks=16, dtype="float32")
     want = [o.token_ids for o in LLM(tiny.loaded, **opts).generate(REPEATS[:2], params)]
     spec = LLM(tiny.loaded, **opts, attention="triton", speculative="draft", draft_model=tiny.loaded,
-               num_speculative_tokens=3)
+               num_speculative_tokens=2)
     spec.add_observer(RollbackInvariant())
     assert [o.token_ids for o in spec.generate(REPEATS[:2], params)] == want
     assert spec.stats()["speculative"]["accepted"] > 0
