@@ -244,6 +244,12 @@ def test_bad_speculative_options_are_refused_with_the_fix(options, message, tiny
         LLM(tiny.loaded, **{**TINY, **options})
 
 
+def test_overlapped_steps_cannot_be_switched_on_under_speculation(tiny):
+    spec = LLM(tiny.loaded, **TINY, speculative="ngram")
+    with pytest.raises(ValueError, match="build an engine without speculative to overlap steps"):
+        spec.async_scheduling = True
+
+
 def test_a_wrong_rollback_seam_is_caught_and_named(tiny):
     def keeps_everything(block_table, num_computed_tokens, block_size, free):
         pass

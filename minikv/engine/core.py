@@ -379,6 +379,9 @@ class EngineCore:
             raise ValueError(f"async_scheduling must be True or False, got {on!r}")
         if on and not self.is_paged:
             raise ValueError(f"async_scheduling overlaps the steps of the paged engine, not {self.kv_backend!r}")
+        if on and self.speculator is not None:
+            raise ValueError("speculative decoding needs each step's accepted tokens before the next is scheduled; "
+                             "build an engine without speculative to overlap steps")
         with self.lock:
             self._drain()
             self._async_scheduling = on
