@@ -250,6 +250,21 @@ def test_overlapped_steps_cannot_be_switched_on_under_speculation(tiny):
         spec.async_scheduling = True
 
 
+def test_a_speculating_request_aborted_between_steps_keeps_no_draft_and_no_block(tiny):
+    spec = LLM(tiny.loaded, **TINY, speculative="draft", draft_model=tiny.loaded)
+    want = LLM(tiny.loaded, **TINY).generate([REPEATS[0]], GREEDY)[0].token_ids
+
+    class AbortAfterAVerification:
+        def on_step(self, llm, batch, events):
+            if llm.stats()["speculative"]["accepted"]:
+                llm.abort(batch.seqs[0])
+    spec.add_observer(AbortAfterAVerification())
+    out = spec.generate([REPEATS[0]], GREEDY)[0]
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < len(want)
+    assert out.token_ids == want[:len(out.token_ids)]
+    assert spec.stats()["used_blocks"] == 0
+
+
 def test_a_wrong_rollback_seam_is_caught_and_named(tiny):
     def keeps_everything(block_table, num_computed_tokens, block_size, free):
         pass

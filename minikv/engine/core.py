@@ -521,6 +521,8 @@ class EngineCore:
             inflight = self._inflight
             for s in samples_of(seq):
                 if not s.is_finished:
+                    if self.speculator is not None:  # aborted inside a step: its draft tokens are not output
+                        self.speculator.drop(s)
                     s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
                     if inflight is not None and any(s is x for x in inflight.batch.seqs):
                         self.scheduler.finish(s, keep_blocks=True)  # the device may still write its blocks

@@ -374,6 +374,11 @@ class Speculator:
             self.drafts[seq.seq_id] = (seq, drafts[:keep])
         return drafts[:keep]
 
+    def drop(self, seq: Sequence) -> None:
+        """seq is aborted in the middle of a step: its drafts leave its tokens now."""
+        if seq.seq_id in self.drafts:
+            self._strip(seq)
+
     def strip_all(self) -> None:
         """Every draft leaves the tokens (a fault inside a step: the tokens must be the truth again)."""
         for seq, _ in list(self.drafts.values()):
@@ -454,10 +459,10 @@ class Speculator:
                 plain_seqs.append(seq)
                 plain_rows.append(at)
                 continue
+            if seq.seq_id not in self.drafts:  # aborted meanwhile (by an observer): drafts dropped then
+                continue
             drafts = self.drafts[seq.seq_id][1]
             self._strip(seq)
-            if seq.is_finished:  # aborted meanwhile (an observer)
-                continue
             kept = verify(seq, drafts, logits[at:at + width], argmax[at:at + width] if argmax is not None else None)
             accepted = len(kept) - 1
             self.num_drafted += len(drafts)
