@@ -173,7 +173,13 @@ class DraftModelProposer:
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype, attention: str = "torch"):
         c = model.config
         self.model = model
-        self.pool = KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype, device)
+        try:
+            self.pool = KVPool(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype, device)
+        except torch.OutOfMemoryError:
+            size = KVPool.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype) * num_blocks
+            raise ValueError(f"the draft model's KV pool ({num_blocks:,} blocks, {size / 2**30:.1f} GiB: its blocks "
+                             "follow the target's) does not fit beside the target's; give the target a smaller "
+                             "pool (num_blocks or kv_cache_memory) to leave room") from None
         if attention == "triton":
             from minikv.attention.triton_backend import TritonPagedBackend as backend_cls
         else:
