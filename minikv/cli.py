@@ -145,6 +145,11 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--schedule-policy", choices=("fcfs", "vtc", "lpm"), default="fcfs",
                    help="fcfs: first come first served; vtc: fair between tenants (virtual token counter); "
                         "lpm: longest cached prefix first")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: drafts from the request's own tokens (ngram) or a draft model")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens verified per step (4)")
+    s.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: a smaller model sharing the tokenizer, or self:N (first N layers)")
     s.add_argument("--isolate-tenants", action="store_true",
                    help="salt each tenant's prefix cache: tenants never share cached blocks")
     s.add_argument("--max-waiting", type=int, default=256,
@@ -173,7 +178,9 @@ def _serve(args) -> int:
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                        num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
-                       prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
+                       prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching,
+                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                       draft_model=args.draft_model)
         llm = CoreProcess(args.model, **options) if args.engine_process else LLM(args.model, **options)
     except _user_errors() as e:
         return _error(e)

@@ -138,6 +138,8 @@ SEAMS: dict[str, tuple[str, Callable[["_Draft"], bool], str]] = {
                   "kv_backend='paged', schedule_policy='vtc' (it orders the waiting requests of the fair scheduler)"),
     "kv_offload_store": ("rung 9", lambda c: c.is_paged and _is_hash_chain(c.prefix_caching),
                          "kv_backend='paged', prefix_caching='hash'"),
+    "spec_rollback": ("rung 11", lambda c: c.speculative is not None,
+                      "kv_backend='paged' and speculative='ngram' or 'draft'"),
 }
 
 
@@ -269,6 +271,12 @@ class _Draft:
     kv_offload_dir: Any = None
     kv_offload_disk_bytes: int | None = None
     kv_offload_store: Any = None  # the rung-9 seam: a BlockStore (put, get, in) or a function making one
+    # speculative decoding (rung 11, paged): minikv/engine/speculative.py
+    speculative: str | None = None  # "ngram" (prompt lookup) or "draft" (draft_model proposes)
+    num_speculative_tokens: int | None = None  # k drafts per step (default 4 when speculative is set)
+    draft_model: Any = None  # a model name / path / LoadedModel sharing the tokenizer, or "self:N"
+    speculative_disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+    spec_rollback: Callable | None = None  # the rung-11 seam: gives back the blocks of rejected drafts
 
     @property
     def is_paged(self) -> bool:
@@ -299,6 +307,7 @@ class _Draft:
         self._check_offload_options()
         self._check_seams()
         self._check_window()
+        self._check_speculative()
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
@@ -446,6 +455,39 @@ class _Draft:
                 hasattr(self.block_allocator, m) for m in ("allocate", "free", "num_free_blocks"))):
             raise ValueError("block_allocator must be a class called with num_blocks, or an object with allocate(), "
                              f"free(block_id) and num_free_blocks; got {self.block_allocator!r}")
+
+    def _check_speculative(self) -> None:
+        from minikv.engine.speculative import METHODS
+
+        _check_choice("speculative", self.speculative, METHODS, allow_none=True)
+        if self.speculative is None:
+            for name in ("num_speculative_tokens", "draft_model", "speculative_disable_by_batch_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is an option of speculative decoding; give speculative='ngram' or "
+                                     f"'draft' too, or drop {name}")
+            return
+        if not self.is_paged:
+            raise ValueError(f"speculative decoding verifies the drafts in one step of the paged pool, but kv_backend "
+                             f"is {self.kv_backend!r}; use kv_backend='paged'")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 4
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
+                   "it is how many draft tokens each step verifies (4 is a good start)", allow_none=False)
+        _check_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, 1,
+                   "speculation stops while more requests than this run")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative='draft' needs draft_model: a smaller model sharing the tokenizer, or "
+                             "'self:N' (the target's first N layers and its LM head)")
+        if self.speculative == "ngram" and self.draft_model is not None:
+            raise ValueError(f"draft_model={self.draft_model!r} is for speculative='draft'; n-gram drafts come from "
+                             "the request's own tokens")
+        if self.async_scheduling:
+            raise ValueError("speculative decoding needs each step's accepted tokens before the next is scheduled; "
+                             "use async_scheduling=False (or None) with it")
+        self.async_scheduling = False
+        if self.schedule_step is not None:
+            raise ValueError("schedule_step (rung 5) decides without knowing about draft tokens; drop it or "
+                             "speculative")
 
     def _check_window(self, source: str = "sliding_window") -> None:
         """The window and its sinks, on their own and against the pool (again in `fit` once the model's
@@ -658,10 +700,22 @@ class Seams:
     radix_insert: Callable | None = None
     radix_evict_leaf: Callable | None = None
     free_block_queue: Any = None
+    spec_rollback: Callable | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (rung 11)."""
+
+    speculative: str | None
+    num_speculative_tokens: int | None
+    draft_model: Any
+    speculative_disable_by_batch_size: int | None
 
 
 PARTS: dict[str, type] = {"pool": PoolConfig, "scheduling": SchedulingConfig, "prefix": PrefixConfig,
-                          "offload": OffloadConfig, "execution": ExecutionConfig, "seams": Seams}
+                          "offload": OffloadConfig, "execution": ExecutionConfig, "seams": Seams,
+                          "speculation": SpeculativeConfig}
 TOP_LEVEL = ("model", "kv_backend", "max_model_len", "seed")
 OPTIONS = TOP_LEVEL + tuple(f.name for part in PARTS.values() for f in fields(part))  # what LLM(...) takes
 
@@ -688,6 +742,7 @@ class EngineConfig:
     offload: OffloadConfig
     execution: ExecutionConfig
     seams: Seams
+    speculation: SpeculativeConfig
     fitted: bool = False  # sizes resolved by fit()
     chosen: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 

@@ -66,6 +66,7 @@ from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
 from minikv.engine.simple_scheduler import SimpleScheduler
+from minikv.engine.speculative import build_speculator
 from minikv.engine.view import EngineView
 from minikv.model.loader import LoadedModel
 
@@ -228,6 +229,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
                                   step_graphs=small,
                                   **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
+        self.speculator = build_speculator(cfg, loaded, cfg.num_blocks) if cfg.is_paged else None  # rung 11
+        if self.speculator is not None:
+            self.scheduler.num_drafts = self.speculator.num_drafts
 
     # ---- one builder per rung -------------------------------------------------------------------
     def _build_naive(self, cfg: EngineConfig) -> None:
@@ -381,6 +385,9 @@ class EngineCore:
             raise ValueError(f"async_scheduling must be True or False, got {on!r}")
         if on and not self.is_paged:
             raise ValueError(f"async_scheduling overlaps the steps of the paged engine, not {self.kv_backend!r}")
+        if on and self.speculator is not None:
+            raise ValueError("speculative decoding needs each step's accepted tokens before the next is scheduled; "
+                             "build an engine without speculative to overlap steps")
         with self.lock:
             self._drain()
             self._async_scheduling = on
@@ -520,6 +527,8 @@ class EngineCore:
             inflight = self._inflight
             for s in samples_of(seq):
                 if not s.is_finished:
+                    if self.speculator is not None:  # aborted inside a step: its draft tokens are not output
+                        self.speculator.drop(s)
                     s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
                     if inflight is not None and any(s is x for x in inflight.batch.seqs):
                         self.scheduler.finish(s, keep_blocks=True)  # the device may still write its blocks
@@ -587,6 +596,8 @@ class EngineCore:
             return self.last_tokens
 
     def _step(self) -> list[tuple[Sequence, int, str]]:
+        if self.speculator is not None:  # drafts verified in this step (minikv/engine/speculative.py)
+            return self.speculator.step(self)
         if self._async_scheduling:
             return self._step_overlapped()
         batch = self._schedule()
@@ -805,6 +816,8 @@ class EngineCore:
         Tokens already sampled stay: each came from correct logits. Nothing else is lost but time (and the
         prefix cache's content, which a fresh engine would not have either)."""
         self._reset_pending = False
+        if self.speculator is not None:  # drafts still in the tokens leave them
+            self.speculator.strip_all()
         if self._inflight is not None or self._placeholders:  # drain: the device finishes what it was given
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -991,6 +1004,8 @@ class EngineCore:
                 sliding_window=cfg.sliding_window, sink_tokens=cfg.sink_tokens,
                 window_freed_blocks=bm.num_window_freed,
             )
+        if self.speculator is not None:  # rung 11: drafted, accepted, acceptance rate
+            out["speculative"] = self.speculator.stats()
         if self.prefix_cache is not None:  # queries and hits count tokens, summed over admissions
             out["prefix_cache"] = self.prefix_cache.stats()
             offload = self.block_manager.offload

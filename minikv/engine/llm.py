@@ -158,7 +158,14 @@ class LLM:
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
             kv_offload_store=obj  rung 9  keeps the blocks the pool evicts (put, get, in)
             pick_next=fn          rung 10 which waiting request the fair scheduler admits next
+            spec_rollback=fn      rung 11 gives back the blocks of rejected drafts (needs speculative)
         Views and checkers watch the engine through `add_observer`.
+
+        Speculative decoding (rung 11, paged): speculative "ngram" (drafts from the request's own tokens)
+        or "draft" (draft_model proposes: a smaller model sharing the tokenizer, or "self:N", the target's
+        first N layers and LM head), num_speculative_tokens (k, default 4) verified in one step,
+        speculative_disable_by_batch_size (no drafts while more requests run); see
+        minikv/engine/speculative.py.
 
         Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
         and the last W positions (StreamingLLM), and blocks outside every later window go back to
@@ -522,4 +529,6 @@ class LLM:
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             outputs=completions,
+            num_accepted_tokens=seq.num_accepted_tokens,
+            num_drafted_tokens=seq.num_drafted_tokens,
         )

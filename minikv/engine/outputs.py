@@ -60,6 +60,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_accepted_tokens: int = 0  # speculative decoding: draft tokens the target kept
+    num_drafted_tokens: int = 0  # and the draft tokens it verified
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -100,6 +100,7 @@ class Scheduler:
         self.step_index = 0
         self.policy = "fcfs"  # or "lpm": longest cached prefix first (needs a prefix cache)
         self.fair: VirtualTokenCounter | None = None  # set: admit by tenant counters (minikv/engine/fair.py)
+        self.num_drafts: Callable[[Sequence], int] | None = None  # rung 11: draft tokens at the end of a sequence
 
     # ---- queues ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -143,6 +144,9 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                if n > seq.num_tokens - seq.num_computed_tokens - self._drafts(seq):
+                    n -= 1  # speculation shrinks before anyone is preempted
+                    continue
                 victim = self._pick_victim(exclude=batch.seqs)
                 self._preempt(victim, batch)
                 preempted_now = True
@@ -243,7 +247,13 @@ class Scheduler:
         remaining = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
         if remaining <= budget:
             return remaining
+        if not self.chunked_prefill and remaining - self._drafts(seq) <= budget:
+            return budget  # its draft tokens shrink to the budget
         return budget if self.chunked_prefill else 0
+
+    def _drafts(self, seq: Sequence) -> int:
+        """Draft tokens at the end of seq's tokens (speculative decoding: they may shrink, to none)."""
+        return self.num_drafts(seq) if self.num_drafts is not None else 0
 
     def _longest_prefix_first(self) -> None:
         """Reorder the waiting queue: longest cached prefix first, arrival order among equals."""

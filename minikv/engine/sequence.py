@@ -61,6 +61,9 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.token_times: list[float] = []
         self.num_preemptions = 0
+        # speculative decoding (rung 11): draft tokens verified, and how many the target kept
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -20,6 +20,8 @@
    need 3 blocks), free nothing, return 8.
 
 Check it with: minikv drill check speculative-rollback
+In the engine: notebooks/13_speculative_decoding.ipynb (speculative="ngram" or "draft") and exercise
+13a_rollback, whose rollback keeps only the blocks of computed positions, ceil(num_computed / block_size).
 """
 
 
