@@ -204,14 +204,136 @@ def test_a_lab_fix_that_unplugs_the_seam_does_not_count(tmp_path):
     assert not result.passed and "'copy_on_write' seam" in result.diagnosis
 
 
-def test_bugs_start_writes_the_lab_and_check_runs_it(tmp_path, monkeypatch, capsys):
+def _variant(tmp_path, lab: str, source: str, old: str | None = None, new: str = "") -> Path:
+    """A learner's 'fix': the shipped file (buggy or fixed) with one edit, or with code appended."""
+    text = getattr(bugs.LABS[lab], source).read_text()
+    if old is not None:
+        assert old in text, f"the fixture no longer matches {lab}'s {source} file: {old!r}"
+        text = text.replace(old, new)
+    else:
+        text += new
+    path = tmp_path / bugs.LABS[lab].filename
+    path.write_text(text)
+    return path
+
+
+_OFF = ("\n\nclass _Off(TeamHashCache):\n    def match(self, token_ids, salt=None, max_tokens=None):\n"
+        "        return type(super().match(token_ids[:0]))([], 0)\n\n\n"
+        "def engine_options():\n    return {'prefix_caching': _Off(block_size=4)}\n")
+
+# Each wrong fix a candidate might try, as a fixture: (lab, file it edits, old text, new text, what the
+# diagnosis must say). None as old text appends the new text (a later engine_options() wins).
+WRONG_FIXES = {
+    "prefix caching off": ("stale-prefix-entry", "buggy", None,
+                           "\n\ndef engine_options():\n    return {'prefix_caching': None}\n", "engine's own design"),
+    "the engine's own cache": ("stale-prefix-entry", "buggy", None,
+                               "\n\ndef engine_options():\n"
+                               "    return {'prefix_caching': HashChainCache(block_size=4)}\n",
+                               "not defined in"),
+    "the built-in design by name": ("stale-prefix-entry", "buggy", None,
+                                    "\n\ndef engine_options():\n    return {'prefix_caching': 'hash'}\n",
+                                    "engine's own design"),
+    "the override deleted": ("stale-prefix-entry", "fixed", "    def evict(self", "    def _old_evict(self",
+                             "TeamHashCache.evict must stay defined"),
+    "a cache that never hits": ("stale-prefix-entry", "fixed", None, _OFF, "where the engine's own cache"),
+    "a bigger tile": ("missing-rescale", "buggy", "TILE = 8", "TILE = 32", "keep TILE = 8"),
+    "one tile for the whole row": ("missing-rescale", "buggy", "TILE = 8", "TILE = 10**9", "keep TILE = 8"),
+    "no running max": ("missing-rescale", "fixed", "m_new = torch.maximum(m, s.max(dim=1).values)",
+                       "m_new = torch.zeros_like(m)", "inf or NaN"),
+    "an import of the engine's code": ("missing-rescale", "fixed", None,
+                                       "\n\nfrom minikv.cache.prefix.radix import match_prefix as _m  # noqa\n",
+                                       "from minikv"),
+    "copy-on-write off": ("cow-decrement-first", "buggy", None,
+                          "\n\ndef engine_options():\n    return {'copy_on_write': None}\n", "engine's own design"),
+    "copy every block, shared or not": ("cow-decrement-first", "fixed", "if ref_count[src] > 1:",
+                                        "if ref_count[src] > 0:", "invariant check failed"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_FIXES))
+def test_a_wrong_fix_is_rejected_with_the_reason(wrong, tmp_path):
+    lab, source, old, new, reason = WRONG_FIXES[wrong]
+    result = bugs.run_check(bugs.LABS[lab], _variant(tmp_path, lab, source, old, new), seed=7)
+    assert not result.passed, f"{wrong}: accepted as a fix of {lab}:\n{result.report()}"
+    assert reason in result.diagnosis, f"{wrong}: the diagnosis does not say {reason!r}:\n{result.diagnosis}"
+
+
+def test_a_bigger_tile_still_fails_the_scenario_on_contexts_longer_than_the_tile(tmp_path):
+    """Past the TILE rule: the scenario's contexts run longer than a 32-token tile."""
+    import random
+
+    from minikv.checks.report import CheckFailed
+
+    module = drills.load_module(_variant(tmp_path, "missing-rescale", "buggy", "TILE = 8", "TILE = 32"), "bug_lab")
+    with pytest.raises(CheckFailed, match="differs"):
+        bugs.LABS["missing-rescale"].scenario(module, random.Random(11))
+
+
+def test_the_stale_entry_lab_shows_the_wrong_answer_its_statement_reports():
+    """The symptom as stated: a returning user's tokens differ (not an invariant or a crash first)."""
+    lab = bugs.LABS["stale-prefix-entry"]
+    for seed in (1, 2, 3):
+        result = bugs.run_check(lab, lab.buggy, seed=seed)
+        assert not result.passed and "at A a third time" in result.diagnosis, result.diagnosis
+        assert "differs from the engine's own code" in result.diagnosis, result.diagnosis
+    assert "block N is free; cannot share it" in lab.statement
+
+
+def test_the_fixed_cache_never_crashes_on_a_returning_or_extended_prompt():
+    """The crash a stale entry can cause ("block N is free") is the block manager refusing the lab's bad
+    hit; with the fixed cache, returning and extended prompts never reach it."""
+    import random
+
+    lab = bugs.LABS["stale-prefix-entry"]
+    honest = drills.load_module(lab.fixed, "bug_lab")
+    for seed in range(4):
+        lab.scenario(honest, random.Random(seed))
+
+
+def test_a_lab_check_prints_its_seed_and_the_seed_replays_the_prompts():
+    lab = bugs.LABS["slot-offset"]
+    a, b = bugs.run_check(lab, lab.buggy, seed=42), bugs.run_check(lab, lab.buggy, seed=42)
+    assert a.diagnosis == b.diagnosis and "--seed 42" in a.report()
+    assert bugs.run_check(lab, lab.buggy).seed != bugs.run_check(lab, lab.buggy).seed
+
+
+def test_fixed_prints_the_root_cause_the_regression_test_and_an_upstream_link():
+    for name, lab in bugs.LABS.items():
+        notes = lab.notes
+        assert len(notes.hints) >= 2 and notes.cause and notes.regression and notes.field, name
+        assert notes.links and all(u.startswith("https://") for u in notes.links), name
+        assert "Localize it" not in lab.statement and f"minikv bugs hint {name}" in lab.statement, name
+    lab = bugs.LABS["cow-decrement-first"]
+    text = bugs.run_check(lab, lab.fixed, seed=1).report()
+    for part in ("FIXED", "root cause:", "the regression test to add:", "seen in real engines:",
+                 "https://github.com/vllm-project/vllm/pull/3347"):
+        assert part in text, part
+
+
+def test_bugs_start_hint_and_a_clock_that_stops_at_the_fix(tmp_path, monkeypatch, capsys):
+    from minikv.interview import clock
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path / "home"))
     assert main(["bugs", "start", "slot-offset"]) == 0
-    assert "Localize it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Stuck?" in out and "the clock starts now" in out
+    assert main(["bugs", "hint", "slot-offset"]) == 0
+    assert "hint 1 of 2" in capsys.readouterr().out
+    assert main(["bugs", "hint", "slot-offset", "--level", "2"]) == 0
+    assert "9 // 4" in capsys.readouterr().out
     assert main(["bugs", "check", "slot-offset"]) == 1
+    assert "1 check so far" in capsys.readouterr().out
     (tmp_path / "bug_slot_offset.py").write_text(bugs.LABS["slot-offset"].fixed.read_text())
     assert main(["bugs", "check", "slot-offset"]) == 0
-    capsys.readouterr()
+    assert "passed after" in capsys.readouterr().out
+    entry = clock.get("bugs:slot-offset")
+    assert entry["attempts"] == 2 and entry["passed_attempts"] == 2 and entry["passed_after"] is not None
+    assert main(["bugs", "start", "slot-offset"]) == 0
+    assert "keeps running" in capsys.readouterr().out
+    assert clock.get("bugs:slot-offset")["started"] == entry["started"]
+    assert main(["bugs", "status"]) == 0
+    assert "slot-offset" in capsys.readouterr().out
     assert main(["bugs", "list", "--json"]) == 0
     assert {e["name"] for e in json.loads(capsys.readouterr().out)} == set(bugs.LABS)
 

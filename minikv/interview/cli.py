@@ -16,14 +16,19 @@ notebook's file name work too)."""
 
 DRILL_HELP = """Timed coding drills, the exercises interviews give (KV cache, block manager, radix tree, ...).
 `start NAME` writes drill_NAME.py into the current folder, prints the statement and starts the clock;
-`check NAME [FILE]` runs the course's checker on fresh random cases and prints the diagnosis and the
-time taken against the limit. Exit status of check: 0 passed, 1 failed."""
+`start NAME` again keeps the clock running (`--restart` resets it); `check NAME [FILE]` runs the
+course's checker on fresh random cases and prints the diagnosis and the time taken against the
+limit; the first pass stops the clock and records the time and the number of checks; `status` shows
+the time left. A drill file that imports the engine's answer from minikv fails.
+Exit status of check: 0 passed, 1 failed."""
 
 BUGS_HELP = """Find-the-bug labs: the real engine with one realistic bug planted through a named seam (a prefix
 cache, copy-on-write, a decode step, the slot mapping, an allocator, causal attention). `start NAME`
 writes bug_NAME.py (the buggy code, the symptom, the tools to localize it) into the current folder;
-fix it there and `check NAME` runs the lab's scenario against the engine's own code. Exit status of
-check: 0 the scenario runs as on the engine's own code, 1 the bug shows."""
+fix it there and `check NAME` runs the lab's scenario against the engine's own code, on random prompts
+from a printed seed. A fix must keep the team's code plugged in and the feature working. `hint NAME`
+when stuck; `start` starts a clock as the drills do (`status` shows it). Exit status of check: 0 the
+scenario runs as on the engine's own code, 1 the bug shows."""
 
 
 def add_parsers(sub) -> None:
@@ -51,6 +56,8 @@ def add_parsers(sub) -> None:
     ds = dsub.add_parser("start", help="write drill_NAME.py here, print the statement, start the clock")
     ds.add_argument("name")
     ds.add_argument("--force", action="store_true", help="overwrite an existing drill file")
+    ds.add_argument("--restart", action="store_true", help="reset a running clock (default: keep it running)")
+    dsub.add_parser("status", help="the drills' clocks: time used and left, checks, passed or not")
     dc = dsub.add_parser("check", help="check your drill file; prints the diagnosis and the time taken")
     dc.add_argument("name")
     dc.add_argument("file", nargs="?", type=Path, help="default: drill_NAME.py in the current folder")
@@ -69,12 +76,18 @@ def add_parsers(sub) -> None:
     bs = bsub.add_parser("start", help="write bug_NAME.py here and print the symptom and the tools")
     bs.add_argument("name")
     bs.add_argument("--force", action="store_true", help="overwrite an existing lab file")
+    bs.add_argument("--restart", action="store_true", help="reset a running clock (default: keep it running)")
+    bh = bsub.add_parser("hint", help="a hint for a lab: the tools first, then where to look")
+    bh.add_argument("name")
+    bh.add_argument("--level", type=int, default=1, help="1: the tools to localize it; 2: where to look")
+    bsub.add_parser("status", help="the labs' clocks: time used, checks, fixed or not")
     bc = bsub.add_parser("check", help="run the lab's scenario on your fixed file")
     bc.add_argument("name")
     bc.add_argument("file", nargs="?", type=Path, help="default: bug_NAME.py in the current folder")
     which = bc.add_mutually_exclusive_group()
     which.add_argument("--buggy", action="store_true", help="run the shipped buggy code (the bug shows)")
     which.add_argument("--fixed", action="store_true", help="run the shipped fixed code (passes)")
+    bc.add_argument("--seed", type=int, default=None, help="replay the random prompts of an earlier check")
     bc.add_argument("--json", action="store_true", help="print the result as one JSON object")
     bc.add_argument("--timeout", type=float, default=120.0, help="seconds before a check that has not returned fails")
 
@@ -148,6 +161,8 @@ def _drill(args) -> int:
             for d in rows:
                 print(f"{d.name:24s} {d.minutes:3d} min  {d.title}")
         return 0
+    if args.drill_cmd == "status":
+        return _status({d.name: d.minutes for d in drills.DRILLS.values()}, "drill", "")
     try:
         drill = drills.get(args.name)
     except KeyError as e:
@@ -156,9 +171,10 @@ def _drill(args) -> int:
         dst = Path.cwd() / drill.filename
         wrote = _write_file(drill.starter, dst, args.force)
         print(drill.statement)
-        print(f"\n{'wrote' if wrote else 'kept'} {dst}; time limit {drill.minutes} min, the clock starts now.")
+        kept = drills.start_clock(drill.name, restart=args.restart)
+        print(f"\n{'wrote' if wrote else 'kept'} {dst}; time limit {drill.minutes} min, " + _clock_words(
+            kept, drill.name, drill.minutes, "drill"))
         print(f"check it with: minikv drill check {drill.name}")
-        drills.start_clock(drill.name)
         return 0
     if args.reference:
         path, timed = drill.reference, False
@@ -174,10 +190,33 @@ def _drill(args) -> int:
     if args.json:
         print(json.dumps({"drill": result.drill, "passed": result.passed, "diagnosis": result.diagnosis,
                           "seed": result.seed, "seconds_taken": result.seconds_taken,
-                          "limit_minutes": result.limit_minutes}))
+                          "limit_minutes": result.limit_minutes, "clock": result.clock}))
     else:
         print(result.report())
     return 0 if result.passed else 1
+
+
+def _clock_words(kept: bool, key: str, minutes: int, verb: str) -> str:
+    from minikv.interview import clock
+
+    if not kept:
+        return "the clock starts now."
+    name = key.split(":", 1)[-1]
+    return ("the clock keeps running (`--restart` resets it): "
+            + clock.describe(clock.get(key), minutes, verb, name).removeprefix("time: "))
+
+
+def _status(limits: dict[str, int], verb: str, prefix: str) -> int:
+    from minikv.interview import clock
+
+    clocks = clock.load()
+    rows = [(name, clocks[prefix + name]) for name in limits if prefix + name in clocks]
+    if not rows:
+        print(f"no {verb} started yet (`minikv {verb} start NAME` starts one)")
+        return 0
+    for name, entry in rows:
+        print(f"{name:26s} {clock.describe(entry, limits[name], verb, name).removeprefix('time: ')}")
+    return 0
 
 
 def _bugs(args) -> int:
@@ -192,15 +231,24 @@ def _bugs(args) -> int:
             for lab in rows:
                 print(f"{lab.name:24s} seam {lab.seam:17s} {lab.symptom}")
         return 0
+    if args.bugs_cmd == "status":
+        return _status({lab.name: lab.minutes for lab in bugs.LABS.values()}, "bugs", "bugs:")
     try:
         lab = bugs.get(args.name)
     except KeyError as e:
         return _err(e.args[0])
+    if args.bugs_cmd == "hint":
+        print(bugs.hint(lab, args.level))
+        return 0
     if args.bugs_cmd == "start":
+        from minikv.interview import clock
+
         dst = Path.cwd() / lab.filename
         wrote = _write_file(lab.buggy, dst, args.force)
         print(lab.statement)
-        print(f"\n{'wrote' if wrote else 'kept'} {dst}: fix the code there, then `minikv bugs check {lab.name}`")
+        kept = clock.start(lab.clock_name, restart=args.restart)[1]
+        print(f"\n{'wrote' if wrote else 'kept'} {dst}: fix the code there, then `minikv bugs check {lab.name}`; "
+              f"about {lab.minutes} min, " + _clock_words(kept, lab.clock_name, lab.minutes, "bugs"))
         return 0
     if args.buggy:
         path = lab.buggy
@@ -212,9 +260,11 @@ def _bugs(args) -> int:
             return _err(f"{path} does not exist; `minikv bugs start {lab.name}` writes it, or name your file")
     if args.fixed and not path.is_file():
         return _err(f"{lab.name}: the fixed code is not part of a student copy; ask your instructor for it")
-    result = bugs.run_check(lab, path, timeout=args.timeout)
+    timed = not (args.buggy or args.fixed)
+    result = bugs.run_check(lab, path, seed=args.seed, timeout=args.timeout, timed=timed)
     if args.json:
-        print(json.dumps({"lab": result.lab, "passed": result.passed, "diagnosis": result.diagnosis}))
+        print(json.dumps({"lab": result.lab, "passed": result.passed, "diagnosis": result.diagnosis,
+                          "seed": result.seed, "clock": result.clock}))
     else:
         print(result.report())
     return 0 if result.passed else 1

@@ -4,9 +4,7 @@ Our causal attention (plugged in with LLM(..., kv_backend="naive", causal_attent
 A one-token prompt gives the right answer; anything longer gives another one. Training-style loss on
 a sentence is suspiciously low.
 
-Localize it: call causal_attention on q, k, v of 4 positions where v[j] = j (a ramp) and read which
-positions each output row averages; minikv.checks.check_causal_attention(causal_attention) names the
-first wrong position and head. Then fix the code below.
+Stuck? `minikv bugs hint causal-mask-peek` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check causal-mask-peek
 """
