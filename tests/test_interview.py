@@ -167,6 +167,124 @@ def test_a_drill_check_that_never_returns_fails_with_a_time_limit_instead_of_han
     assert time.perf_counter() - t0 < 30
 
 
+def _drill_variant(tmp_path, name: str, old: str | None, new: str) -> Path:
+    """A candidate's drill file: the reference with one edit (or with code appended)."""
+    text = drills.DRILLS[name].reference.read_text()
+    if old is None:
+        text += new
+    else:
+        assert old in text, f"the fixture no longer matches the {name} reference: {old!r}"
+        text = text.replace(old, new)
+    path = tmp_path / drills.DRILLS[name].filename
+    path.write_text(text)
+    return path
+
+
+_DICT_QUEUE = '''
+
+class FreeBlockQueue:  # O(1) remove, but popleft walks over every slot deleted before the front
+    def __init__(self):
+        self.d = {}
+
+    def append(self, b):
+        self.d[b] = None
+
+    def remove(self, b):
+        del self.d[b]
+
+    def popleft(self):
+        if not self.d:
+            raise IndexError("empty")
+        b = next(iter(self.d))
+        del self.d[b]
+        return b
+
+    def __len__(self):
+        return len(self.d)
+
+    def __contains__(self, b):
+        return b in self.d
+
+    def __iter__(self):
+        return iter(list(self.d))
+'''
+
+# Each way to game a drill, as a fixture: (drill, old text of the reference, new text, what the diagnosis says).
+GAMED_DRILLS = {
+    "attention that ignores its scale": ("gqa-attention", None,
+                                         "\n\n_inner = causal_attention\n\n\ndef causal_attention(q, k, v, scale):\n"
+                                         "    return _inner(q, k, v, q.shape[-1] ** -0.5)\n", "use the `scale`"),
+    "a decode step that ignores its scale": ("kv-decode-step", None,
+                                             "\n\n_inner = decode_step\n\n\ndef decode_step(q, kn, vn, kc, vc, pos, "
+                                             "scale):\n"
+                                             "    return _inner(q, kn, vn, kc, vc, pos, q.shape[-1] ** -0.5)\n",
+                                             "use the `scale`"),
+    "the engine's match_prefix imported": ("radix-tree", None,
+                                           "\n\nfrom minikv.cache.prefix.radix import match_prefix  # noqa\n",
+                                           "imports minikv.cache.prefix.radix:match_prefix"),
+    "the engine reached through sys.modules": ("radix-tree", None,
+                                               "\n\nimport sys  # noqa\nmatch_prefix = sys.modules["
+                                               "'minikv.cache.prefix.radix'].match_prefix\n", "sys.modules"),
+    "evict_leaf skipping a used block": ("radix-tree",
+                                         "    while leaf.blocks and len(taken) < num_blocks and "
+                                         "is_unused(leaf.blocks[-1]):\n        taken.append(leaf.blocks.pop())\n"
+                                         "        leaf.key = tuple(leaf.key[:-block_size])\n",
+                                         "    for b in reversed(list(leaf.blocks)):\n"
+                                         "        if len(taken) < num_blocks and is_unused(b):\n"
+                                         "            taken.append(b)\n            leaf.blocks.remove(b)\n"
+                                         "            leaf.key = tuple(leaf.key[:-block_size])\n",
+                                         "would cut the edge in the middle"),
+    "insert extending the root": ("radix-tree", "if node is not root and not node.children:",
+                                  "if not node.children:", "the root is never extended"),
+    "match_prefix scanning the children": ("radix-tree",
+                                           "        child = node.children.get("
+                                           "tuple(token_ids[pos:pos + block_size]))\n",
+                                           "        child = next((c for f, c in node.children.items() if f == "
+                                           "tuple(token_ids[pos:pos + block_size])), None)\n",
+                                           "scanned a node's children"),
+    "popleft by next(iter(dict))": ("lru-block-budget", None, _DICT_QUEUE, "popleft slows down"),
+}
+
+
+@pytest.mark.parametrize("gamed", list(GAMED_DRILLS))
+def test_a_gamed_drill_answer_fails_with_the_reason(gamed, tmp_path):
+    name, old, new, reason = GAMED_DRILLS[gamed]
+    result = drills.run_check(drills.DRILLS[name], _drill_variant(tmp_path, name, old, new), seed=5, timed=False)
+    assert not result.passed, f"{gamed}: passes the {name} drill"
+    assert reason in result.diagnosis, f"{gamed}: the diagnosis does not say {reason!r}:\n{result.diagnosis}"
+
+
+def test_drill_start_again_keeps_the_clock_restart_resets_it_and_status_shows_it(tmp_path, monkeypatch, capsys):
+    from minikv.interview import clock
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path / "home"))
+    assert main(["drill", "status"]) == 0
+    assert "no drill started yet" in capsys.readouterr().out
+    assert main(["drill", "start", "copy-on-write"]) == 0
+    assert "the clock starts now" in capsys.readouterr().out
+    first = clock.get("copy-on-write")["started"]
+    clock.start("copy-on-write", now=first - 300)  # five minutes in
+    assert main(["drill", "start", "copy-on-write"]) == 0
+    assert "keeps running" in capsys.readouterr().out and clock.get("copy-on-write")["started"] == first - 300
+    assert main(["drill", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "copy-on-write" in out and "min left" in out
+    assert main(["drill", "start", "copy-on-write", "--restart"]) == 0
+    assert "the clock starts now" in capsys.readouterr().out
+    assert clock.get("copy-on-write")["started"] > first - 300
+
+
+def test_a_clock_file_of_start_times_only_still_reads(tmp_path, monkeypatch):
+    from minikv.interview import clock
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    clock.clock_file().write_text(json.dumps({"radix-tree": 1000.0}))
+    assert clock.get("radix-tree") == {"started": 1000.0, "attempts": 0, "passed_after": None}
+    assert clock.record("radix-tree", passed=True, now=1600.0)["passed_after"] == 600.0
+    assert "passed after 10.0 min and 1 check" in clock.describe(clock.get("radix-tree"), 45, "drill", "radix-tree")
+
+
 def test_drill_list_json_and_the_shipped_files(capsys):
     assert main(["drill", "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)

@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Callable
 
 from minikv.checks.report import CheckFailed
-from minikv.interview import clock, guard
+from minikv.interview import clock, drill_cases, guard
 from minikv.interview.clock import home  # noqa: F401  (quiz and mock import it from here)
 
 FILES = Path(__file__).resolve().parent / "drill_files"
@@ -81,12 +81,14 @@ def _gqa(m, seed):
     from minikv.checks.attention import check_causal_attention
 
     check_causal_attention(m.causal_attention, num_cases=25, seed=seed)
+    drill_cases.check_scaled_attention(m.causal_attention, seed)
 
 
 def _decode(m, seed):
     from minikv.checks.attention import check_decode_step
 
     check_decode_step(m.decode_step, num_cases=25, seed=seed)
+    drill_cases.check_scaled_decode(m.decode_step, seed)
 
 
 def _slots(m, seed):
@@ -113,6 +115,7 @@ def _lru(m, seed):
     from minikv.checks.lru import check_free_queue, check_release
 
     check_free_queue(m.FreeBlockQueue, num_random=300, seed=seed)
+    drill_cases.check_popleft_timing(m.FreeBlockQueue)
     check_release(m.release, m.FreeBlockQueue)
 
 
@@ -130,7 +133,10 @@ def _radix(m, seed):
     check_radix_match(m.match_prefix, num_random=200, seed=seed)
     check_split(m.split)
     check_evict_leaf(m.evict_leaf)
+    drill_cases.check_radix_evict_random(m.evict_leaf, seed)
+    drill_cases.check_radix_root(m.insert)
     check_radix_insert(m.insert, m.split, num_random=200, seed=seed)
+    drill_cases.check_radix_lookup(m.match_prefix, m.insert)
 
 
 def _softmax(m, seed):
