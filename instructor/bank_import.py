@@ -1,6 +1,8 @@
 """Copy the instructor key's questions and model answers into the interview question bank.
 
-    python instructor/bank_import.py          rewrites minikv/interview/data/course.json
+    python instructor/bank_import.py          rewrites minikv/interview/data/notebooks.json (the notebooks'
+                                              questions, shipped to students) and course.json (the
+                                              exercises' questions, held back from a student copy)
 
 The bank (minikv/interview/data/) ships with the package, so `minikv quiz` works without this
 folder. Every question the course asks and the key answers becomes one entry, with the notebook that
@@ -22,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BANK = ROOT / "minikv" / "interview" / "data" / "course.json"
+BANK = ROOT / "minikv" / "interview" / "data" / "course.json"  # exercises/: graded work, held back
+SHIPPED = ROOT / "minikv" / "interview" / "data" / "notebooks.json"  # notebooks/: in every copy
 
 _spec = importlib.util.spec_from_file_location("instructor_questions", ROOT / "instructor" / "questions.py")
 questions = importlib.util.module_from_spec(_spec)
@@ -117,10 +120,12 @@ def build(old: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def main() -> int:
-    old = json.loads(BANK.read_text()) if BANK.exists() else []
+    old = [e for path in (SHIPPED, BANK) if path.exists() for e in json.loads(path.read_text())]
     entries, new = build(old)
-    BANK.write_text(json.dumps(entries, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {len(entries)} questions to {BANK.relative_to(ROOT)}")
+    for path, part in ((SHIPPED, [e for e in entries if not e["notebook"].startswith("exercises/")]),
+                       (BANK, [e for e in entries if e["notebook"].startswith("exercises/")])):
+        path.write_text(json.dumps(part, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {len(part)} questions to {path.relative_to(ROOT)}")
     if new:
         print(f"{len(new)} new: give each a difficulty, a topic and follow-ups: {', '.join(new)}")
     return 0

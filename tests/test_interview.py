@@ -75,7 +75,7 @@ def test_bank_holds_the_instructor_keys_questions_and_answers_word_for_word():
     for q in QUESTIONS:
         if q.beyond_course or q.notebook not in by_source or not q.id.startswith(Path(q.notebook).stem + "-q"):
             continue
-        if by_source[q.notebook].get(key.normalise(q.question)) != q.answer:
+        if bank.unwrap(by_source[q.notebook].get(key.normalise(q.question)) or "") != q.answer:
             stale.append(q.id)
     bank_texts = {(q.notebook, key.normalise(q.question)) for q in QUESTIONS}
     for q in asked:
@@ -672,3 +672,180 @@ def test_every_notebook_that_points_to_its_quiz_names_itself():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for name in set(re.findall(r"minikv quiz --notebook ([A-Za-z0-9_]+)", path.read_text())):
             assert asked.resolve(name, ROOT) == path, f"{path.name} points to minikv quiz --notebook {name}"
+
+
+# ---- the bank an interviewer would recognise ---------------------------------------------------------
+
+def test_the_bank_covers_each_interview_area_with_at_least_15_questions():
+    from collections import Counter
+
+    counts = Counter(q.topic for q in QUESTIONS)
+    for topic in ("speculative-decoding", "parallelism", "quantization", "serving-metrics", "system-design"):
+        assert counts[topic] >= 15, f"{topic}: {counts[topic]} questions, the bank promises at least 15"
+    assert len(QUESTIONS) >= 275, f"the bank shrank to {len(QUESTIONS)} questions"
+    assert counts["moe"] >= 5 and counts["production"] >= 5
+
+
+def test_interview_questions_answer_every_follow_up_and_link_the_engines_they_describe():
+    import re
+
+    added = [q for q in QUESTIONS if q.id.startswith("iv-")]
+    assert len(added) >= 60
+    for q in added:
+        assert len(q.follow_up_answers) == len(q.follow_ups) >= 1, f"{q.id}: a follow-up without its answer"
+        for text in [q.answer, *q.follow_up_answers]:
+            if re.search(r"\bvLLM\b|\bSGLang\b", text):
+                assert "github.com/" in text, f"{q.id}: describes vLLM or SGLang without a link to the source"
+    for q in QUESTIONS:  # self-contained: no answer leans on a run the reader has not seen
+        assert not re.search(r"[Nn]otebook \d\d\w?'s run", q.answer), q.id
+
+
+def _figure(value: float, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def test_every_number_the_bank_takes_from_the_design_calculators_is_what_they_compute():
+    """Each figure below is quoted in an answer; recompute it with minikv.interview.design and find it there."""
+    from minikv.interview.design import GPUS, MODELS, Deployment, littles_law
+
+    by_id = {q.id: q.answer for q in QUESTIONS}
+    h100, h200, llama70 = GPUS["H100-SXM"], GPUS["H200"], MODELS["Llama-3-70B"]
+    tp8, tp4 = Deployment(llama70, h100, 8, 8), Deployment(llama70, h100, 8, 4)
+    fp8 = Deployment(llama70, h100, 8, 8, weight_bytes=1, kv_bytes=1)
+    on_h200 = Deployment(llama70, h200, 8, 8)
+    expected = {
+        "iv-tp-degree": [_figure(tp8.pool_tokens_per_replica), _figure(tp4.pool_tokens_per_replica),
+                         _figure(tp4.pool_tokens_per_replica * tp4.replicas), _figure(tp8.kv_bytes_per_token_per_gpu),
+                         _figure(tp4.kv_bytes_per_token_per_gpu), f"{tp8.weights_per_gpu / 1e9:.1f} GB",
+                         f"{tp8.pool_bytes_per_gpu / 2**30:.1f} GiB", f"{tp4.pool_bytes_per_gpu / 2**30:.1f} GiB"],
+        "iv-tp-replication": [_figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token),
+                              _figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token_per_gpu)],
+        "iv-design-fp8-node": [str(tp8.max_sequences(8192)), str(fp8.max_sequences(8192)),
+                               f"{fp8.pool_tokens_per_replica / 1e6:.2f}M"],
+        "iv-quant-memory": [str(tp8.max_sequences(8192)), str(fp8.max_sequences(8192))],
+        "iv-design-hardware": [f"{on_h200.pool_tokens_per_replica / 1e6:.2f}M", str(on_h200.max_sequences(8192)),
+                               f"{on_h200.decode_step_seconds(64, 8192) * 1e3:.1f} ms",
+                               f"{tp8.decode_step_seconds(64, 8192) * 1e3:.1f} ms"],
+        "iv-design-cost-per-token": [f"{tp8.decode_step_seconds(256, 2048) * 1e3:.1f} ms",
+                                     _figure(round(256 / tp8.decode_step_seconds(256, 2048), -2))],
+        "iv-design-pd-sizing": [f"{tp8.decode_step_seconds(200, 4500) * 1e3:.1f} ms",
+                                f"{tp8.decode_step_seconds(134, 4500) * 1e3:.1f} ms",
+                                f"about {round(tp8.prefill_seconds(4096) * 1e3, -1):.0f} ms",
+                                f"{tp8.prefill_flops(4096) / 1e15:.1f}e15", str(tp8.pool_tokens_per_replica // 4500),
+                                f"{tp8.kv_transfer_seconds(4000, 8 * 50e9) * 1e3:.0f} ms"],
+        "iv-mfu": [f"{tp8.prefill_flops(8192) / 1e15:.3f}e15",
+                   f"{tp8.prefill_flops(8192) / (8 * h100.bf16_flops) * 1e3:.0f} ms"],
+        "iv-mbu": [f"{tp8.weights_per_gpu / 1e9:.2f} GB"],
+        "iv-mla-kv": [_figure(Deployment(llama70, h100).kv_bytes_per_token)],
+        "beyond-kv-size-formula": [_figure(Deployment(llama70, h100).kv_bytes_per_token)],
+        "00_tour-q1": [_figure(Deployment(MODELS["Llama-2-7B"], h100).kv_bytes_per_token)],
+        "beyond-disaggregation": [f"about {tp8.kv_transfer_seconds(8192, 50e9) * 1e3:.0f} ms",
+                                  f"about {tp8.kv_transfer_seconds(8192, 8 * 50e9) * 1e3:.0f} ms"],
+        "12_design_worksheet-q5": [f"{round(littles_law(50, 0.5 + 299 * 0.030), -1):.0f}", "3,300"],
+    }
+    for qid, figures in expected.items():
+        for figure in figures:
+            assert figure in by_id[qid], f"{qid}: the calculators give {figure!r}, which the answer does not say"
+
+
+def test_the_bank_ships_whole_in_a_student_copy_but_the_exercise_answers():
+    from fnmatch import fnmatch
+
+    from minikv.classroom.release import HELD_BACK
+
+    shipped = [f"minikv/interview/data/{name}" for name in bank.FILES]
+    held = [f for f in shipped if any(fnmatch(f, pattern) for pattern in HELD_BACK)]
+    assert held == ["minikv/interview/data/course.json"], held
+    course = [q for q in QUESTIONS if q.notebook and q.notebook.startswith("exercises/")]
+    in_student_copy = bank.load()  # every file but course.json
+    assert len(in_student_copy) - len(course) >= 195
+    assert {q.topic for q in QUESTIONS if q.notebook is None or q.notebook.startswith("notebooks/")} >= {
+        "system-design", "quantization", "speculative-decoding"}
+
+
+def test_answers_are_stored_one_line_per_paragraph():
+    import re
+
+    wrapped = "first-\ncached blocks\nare reused\n\n- one\n- two"
+    assert bank.unwrap(wrapped) == "first-cached blocks are reused\n\n- one\n- two"
+    assert not [q.id for q in QUESTIONS if re.search(r"[a-z]- [a-z]", q.answer)], "a word cut at a line's end"
+
+
+# ---- the quiz -------------------------------------------------------------------------------------------
+
+def test_quiz_seed_reproduces_whatever_the_score_file_holds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["quiz", "--seed", "7", "-n", "3"]) == 0
+    first = capsys.readouterr().out
+    data = quiz.load_scores()
+    for q in QUESTIONS[:50]:
+        quiz.record(data, q.id, "n")
+    quiz.save_scores(data)
+    assert main(["quiz", "--seed", "7", "-n", "3"]) == 0
+    again = capsys.readouterr().out
+    assert first == again and "[1/3] " in first
+    shown = first.split("[1/3] ")[1].split(" · ")[0]
+    assert shown in {q.id for q in QUESTIONS}, "the question id is on screen"
+
+
+def test_quiz_filters_by_id_grep_missed_and_says_when_fewer_match(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["quiz", "--id", "iv-mbu", "--export", "json"]) == 0
+    assert [e["id"] for e in json.loads(capsys.readouterr().out)] == ["iv-mbu"]
+    assert main(["quiz", "--id", "iv-mbuu"]) == 2
+    assert "did you mean iv-mbu" in capsys.readouterr().err
+    assert main(["quiz", "--grep", "EAGLE", "--export", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found and all("eagle" in (e["question"] + e["answer"] + " ".join(e["follow_ups"])).lower() for e in found)
+    data = quiz.load_scores()
+    quiz.record(data, "iv-mbu", "n")
+    quiz.record(data, "iv-mfu", "y")
+    quiz.save_scores(data)
+    assert main(["quiz", "--missed", "--export", "json"]) == 0
+    assert [e["id"] for e in json.loads(capsys.readouterr().out)] == ["iv-mbu"]
+    assert main(["quiz", "--topic", "moe", "-n", "50"]) == 0
+    assert "only 5 questions match; asking all of them" in capsys.readouterr().out
+
+
+def test_quiz_topic_aliases_and_did_you_mean(capsys):
+    assert main(["quiz", "--topic", "tp", "--export", "json"]) == 0
+    assert {e["topic"] for e in json.loads(capsys.readouterr().out)} == {"parallelism"}
+    assert main(["quiz", "--topic", "speculativ"]) == 2
+    assert "did you mean 'speculative-decoding'" in capsys.readouterr().err
+
+
+def test_spaced_repetition_schedules_like_sm2_and_due_asks_what_is_due():
+    data = {"questions": {}, "sessions": []}
+    day = 20_000
+    quiz.record(data, "iv-mbu", "y", day)
+    assert data["questions"]["iv-mbu"]["due"] == day + 1
+    quiz.record(data, "iv-mbu", "y", day + 1)
+    assert data["questions"]["iv-mbu"]["due"] == day + 7  # the second interval is 6 days
+    quiz.record(data, "iv-mbu", "y", day + 7)
+    entry = data["questions"]["iv-mbu"]
+    assert entry["interval"] == round(6 * entry["ease"]) or entry["interval"] > 6
+    quiz.record(data, "iv-mfu", "n", day)
+    assert data["questions"]["iv-mfu"]["interval"] == 1 and data["questions"]["iv-mfu"]["ease"] < 2.5
+    due = quiz.due(QUESTIONS, data, day + 1)
+    assert [q.id for q in due] == ["iv-mfu"]
+    assert {q.id for q in quiz.due(QUESTIONS, data, day + 400)} == {"iv-mbu", "iv-mfu"}
+
+
+def test_quiz_exports_markdown_and_anki_cards(capsys):
+    assert main(["quiz", "--topic", "moe", "--export", "md"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("# minikv interview questions (5)") and "**Follow-up:**" in md and "`iv-mla-kv`" in md
+    assert main(["quiz", "--topic", "moe", "--export", "anki"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r and not r.startswith("#")]
+    assert len(rows) == 5 and all(len(r.split("\t")) == 3 for r in rows)
+
+
+def test_quiz_shows_a_follow_ups_answer_only_after_a_key_press(tmp_path):
+    q = next(q for q in QUESTIONS if q.id == "iv-mbu")
+    out = io.StringIO()
+    quiz.run([q], io.StringIO("\n\ny\n"), out, scores=tmp_path / "s.json")
+    text = out.getvalue()
+    assert text.index("(Enter: its answer)") < text.index(q.follow_up_answers[0].split()[0] + " " +
+                                                          q.follow_up_answers[0].split()[1])

@@ -33,16 +33,22 @@ scenario runs as on the engine's own code, 1 the bug shows."""
 
 def add_parsers(sub) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
-    from minikv.interview.bank import DIFFICULTIES, TOPICS
+    from minikv.interview.bank import DIFFICULTIES
 
     q = sub.add_parser("quiz", help="interview questions with model answers; a score kept locally",
                        description=QUIZ_HELP, formatter_class=fmt)
-    q.add_argument("--topic", choices=sorted(TOPICS), help="only this topic (--topics lists them)")
+    q.add_argument("--topic", help="only this topic (--topics lists them; aliases such as tp, spec, fp8 work)")
     q.add_argument("--difficulty", choices=DIFFICULTIES, help="only this difficulty")
     q.add_argument("--beyond", action="store_true", help="only questions beyond the course")
     q.add_argument("-n", "--num", type=int, default=10, help="how many questions (default 10)")
     q.add_argument("--seed", type=int, default=None, help="the same questions in the same order again")
-    q.add_argument("--export", choices=["json"], help="print the bank (after the filters) and exit")
+    q.add_argument("--export", choices=["json", "md", "anki"],
+                   help="print the questions (after the filters) as JSON, a Markdown study sheet or Anki cards "
+                        "(tab-separated: File > Import in Anki), and exit")
+    q.add_argument("--id", action="append", metavar="ID", help="this question (repeat for more)")
+    q.add_argument("--grep", metavar="TEXT", help="only questions whose question or answer contains TEXT")
+    q.add_argument("--missed", action="store_true", help="only questions graded partly or missed last time")
+    q.add_argument("--due", action="store_true", help="only questions spaced repetition says are due today")
     q.add_argument("--topics", action="store_true", help="list the topics with their number of questions")
     q.add_argument("--scores", action="store_true", help="print your scores per topic")
     q.add_argument("--notebook", metavar="ID", help="print the questions one notebook asks, with their model "
@@ -107,9 +113,32 @@ def _quiz(args) -> int:
     questions = bank.load()
     if args.notebook is not None:
         return _quiz_notebook(args.notebook, questions, as_json=args.export == "json")
-    chosen = bank.select(questions, args.topic, args.difficulty, True if args.beyond else None)
+    try:
+        chosen = bank.select(questions, args.topic, args.difficulty, True if args.beyond else None)
+    except ValueError as e:
+        return _err(str(e))
+    if args.id:
+        ids = {q.id: q for q in questions}
+        unknown = [i for i in args.id if i not in ids]
+        if unknown:
+            import difflib
+
+            near = [m for i in unknown for m in difflib.get_close_matches(i, list(ids), n=1)]
+            return _err(f"no question {', '.join(unknown)}" + (f"; did you mean {', '.join(near)}?" if near else ""))
+        chosen = [q for q in chosen if q.id in set(args.id)]
+    if args.grep:
+        needle = args.grep.lower()
+        chosen = [q for q in chosen if needle in (q.question + " " + q.answer + " " + " ".join(q.follow_ups)).lower()]
+    scores = quiz.load_scores()
+    if args.missed:
+        chosen = quiz.missed(chosen, scores)
+    if args.due:
+        chosen = quiz.due(chosen, scores)
+        if not chosen:
+            print("nothing is due today: come back tomorrow, or run `minikv quiz` for new questions")
+            return 0
     if args.export:
-        print(bank.export_json(chosen))
+        print({"json": bank.export_json, "md": bank.export_markdown, "anki": bank.export_anki}[args.export](chosen))
         return 0
     if args.topics:
         for topic, what in bank.TOPICS.items():
@@ -122,8 +151,10 @@ def _quiz(args) -> int:
         return _err("no question matches these filters")
     if args.num < 1:
         return _err(f"-n must be at least 1, got {args.num}")
-    picked = quiz.order(chosen, quiz.load_scores(), args.num, args.seed)
-    quiz.run(picked, sys.stdin, sys.stdout)
+    if args.num > len(chosen):
+        print(f"only {len(chosen)} question{'s' * (len(chosen) != 1)} match; asking all of them")
+    picked = chosen if args.due else quiz.order(chosen, scores, args.num, args.seed)
+    quiz.run(picked[:args.num], sys.stdin, sys.stdout)
     return 0
 
 
