@@ -849,3 +849,41 @@ def test_quiz_shows_a_follow_ups_answer_only_after_a_key_press(tmp_path):
     text = out.getvalue()
     assert text.index("(Enter: its answer)") < text.index(q.follow_up_answers[0].split()[0] + " " +
                                                           q.follow_up_answers[0].split()[1])
+
+
+# ---- mock interview, progress, design calculators on the command line ------------------------------------
+
+def test_a_scripted_mock_interview_writes_its_report_under_minikv_home(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    keys = "\ny\n" * 6 + "\n" + "\n" * 3 + "y\np\nn\ny\ny\n"  # 3 questions and their follow-ups, drill, design
+    monkeypatch.setattr(sys, "stdin", io.StringIO(keys))
+    assert main(["mock", "--minutes", "30", "--track", "ml-systems", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    reports = list((tmp_path / "mocks").glob("mock-*-ml-systems.md"))
+    assert len(reports) == 1 and str(reports[0]) in out
+    text = reports[0].read_text()
+    for part in ("## Rapid-fire", "## Drill", "## Design", "design rubric: 7 / 10"):
+        assert part in text, part
+    picked = [line.split("`")[1] for line in text.splitlines() if line.startswith("- `")]
+    assert len(picked) == 3 and set(picked) <= {q.id for q in QUESTIONS}
+    assert main(["progress"]) == 0
+    shown = capsys.readouterr().out
+    assert "mock interviews: 1" in shown and "drills" in shown and "bug labs" in shown
+    assert main(["mock", "--minutes", "5"]) == 2
+
+
+def test_a_mock_hides_each_follow_ups_answer_until_the_candidate_answers(tmp_path, monkeypatch):
+    from minikv.interview import mock
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    out = io.StringIO()
+    mock.run(30, "inference-engineer", io.StringIO("\ny\n" + "q\n"), out, seed=1)
+    text = out.getvalue()
+    assert text.count("A: ") == 1 and "Follow-up: " in text, "one answer revealed, the follow-up asked, not answered"
+
+
+def test_minikv_design_prints_the_calculators_for_each_tp_degree(capsys):
+    assert main(["design", "--tp", "8", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pool of all replicas: 1,351,670 tokens" in out and "pool of all replicas: 920,762 tokens" in out
+    assert main(["design", "--tp", "3"]) == 2 and "multiple of tp" in capsys.readouterr().err

@@ -98,8 +98,74 @@ def add_parsers(sub) -> None:
     bc.add_argument("--timeout", type=float, default=120.0, help="seconds before a check that has not returned fails")
 
 
+    m = sub.add_parser("mock", help="a mock interview: rapid-fire questions, a timed drill, a staged design prompt",
+                       description=MOCK_HELP, formatter_class=fmt)
+    m.add_argument("--minutes", type=int, default=45, help="length of the interview (default 45)")
+    m.add_argument("--track", default="inference-engineer", choices=["inference-engineer", "ml-systems"])
+    m.add_argument("--seed", type=int, default=None, help="the same questions, drill and design again")
+    sub.add_parser("progress", help="what you did: quiz by topic, drills and labs with their clocks, mock reports")
+    g = sub.add_parser("design", help="the system-design calculators: KV, pool, batch and step-time bounds",
+                       description=DESIGN_HELP, formatter_class=fmt)
+    g.add_argument("--model", default="Llama-3-70B", help="a model of minikv/model/shapes.py (default Llama-3-70B)")
+    g.add_argument("--gpu", default="H100-SXM", help="H100-SXM, H200 or A100-80GB")
+    g.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
+    g.add_argument("--tp", type=int, nargs="+", default=[8], help="tensor-parallel degree(s) to compare (default 8)")
+    g.add_argument("--weight-bytes", type=int, default=2, choices=[1, 2], help="2 bf16, 1 fp8")
+    g.add_argument("--kv-bytes", type=int, default=2, choices=[1, 2], help="2 bf16, 1 fp8 / int8")
+    g.add_argument("--context", type=int, default=8192, help="tokens per sequence (default 8192)")
+    g.add_argument("--batch", type=int, default=64, help="sequences per decode step (default 64)")
+
+
+MOCK_HELP = """A mock interview on the course's bank, drills and design prompts: rapid-fire questions with
+follow-up chains (each answer hidden until you answer, then you grade yourself y / p / n), one timed
+drill (run it in another terminal with `minikv drill start/check`), and one staged design question
+with a rubric to score yourself. Keys come from stdin, so it can be scripted. The report is written
+to $MINIKV_HOME/mocks/ (default ~/.minikv)."""
+
+DESIGN_HELP = """The back-of-the-envelope calculators of notebook 12 (minikv/interview/design.py): for each TP
+degree, the KV bytes per token per GPU (with replication past the KV heads), the weights and the KV
+pool per GPU, the tokens and sequences that fit, and the decode step's lower bound by bytes and by
+FLOPs. Example: minikv design --tp 8 4 (one replica at TP 8 against two at TP 4)."""
+
+
 def dispatch(args) -> int:
-    return {"quiz": _quiz, "drill": _drill, "bugs": _bugs}[args.cmd](args)
+    return {"quiz": _quiz, "drill": _drill, "bugs": _bugs, "mock": _mock, "progress": _progress,
+            "design": _design}[args.cmd](args)
+
+
+def _mock(args) -> int:
+    from minikv.interview import mock
+
+    try:
+        mock.run(args.minutes, args.track, sys.stdin, sys.stdout, seed=args.seed)
+    except ValueError as e:
+        return _err(str(e))
+    return 0
+
+
+def _progress(args) -> int:
+    from minikv.interview import mock
+
+    print(mock.progress())
+    return 0
+
+
+def _design(args) -> int:
+    from minikv.interview.design import GPUS, MODELS, Deployment, worksheet_lines
+
+    if args.model not in MODELS:
+        return _err(f"no model {args.model!r}; models: {', '.join(sorted(MODELS))}")
+    if args.gpu not in GPUS:
+        return _err(f"no GPU {args.gpu!r}; GPUs: {', '.join(GPUS)}")
+    for tp in args.tp:
+        try:
+            d = Deployment(MODELS[args.model], GPUS[args.gpu], num_gpus=args.gpus, tp=tp,
+                           weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes)
+        except ValueError as e:
+            return _err(str(e))
+        print("\n".join(worksheet_lines(d, args.context, args.batch)))
+        print(f"pool of all replicas: {d.pool_tokens_per_replica * d.replicas:,} tokens\n")
+    return 0
 
 
 def _err(msg: str) -> int:
