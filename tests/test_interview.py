@@ -471,6 +471,12 @@ def test_readme_describes_quiz_drill_and_bugs():
     for command in ("minikv quiz", "minikv drill start", "minikv drill check", "minikv bugs start",
                     "minikv bugs check", "12_design_worksheet.ipynb"):
         assert command in readme, f"README.md does not mention {command!r}"
+    for command in ("minikv mock", "minikv progress", "minikv design", "minikv bugs hint", "minikv drill status",
+                    "minikv quiz --due"):
+        assert command in readme, f"README.md does not mention {command!r}"
+    course = sum(q.notebook is not None and q.id.split("-q")[0] == Path(q.notebook).stem for q in QUESTIONS)
+    assert f"holds {len(QUESTIONS)} questions: the {course} the notebooks" in readme, "README.md's bank figures"
+    assert f"{len(drills.DRILLS)} timed drills" in readme and f"{len(bugs.LABS)} labs" in readme
 
 
 def test_design_calculators_match_the_formulas():
