@@ -843,10 +843,11 @@ def test_spaced_repetition_schedules_like_sm2_and_due_asks_what_is_due():
 def test_quiz_exports_markdown_and_anki_cards(capsys):
     assert main(["quiz", "--topic", "moe", "--export", "md"]) == 0
     md = capsys.readouterr().out
-    assert md.startswith(f"# minikv interview questions ({sum(q.topic == 'moe' for q in QUESTIONS)})") and "**Follow-up:**" in md and "`iv-mla-kv`" in md
+    moe = sum(q.topic == "moe" for q in QUESTIONS)
+    assert md.startswith(f"# minikv interview questions ({moe})") and "**Follow-up:**" in md and "`iv-mla-kv`" in md
     assert main(["quiz", "--topic", "moe", "--export", "anki"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r and not r.startswith("#")]
-    assert len(rows) == sum(q.topic == "moe" for q in QUESTIONS) and all(len(r.split("\t")) == 3 for r in rows)
+    assert len(rows) == moe and all(len(r.split("\t")) == 3 for r in rows)
 
 
 def test_quiz_shows_a_follow_ups_answer_only_after_a_key_press(tmp_path):
