@@ -713,21 +713,25 @@ def _figure(value: float, digits: int = 0) -> str:
 def test_every_number_the_bank_takes_from_the_design_calculators_is_what_they_compute():
     """Each figure below is quoted in an answer; recompute it with minikv.interview.design and find it there."""
     from minikv.interview.design import GPUS, MODELS, Deployment, littles_law
+    from minikv.model.shapes import ModelShape
 
-    by_id = {q.id: q.answer for q in QUESTIONS}
+    by_id = {q.id: " ".join([q.answer, *q.follow_up_answers]) for q in QUESTIONS}
     h100, h200, llama70 = GPUS["H100-SXM"], GPUS["H200"], MODELS["Llama-3-70B"]
     tp8, tp4 = Deployment(llama70, h100, 8, 8), Deployment(llama70, h100, 8, 4)
     fp8 = Deployment(llama70, h100, 8, 8, weight_bytes=1, kv_bytes=1)
     on_h200 = Deployment(llama70, h200, 8, 8)
+    llama8 = Deployment(ModelShape("Llama-3.1-8B", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                                   num_params=8.03e9, max_context=131072), h100)
     expected = {
         "iv-tp-degree": [_figure(tp8.pool_tokens_per_replica), _figure(tp4.pool_tokens_per_replica),
                          _figure(tp4.pool_tokens_per_replica * tp4.replicas), _figure(tp8.kv_bytes_per_token_per_gpu),
                          _figure(tp4.kv_bytes_per_token_per_gpu), f"{tp8.weights_per_gpu / 1e9:.1f} GB",
-                         f"{tp8.pool_bytes_per_gpu / 2**30:.1f} GiB", f"{tp4.pool_bytes_per_gpu / 2**30:.1f} GiB"],
-        "iv-tp-replication": [_figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token),
-                              _figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token_per_gpu)],
-        "iv-design-fp8-node": [str(tp8.max_sequences(8192)), str(fp8.max_sequences(8192)),
-                               f"{fp8.pool_tokens_per_replica / 1e6:.2f}M"],
+                         f"{tp8.pool_bytes_per_gpu / 2**30:.1f} GiB", f"{tp4.pool_bytes_per_gpu / 2**30:.1f} GiB",
+                         _figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token)],
+        "iv-design-offline-batch": [str(llama8.max_sequences(2200)),
+                                    f"{llama8.decode_step_seconds(196, 2100) * 1e3:.1f} ms",
+                                    f"{round(llama8.prefill_flops(2000) * 1e7 / (0.5 * h100.bf16_flops) / 3600)} "
+                                    "GPU-hours"],
         "iv-quant-memory": [str(tp8.max_sequences(8192)), str(fp8.max_sequences(8192))],
         "iv-design-hardware": [f"{on_h200.pool_tokens_per_replica / 1e6:.2f}M", str(on_h200.max_sequences(8192)),
                                f"{on_h200.decode_step_seconds(64, 8192) * 1e3:.1f} ms",
@@ -895,3 +899,13 @@ def test_minikv_design_prints_the_calculators_for_each_tp_degree(capsys):
     out = capsys.readouterr().out
     assert "pool of all replicas: 1,351,670 tokens" in out and "pool of all replicas: 920,762 tokens" in out
     assert main(["design", "--tp", "3"]) == 2 and "multiple of tp" in capsys.readouterr().err
+
+
+def test_a_quiz_asks_at_most_one_question_of_a_group_of_near_duplicates(tmp_path):
+    groups = bank.duplicate_groups()
+    ids = {q.id for q in QUESTIONS}
+    assert len(groups) >= 10 and all(len(g) >= 2 and set(g) <= ids for g in groups)
+    in_groups = [q for q in QUESTIONS if any(q.id in g for g in groups)]
+    for seed in range(5):
+        drawn = {q.id for q in quiz.order(in_groups, {"questions": {}, "sessions": []}, len(in_groups), seed)}
+        assert all(len(drawn & set(g)) == 1 for g in groups), seed

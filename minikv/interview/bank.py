@@ -7,6 +7,8 @@ questions interviews ask beyond the course.
     data/beyond.json     questions on what the course does not build (MLA, speculative decoding, ...)
     data/interview.json  what interviews for inference roles ask: speculative decoding, parallelism,
                          quantization, serving metrics, system design; each follow-up with its answer
+    data/duplicates.json groups of questions that ask the same thing (a notebook's question and its
+                         exercise's, say): a quiz or a mock asks at most one of each group
 
 Each entry:
 
@@ -142,6 +144,26 @@ def unwrap(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
+def duplicate_groups(data: Path = DATA) -> list[list[str]]:
+    path = data / "duplicates.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def one_per_group(questions: list[Question], groups: list[list[str]] | None = None) -> list[Question]:
+    """The questions in order, dropping any whose group already has a question earlier in the list."""
+    group_of = {qid: i for i, g in enumerate(duplicate_groups() if groups is None else groups) for qid in g}
+    seen: set[int] = set()
+    out = []
+    for q in questions:
+        g = group_of.get(q.id)
+        if g is not None:
+            if g in seen:
+                continue
+            seen.add(g)
+        out.append(q)
+    return out
+
+
 def select(questions: list[Question], topic: str | None = None, difficulty: str | None = None,
            beyond: bool | None = None) -> list[Question]:
     """The questions of one topic and/or difficulty; beyond=True only those beyond the course, False none."""
@@ -157,7 +179,7 @@ def select(questions: list[Question], topic: str | None = None, difficulty: str 
 def draw(questions: list[Question], n: int, seed: int | None = None) -> list[Question]:
     """n questions in random order (all of them if there are fewer)."""
     rng = random.Random(seed)
-    return rng.sample(questions, min(n, len(questions)))
+    return one_per_group(rng.sample(questions, len(questions)))[:n]
 
 
 def problems(questions: list[Question], root: Path | None = None) -> list[str]:

@@ -100,7 +100,7 @@ def run(minutes: int, track: str, stdin: TextIO, stdout: TextIO, seed: int | Non
     n_rapid = max(3, minutes // 8)
     answered = [q for q in questions if len(q.follow_up_answers) == len(q.follow_ups)]  # whole chains first
     questions = answered if len(answered) >= n_rapid else questions
-    picked = rng.sample(questions, min(n_rapid, len(questions)))
+    picked = bank.one_per_group(rng.sample(questions, len(questions)))[:n_rapid]
     drill_name = rng.choice(t["drills"])
     design = DESIGNS[rng.choice(t["designs"])]
     from minikv.interview.drills import DRILLS

@@ -118,7 +118,7 @@ def order(questions: list[bank.Question], data: dict, n: int, seed: int | None) 
             return 1
         return 0 if s["missed"] + s["partly"] > s["got"] else 2
 
-    return sorted(shuffled, key=rank)[:n]
+    return bank.one_per_group(sorted(shuffled, key=rank))[:n]
 
 
 def read_key(stream: TextIO) -> str:
