@@ -7,7 +7,7 @@
 The bank (minikv/interview/data/) ships with the package, so `minikv quiz` works without this
 folder. Every question the course asks and the key answers becomes one entry, with the notebook that
 asks it and the heading of the section that teaches it (the section whose words best match the
-question and its answer). What the key does not hold (difficulty, topic, follow-ups) is kept from
+question and its answer). What the key does not hold (difficulty, topic, follow-ups and their answers) is kept from
 the entry already in the bank for the same notebook and question text (or for the same text in
 another notebook: a question moved into an appendix keeps them); a question new to the bank
 gets the notebook's topic, "standard", and no follow-up yet: the script lists them, and
@@ -108,6 +108,7 @@ def build(old: list[dict]) -> tuple[list[dict], list[str]]:
             "question": text,
             "answer": answers[text],
             "follow_ups": prev.get("follow_ups", []),
+            **({"follow_up_answers": prev["follow_up_answers"]} if prev.get("follow_up_answers") else {}),
             "difficulty": prev.get("difficulty", "standard"),
             "topic": prev.get("topic", default_topic(q.source)),
             "notebook": q.source,
