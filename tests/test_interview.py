@@ -650,6 +650,11 @@ def test_quiz_notebook_in_a_student_copy_says_the_answers_are_held_back():
     text = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, beyond_only)
     assert "not part of a student copy" in text and "no model answer in the bank yet" not in text
     assert text.count("\nQ") >= len(asked.questions_in(ROOT / "notebooks" / "06_prefix_caching.ipynb"))
+    student = [q for q in QUESTIONS if not (q.notebook or "").startswith("exercises/")]  # what a copy ships
+    notebook = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, student)
+    exercise = asked.render(ROOT / "exercises" / "06a_block_hash_chain.ipynb", ROOT, student)
+    assert "not part of a student copy" not in notebook and "A:  " in notebook
+    assert "not part of a student copy" in exercise and "no model answer in the bank yet" not in exercise
 
 
 def test_glossary_names_only_notebooks_and_sections_that_exist():
