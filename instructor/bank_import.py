@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BANK = ROOT / "minikv" / "interview" / "data" / "course.json"  # exercises/: graded work, held back
 SHIPPED = ROOT / "minikv" / "interview" / "data" / "notebooks.json"  # notebooks/: in every copy
 
+sys.path.insert(0, str(ROOT))
+from minikv.interview.bank import unwrap  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("instructor_questions", ROOT / "instructor" / "questions.py")
 questions = importlib.util.module_from_spec(_spec)
 sys.modules["instructor_questions"] = questions
@@ -106,7 +109,7 @@ def build(old: list[dict]) -> tuple[list[dict], list[str]]:
         entry = {
             "id": f"{Path(q.source).stem}-q{q.number}",
             "question": text,
-            "answer": answers[text],
+            "answer": unwrap(answers[text]),  # one line per paragraph: the key wraps at its own width
             "follow_ups": prev.get("follow_ups", []),
             **({"follow_up_answers": prev["follow_up_answers"]} if prev.get("follow_up_answers") else {}),
             "difficulty": prev.get("difficulty", "standard"),
