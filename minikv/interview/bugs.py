@@ -292,8 +292,8 @@ def _rescale(m, rng):
     about 60 times larger than tiny-random's (a real model's), where exp overflows without a running max."""
     import torch
 
-    _contiguous([(3, 7), (37, 70)], 8, "prompts under one tile of 8 are right: what changes when a second tile "
-                "raises the max?")(m, rng)
+    _contiguous([(2, 3), (37, 70)], 6, "a short chat stays within one tile of 8 and is right: what changes when a "
+                "second tile raises the max?")(m, rng)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for _ in range(6):
         kv_heads, group, d = rng.choice([1, 2]), rng.choice([1, 2, 4]), 16
@@ -380,9 +380,11 @@ def _weight_update(m, rng):
 
 def _mask(m, rng):
     mine, ref = _engines(m, "naive")
-    prompts = [_toks(rng, 1), _toks(rng, rng.randrange(4, 10))]
-    what = f"greedy answers of 6 tokens to a 1-token and a {len(prompts[1])}-token prompt (naive engine, no cache)"
-    _compare(what, _run(what, mine, prompts, _sp(max_tokens=6)), ref.generate(prompts, _sp(max_tokens=6)),
+    one, longer = [_toks(rng, 1)], [_toks(rng, rng.randrange(4, 10))]
+    what = "the first token of a 1-token prompt (naive engine, no cache)"
+    _compare(what, _run(what, mine, one, _sp(max_tokens=1)), ref.generate(one, _sp(max_tokens=1)))
+    what = f"greedy answers of 6 tokens to a {len(longer[0])}-token prompt (naive engine, no cache)"
+    _compare(what, _run(what, mine, longer, _sp(max_tokens=6)), ref.generate(longer, _sp(max_tokens=6)),
              "a 1-token prompt has no future to see; a longer one does")
 
 

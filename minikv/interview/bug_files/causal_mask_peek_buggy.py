@@ -1,8 +1,9 @@
 """Bug lab: the naive engine disagrees with Hugging Face on every prompt longer than one token.
 
 Our causal attention (plugged in with LLM(..., kv_backend="naive", causal_attention=...)) is below.
-A one-token prompt gives the right answer; anything longer gives another one. Training-style loss on
-a sentence is suspiciously low.
+A one-token prompt gets the right first token; any longer prompt gets another one (and the naive
+engine, with no cache, runs every later token over a longer sequence, so those drift too).
+Training-style loss on a sentence is suspiciously low.
 
 Stuck? `minikv bugs hint causal-mask-peek` gives a first hint; `--level 2` a closer one.
 
