@@ -459,7 +459,8 @@ def test_bugs_start_hint_and_a_clock_that_stops_at_the_fix(tmp_path, monkeypatch
 
 # ---- commands and README ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [["quiz"], ["drill"], ["drill", "check"], ["bugs"], ["bugs", "check"]])
+@pytest.mark.parametrize("argv", [["quiz"], ["drill"], ["drill", "check"], ["drill", "status"], ["bugs"],
+                                  ["bugs", "check"], ["bugs", "hint"], ["mock"], ["progress"], ["design"]])
 def test_interview_verbs_have_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv + ["--help"])
