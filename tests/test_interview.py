@@ -921,3 +921,21 @@ def test_a_quiz_asks_at_most_one_question_of_a_group_of_near_duplicates(tmp_path
     for seed in range(5):
         drawn = {q.id for q in quiz.order(in_groups, {"questions": {}, "sessions": []}, len(in_groups), seed)}
         assert all(len(drawn & set(g)) == 1 for g in groups), seed
+
+
+def test_the_quiz_path_imports_no_torch():
+    """`minikv quiz` needs only the bank: its modules import no torch, so the quiz can start in well under a
+    second. (The package's own __init__ still imports torch to set Triton's interpreter switch; this test
+    loads the package without it, to pin what the quiz itself imports.)"""
+    import subprocess
+
+    code = ("import sys, types, io, contextlib\n"
+            f"m = types.ModuleType('minikv'); m.__path__ = [{str(ROOT / 'minikv')!r}]; sys.modules['minikv'] = m\n"
+            "from minikv.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['quiz', '--export', 'json', '--topic', 'moe']) == 0\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('minikv.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.strip()
+    assert "'torch'" not in loaded and "minikv.checks" not in loaded, loaded
