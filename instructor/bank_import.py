@@ -1,11 +1,13 @@
 """Copy the instructor key's questions and model answers into the interview question bank.
 
-    python instructor/bank_import.py          rewrites minikv/interview/data/course.json
+    python instructor/bank_import.py          rewrites minikv/interview/data/notebooks.json (the notebooks'
+                                              questions, shipped to students) and course.json (the
+                                              exercises' questions, held back from a student copy)
 
 The bank (minikv/interview/data/) ships with the package, so `minikv quiz` works without this
 folder. Every question the course asks and the key answers becomes one entry, with the notebook that
 asks it and the heading of the section that teaches it (the section whose words best match the
-question and its answer). What the key does not hold (difficulty, topic, follow-ups) is kept from
+question and its answer). What the key does not hold (difficulty, topic, follow-ups and their answers) is kept from
 the entry already in the bank for the same notebook and question text (or for the same text in
 another notebook: a question moved into an appendix keeps them); a question new to the bank
 gets the notebook's topic, "standard", and no follow-up yet: the script lists them, and
@@ -22,7 +24,11 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BANK = ROOT / "minikv" / "interview" / "data" / "course.json"
+BANK = ROOT / "minikv" / "interview" / "data" / "course.json"  # exercises/: graded work, held back
+SHIPPED = ROOT / "minikv" / "interview" / "data" / "notebooks.json"  # notebooks/: in every copy
+
+sys.path.insert(0, str(ROOT))
+from minikv.interview.bank import unwrap  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("instructor_questions", ROOT / "instructor" / "questions.py")
 questions = importlib.util.module_from_spec(_spec)
@@ -103,8 +109,9 @@ def build(old: list[dict]) -> tuple[list[dict], list[str]]:
         entry = {
             "id": f"{Path(q.source).stem}-q{q.number}",
             "question": text,
-            "answer": answers[text],
+            "answer": unwrap(answers[text]),  # one line per paragraph: the key wraps at its own width
             "follow_ups": prev.get("follow_ups", []),
+            **({"follow_up_answers": prev["follow_up_answers"]} if prev.get("follow_up_answers") else {}),
             "difficulty": prev.get("difficulty", "standard"),
             "topic": prev.get("topic", default_topic(q.source)),
             "notebook": q.source,
@@ -117,10 +124,12 @@ def build(old: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def main() -> int:
-    old = json.loads(BANK.read_text()) if BANK.exists() else []
+    old = [e for path in (SHIPPED, BANK) if path.exists() for e in json.loads(path.read_text())]
     entries, new = build(old)
-    BANK.write_text(json.dumps(entries, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {len(entries)} questions to {BANK.relative_to(ROOT)}")
+    for path, part in ((SHIPPED, [e for e in entries if not e["notebook"].startswith("exercises/")]),
+                       (BANK, [e for e in entries if e["notebook"].startswith("exercises/")])):
+        path.write_text(json.dumps(part, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {len(part)} questions to {path.relative_to(ROOT)}")
     if new:
         print(f"{len(new)} new: give each a difficulty, a topic and follow-ups: {', '.join(new)}")
     return 0

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd in ("check", "grade", "release"):
         return {"check": _check, "grade": _grade, "release": _release}[args.cmd](args)
-    if args.cmd in ("quiz", "drill", "bugs"):
+    if args.cmd in ("quiz", "drill", "bugs", "mock", "progress", "design"):
         return _interview(args)
 
     if args.cmd == "bench":

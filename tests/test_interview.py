@@ -75,7 +75,7 @@ def test_bank_holds_the_instructor_keys_questions_and_answers_word_for_word():
     for q in QUESTIONS:
         if q.beyond_course or q.notebook not in by_source or not q.id.startswith(Path(q.notebook).stem + "-q"):
             continue
-        if by_source[q.notebook].get(key.normalise(q.question)) != q.answer:
+        if bank.unwrap(by_source[q.notebook].get(key.normalise(q.question)) or "") != q.answer:
             stale.append(q.id)
     bank_texts = {(q.notebook, key.normalise(q.question)) for q in QUESTIONS}
     for q in asked:
@@ -101,7 +101,8 @@ def test_quiz_reveals_on_a_key_press_keeps_the_score_and_asks_missed_questions_f
     scores = tmp_path / "scores.json"
     picked = bank.select(QUESTIONS, topic="kv-size")[:3]
     out = io.StringIO()
-    tally = quiz.run(picked, io.StringIO("\ny\n\nn\n\nq\n"), out, scores=scores)
+    keys = "".join("\n" + "\n" * len(q.follow_up_answers) + grade + "\n" for q, grade in zip(picked, "yn")) + "\nq\n"
+    tally = quiz.run(picked, io.StringIO(keys), out, scores=scores)
     assert tally == {"asked": 2, "got": 1, "partly": 0, "missed": 1}
     assert picked[0].answer.split()[0] in out.getvalue() and "Follow-ups:" in out.getvalue()
     data = json.loads(scores.read_text())
@@ -167,6 +168,124 @@ def test_a_drill_check_that_never_returns_fails_with_a_time_limit_instead_of_han
     assert time.perf_counter() - t0 < 30
 
 
+def _drill_variant(tmp_path, name: str, old: str | None, new: str) -> Path:
+    """A candidate's drill file: the reference with one edit (or with code appended)."""
+    text = drills.DRILLS[name].reference.read_text()
+    if old is None:
+        text += new
+    else:
+        assert old in text, f"the fixture no longer matches the {name} reference: {old!r}"
+        text = text.replace(old, new)
+    path = tmp_path / drills.DRILLS[name].filename
+    path.write_text(text)
+    return path
+
+
+_DICT_QUEUE = '''
+
+class FreeBlockQueue:  # O(1) remove, but popleft walks over every slot deleted before the front
+    def __init__(self):
+        self.d = {}
+
+    def append(self, b):
+        self.d[b] = None
+
+    def remove(self, b):
+        del self.d[b]
+
+    def popleft(self):
+        if not self.d:
+            raise IndexError("empty")
+        b = next(iter(self.d))
+        del self.d[b]
+        return b
+
+    def __len__(self):
+        return len(self.d)
+
+    def __contains__(self, b):
+        return b in self.d
+
+    def __iter__(self):
+        return iter(list(self.d))
+'''
+
+# Each way to game a drill, as a fixture: (drill, old text of the reference, new text, what the diagnosis says).
+GAMED_DRILLS = {
+    "attention that ignores its scale": ("gqa-attention", None,
+                                         "\n\n_inner = causal_attention\n\n\ndef causal_attention(q, k, v, scale):\n"
+                                         "    return _inner(q, k, v, q.shape[-1] ** -0.5)\n", "use the `scale`"),
+    "a decode step that ignores its scale": ("kv-decode-step", None,
+                                             "\n\n_inner = decode_step\n\n\ndef decode_step(q, kn, vn, kc, vc, pos, "
+                                             "scale):\n"
+                                             "    return _inner(q, kn, vn, kc, vc, pos, q.shape[-1] ** -0.5)\n",
+                                             "use the `scale`"),
+    "the engine's match_prefix imported": ("radix-tree", None,
+                                           "\n\nfrom minikv.cache.prefix.radix import match_prefix  # noqa\n",
+                                           "imports minikv.cache.prefix.radix:match_prefix"),
+    "the engine reached through sys.modules": ("radix-tree", None,
+                                               "\n\nimport sys  # noqa\nmatch_prefix = sys.modules["
+                                               "'minikv.cache.prefix.radix'].match_prefix\n", "sys.modules"),
+    "evict_leaf skipping a used block": ("radix-tree",
+                                         "    while leaf.blocks and len(taken) < num_blocks and "
+                                         "is_unused(leaf.blocks[-1]):\n        taken.append(leaf.blocks.pop())\n"
+                                         "        leaf.key = tuple(leaf.key[:-block_size])\n",
+                                         "    for b in reversed(list(leaf.blocks)):\n"
+                                         "        if len(taken) < num_blocks and is_unused(b):\n"
+                                         "            taken.append(b)\n            leaf.blocks.remove(b)\n"
+                                         "            leaf.key = tuple(leaf.key[:-block_size])\n",
+                                         "would cut the edge in the middle"),
+    "insert extending the root": ("radix-tree", "if node is not root and not node.children:",
+                                  "if not node.children:", "the root is never extended"),
+    "match_prefix scanning the children": ("radix-tree",
+                                           "        child = node.children.get("
+                                           "tuple(token_ids[pos:pos + block_size]))\n",
+                                           "        child = next((c for f, c in node.children.items() if f == "
+                                           "tuple(token_ids[pos:pos + block_size])), None)\n",
+                                           "scanned a node's children"),
+    "popleft by next(iter(dict))": ("lru-block-budget", None, _DICT_QUEUE, "popleft slows down"),
+}
+
+
+@pytest.mark.parametrize("gamed", list(GAMED_DRILLS))
+def test_a_gamed_drill_answer_fails_with_the_reason(gamed, tmp_path):
+    name, old, new, reason = GAMED_DRILLS[gamed]
+    result = drills.run_check(drills.DRILLS[name], _drill_variant(tmp_path, name, old, new), seed=5, timed=False)
+    assert not result.passed, f"{gamed}: passes the {name} drill"
+    assert reason in result.diagnosis, f"{gamed}: the diagnosis does not say {reason!r}:\n{result.diagnosis}"
+
+
+def test_drill_start_again_keeps_the_clock_restart_resets_it_and_status_shows_it(tmp_path, monkeypatch, capsys):
+    from minikv.interview import clock
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path / "home"))
+    assert main(["drill", "status"]) == 0
+    assert "no drill started yet" in capsys.readouterr().out
+    assert main(["drill", "start", "copy-on-write"]) == 0
+    assert "the clock starts now" in capsys.readouterr().out
+    first = clock.get("copy-on-write")["started"]
+    clock.start("copy-on-write", now=first - 300)  # five minutes in
+    assert main(["drill", "start", "copy-on-write"]) == 0
+    assert "keeps running" in capsys.readouterr().out and clock.get("copy-on-write")["started"] == first - 300
+    assert main(["drill", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "copy-on-write" in out and "min left" in out
+    assert main(["drill", "start", "copy-on-write", "--restart"]) == 0
+    assert "the clock starts now" in capsys.readouterr().out
+    assert clock.get("copy-on-write")["started"] > first - 300
+
+
+def test_a_clock_file_of_start_times_only_still_reads(tmp_path, monkeypatch):
+    from minikv.interview import clock
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    clock.clock_file().write_text(json.dumps({"radix-tree": 1000.0}))
+    assert clock.get("radix-tree") == {"started": 1000.0, "attempts": 0, "passed_after": None}
+    assert clock.record("radix-tree", passed=True, now=1600.0)["passed_after"] == 600.0
+    assert "passed after 10.0 min and 1 check" in clock.describe(clock.get("radix-tree"), 45, "drill", "radix-tree")
+
+
 def test_drill_list_json_and_the_shipped_files(capsys):
     assert main(["drill", "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
@@ -204,21 +323,144 @@ def test_a_lab_fix_that_unplugs_the_seam_does_not_count(tmp_path):
     assert not result.passed and "'copy_on_write' seam" in result.diagnosis
 
 
-def test_bugs_start_writes_the_lab_and_check_runs_it(tmp_path, monkeypatch, capsys):
+def _variant(tmp_path, lab: str, source: str, old: str | None = None, new: str = "") -> Path:
+    """A learner's 'fix': the shipped file (buggy or fixed) with one edit, or with code appended."""
+    text = getattr(bugs.LABS[lab], source).read_text()
+    if old is not None:
+        assert old in text, f"the fixture no longer matches {lab}'s {source} file: {old!r}"
+        text = text.replace(old, new)
+    else:
+        text += new
+    path = tmp_path / bugs.LABS[lab].filename
+    path.write_text(text)
+    return path
+
+
+_OFF = ("\n\nclass _Off(TeamHashCache):\n    def match(self, token_ids, salt=None, max_tokens=None):\n"
+        "        return type(super().match(token_ids[:0]))([], 0)\n\n\n"
+        "def engine_options():\n    return {'prefix_caching': _Off(block_size=4)}\n")
+
+# Each wrong fix a candidate might try, as a fixture: (lab, file it edits, old text, new text, what the
+# diagnosis must say). None as old text appends the new text (a later engine_options() wins).
+WRONG_FIXES = {
+    "prefix caching off": ("stale-prefix-entry", "buggy", None,
+                           "\n\ndef engine_options():\n    return {'prefix_caching': None}\n", "engine's own design"),
+    "the engine's own cache": ("stale-prefix-entry", "buggy", None,
+                               "\n\ndef engine_options():\n"
+                               "    return {'prefix_caching': HashChainCache(block_size=4)}\n",
+                               "not defined in"),
+    "the built-in design by name": ("stale-prefix-entry", "buggy", None,
+                                    "\n\ndef engine_options():\n    return {'prefix_caching': 'hash'}\n",
+                                    "engine's own design"),
+    "the override deleted": ("stale-prefix-entry", "fixed", "    def evict(self", "    def _old_evict(self",
+                             "TeamHashCache.evict must stay defined"),
+    "a cache that never hits": ("stale-prefix-entry", "fixed", None, _OFF, "where the engine's own cache"),
+    "a bigger tile": ("missing-rescale", "buggy", "TILE = 8", "TILE = 32", "keep TILE = 8"),
+    "one tile for the whole row": ("missing-rescale", "buggy", "TILE = 8", "TILE = 10**9", "keep TILE = 8"),
+    "no running max": ("missing-rescale", "fixed", "m_new = torch.maximum(m, s.max(dim=1).values)",
+                       "m_new = torch.zeros_like(m)", "inf or NaN"),
+    "an import of the engine's code": ("missing-rescale", "fixed", None,
+                                       "\n\nfrom minikv.cache.prefix.radix import match_prefix as _m  # noqa\n",
+                                       "from minikv"),
+    "copy-on-write off": ("cow-decrement-first", "buggy", None,
+                          "\n\ndef engine_options():\n    return {'copy_on_write': None}\n", "engine's own design"),
+    "copy every block, shared or not": ("cow-decrement-first", "fixed", "if ref_count[src] > 1:",
+                                        "if ref_count[src] > 0:", "invariant check failed"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_FIXES))
+def test_a_wrong_fix_is_rejected_with_the_reason(wrong, tmp_path):
+    lab, source, old, new, reason = WRONG_FIXES[wrong]
+    result = bugs.run_check(bugs.LABS[lab], _variant(tmp_path, lab, source, old, new), seed=7)
+    assert not result.passed, f"{wrong}: accepted as a fix of {lab}:\n{result.report()}"
+    assert reason in result.diagnosis, f"{wrong}: the diagnosis does not say {reason!r}:\n{result.diagnosis}"
+
+
+def test_a_bigger_tile_still_fails_the_scenario_on_contexts_longer_than_the_tile(tmp_path):
+    """Past the TILE rule: the scenario's contexts run longer than a 32-token tile."""
+    import random
+
+    from minikv.checks.report import CheckFailed
+
+    module = drills.load_module(_variant(tmp_path, "missing-rescale", "buggy", "TILE = 8", "TILE = 32"), "bug_lab")
+    with pytest.raises(CheckFailed, match="differs"):
+        bugs.LABS["missing-rescale"].scenario(module, random.Random(11))
+
+
+def test_the_stale_entry_lab_shows_the_wrong_answer_its_statement_reports():
+    """The symptom as stated: a returning user's tokens differ (not an invariant or a crash first)."""
+    lab = bugs.LABS["stale-prefix-entry"]
+    for seed in (1, 2, 3):
+        result = bugs.run_check(lab, lab.buggy, seed=seed)
+        assert not result.passed and "at A a third time" in result.diagnosis, result.diagnosis
+        assert "differs from the engine's own code" in result.diagnosis, result.diagnosis
+    assert "block N is free; cannot share it" in lab.statement
+
+
+def test_the_fixed_cache_never_crashes_on_a_returning_or_extended_prompt():
+    """The crash a stale entry can cause ("block N is free") is the block manager refusing the lab's bad
+    hit; with the fixed cache, returning and extended prompts never reach it."""
+    import random
+
+    lab = bugs.LABS["stale-prefix-entry"]
+    honest = drills.load_module(lab.fixed, "bug_lab")
+    for seed in range(4):
+        lab.scenario(honest, random.Random(seed))
+
+
+def test_a_lab_check_prints_its_seed_and_the_seed_replays_the_prompts():
+    lab = bugs.LABS["slot-offset"]
+    a, b = bugs.run_check(lab, lab.buggy, seed=42), bugs.run_check(lab, lab.buggy, seed=42)
+    assert a.diagnosis == b.diagnosis and "--seed 42" in a.report()
+    assert bugs.run_check(lab, lab.buggy).seed != bugs.run_check(lab, lab.buggy).seed
+
+
+def test_fixed_prints_the_root_cause_the_regression_test_and_an_upstream_link():
+    for name, lab in bugs.LABS.items():
+        notes = lab.notes
+        assert len(notes.hints) >= 2 and notes.cause and notes.regression and notes.field, name
+        assert notes.links and all(u.startswith("https://") for u in notes.links), name
+        assert "Localize it" not in lab.statement and f"minikv bugs hint {name}" in lab.statement, name
+    lab = bugs.LABS["cow-decrement-first"]
+    text = bugs.run_check(lab, lab.fixed, seed=1).report()
+    for part in ("FIXED", "root cause:", "the regression test to add:", "seen in real engines:",
+                 "https://github.com/vllm-project/vllm/pull/3347"):
+        assert part in text, part
+
+
+def test_bugs_start_hint_and_a_clock_that_stops_at_the_fix(tmp_path, monkeypatch, capsys):
+    from minikv.interview import clock
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path / "home"))
     assert main(["bugs", "start", "slot-offset"]) == 0
-    assert "Localize it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Stuck?" in out and "the clock starts now" in out
+    assert main(["bugs", "hint", "slot-offset"]) == 0
+    assert "hint 1 of 2" in capsys.readouterr().out
+    assert main(["bugs", "hint", "slot-offset", "--level", "2"]) == 0
+    assert "9 // 4" in capsys.readouterr().out
     assert main(["bugs", "check", "slot-offset"]) == 1
+    assert "1 check so far" in capsys.readouterr().out
     (tmp_path / "bug_slot_offset.py").write_text(bugs.LABS["slot-offset"].fixed.read_text())
     assert main(["bugs", "check", "slot-offset"]) == 0
-    capsys.readouterr()
+    assert "passed after" in capsys.readouterr().out
+    entry = clock.get("bugs:slot-offset")
+    assert entry["attempts"] == 2 and entry["passed_attempts"] == 2 and entry["passed_after"] is not None
+    assert main(["bugs", "start", "slot-offset"]) == 0
+    assert "keeps running" in capsys.readouterr().out
+    assert clock.get("bugs:slot-offset")["started"] == entry["started"]
+    assert main(["bugs", "status"]) == 0
+    assert "slot-offset" in capsys.readouterr().out
     assert main(["bugs", "list", "--json"]) == 0
     assert {e["name"] for e in json.loads(capsys.readouterr().out)} == set(bugs.LABS)
 
 
 # ---- commands and README ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [["quiz"], ["drill"], ["drill", "check"], ["bugs"], ["bugs", "check"]])
+@pytest.mark.parametrize("argv", [["quiz"], ["drill"], ["drill", "check"], ["drill", "status"], ["bugs"],
+                                  ["bugs", "check"], ["bugs", "hint"], ["mock"], ["progress"], ["design"]])
 def test_interview_verbs_have_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv + ["--help"])
@@ -231,6 +473,12 @@ def test_readme_describes_quiz_drill_and_bugs():
     for command in ("minikv quiz", "minikv drill start", "minikv drill check", "minikv bugs start",
                     "minikv bugs check", "12_design_worksheet.ipynb"):
         assert command in readme, f"README.md does not mention {command!r}"
+    for command in ("minikv mock", "minikv progress", "minikv design", "minikv bugs hint", "minikv drill status",
+                    "minikv quiz --due"):
+        assert command in readme, f"README.md does not mention {command!r}"
+    course = sum(q.notebook is not None and q.id.split("-q")[0] == Path(q.notebook).stem for q in QUESTIONS)
+    assert f"holds {len(QUESTIONS)} questions: the {course} the notebooks" in readme, "README.md's bank figures"
+    assert f"{len(drills.DRILLS)} timed drills" in readme and f"{len(bugs.LABS)} labs" in readme
 
 
 def test_design_calculators_match_the_formulas():
@@ -403,6 +651,11 @@ def test_quiz_notebook_in_a_student_copy_says_the_answers_are_held_back():
     text = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, beyond_only)
     assert "not part of a student copy" in text and "no model answer in the bank yet" not in text
     assert text.count("\nQ") >= len(asked.questions_in(ROOT / "notebooks" / "06_prefix_caching.ipynb"))
+    student = [q for q in QUESTIONS if not (q.notebook or "").startswith("exercises/")]  # what a copy ships
+    notebook = asked.render(ROOT / "notebooks" / "06_prefix_caching.ipynb", ROOT, student)
+    exercise = asked.render(ROOT / "exercises" / "06a_block_hash_chain.ipynb", ROOT, student)
+    assert "not part of a student copy" not in notebook and "A:  " in notebook
+    assert "not part of a student copy" in exercise and "no model answer in the bank yet" not in exercise
 
 
 def test_glossary_names_only_notebooks_and_sections_that_exist():
@@ -432,3 +685,257 @@ def test_every_notebook_that_points_to_its_quiz_names_itself():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for name in set(re.findall(r"minikv quiz --notebook ([A-Za-z0-9_]+)", path.read_text())):
             assert asked.resolve(name, ROOT) == path, f"{path.name} points to minikv quiz --notebook {name}"
+
+
+# ---- the bank an interviewer would recognise ---------------------------------------------------------
+
+def test_the_bank_covers_each_interview_area_with_at_least_15_questions():
+    from collections import Counter
+
+    counts = Counter(q.topic for q in QUESTIONS)
+    for topic in ("speculative-decoding", "parallelism", "quantization", "serving-metrics", "system-design"):
+        assert counts[topic] >= 15, f"{topic}: {counts[topic]} questions, the bank promises at least 15"
+    assert len(QUESTIONS) >= 300, f"the bank holds {len(QUESTIONS)} questions; it promises at least 300"
+    assert counts["moe"] >= 5 and counts["production"] >= 5
+
+
+def test_interview_questions_answer_every_follow_up_and_link_the_engines_they_describe():
+    import re
+
+    added = [q for q in QUESTIONS if q.id.startswith("iv-")]
+    assert len(added) >= 85
+    answered = [q for q in QUESTIONS if q.follow_ups]  # every question of the bank, the exercises' included
+    for q in answered:
+        assert len(q.follow_up_answers) == len(q.follow_ups) >= 1, f"{q.id}: a follow-up without its answer"
+        for text in [q.answer, *q.follow_up_answers]:
+            if re.search(r"\bvLLM\b|\bSGLang\b", text):
+                assert "github.com/" in text, f"{q.id}: describes vLLM or SGLang without a link to the source"
+    for q in QUESTIONS:  # self-contained: no answer leans on a run the reader has not seen
+        assert not re.search(r"[Nn]otebook \d\d\w?'s run", q.answer), q.id
+
+
+def _figure(value: float, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def test_every_number_the_bank_takes_from_the_design_calculators_is_what_they_compute():
+    """Each figure below is quoted in an answer; recompute it with minikv.interview.design and find it there."""
+    from minikv.interview.design import GPUS, MODELS, Deployment, littles_law
+    from minikv.model.shapes import ModelShape
+
+    by_id = {q.id: " ".join([q.answer, *q.follow_up_answers]) for q in QUESTIONS}
+    h100, h200, llama70 = GPUS["H100-SXM"], GPUS["H200"], MODELS["Llama-3-70B"]
+    tp8, tp4 = Deployment(llama70, h100, 8, 8), Deployment(llama70, h100, 8, 4)
+    fp8 = Deployment(llama70, h100, 8, 8, weight_bytes=1, kv_bytes=1)
+    on_h200 = Deployment(llama70, h200, 8, 8)
+    llama8 = Deployment(ModelShape("Llama-3.1-8B", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                                   num_params=8.03e9, max_context=131072), h100)
+    expected = {
+        "iv-tp-degree": [_figure(tp8.pool_tokens_per_replica), _figure(tp4.pool_tokens_per_replica),
+                         _figure(tp4.pool_tokens_per_replica * tp4.replicas), _figure(tp8.kv_bytes_per_token_per_gpu),
+                         _figure(tp4.kv_bytes_per_token_per_gpu), f"{tp8.weights_per_gpu / 1e9:.1f} GB",
+                         f"{tp8.pool_bytes_per_gpu / 2**30:.1f} GiB", f"{tp4.pool_bytes_per_gpu / 2**30:.1f} GiB",
+                         _figure(Deployment(llama70, h100, 16, 16).kv_bytes_per_token)],
+        "iv-design-offline-batch": [str(llama8.max_sequences(2200)),
+                                    f"{llama8.decode_step_seconds(196, 2100) * 1e3:.1f} ms",
+                                    f"{round(llama8.prefill_flops(2000) * 1e7 / (0.5 * h100.bf16_flops) / 3600)} "
+                                    "GPU-hours"],
+        "iv-quant-memory": [str(tp8.max_sequences(8192)), str(fp8.max_sequences(8192))],
+        "iv-design-hardware": [f"{on_h200.pool_tokens_per_replica / 1e6:.2f}M", str(on_h200.max_sequences(8192)),
+                               f"{on_h200.decode_step_seconds(64, 8192) * 1e3:.1f} ms",
+                               f"{tp8.decode_step_seconds(64, 8192) * 1e3:.1f} ms"],
+        "iv-design-cost-per-token": [f"{tp8.decode_step_seconds(256, 2048) * 1e3:.1f} ms",
+                                     _figure(round(256 / tp8.decode_step_seconds(256, 2048), -2))],
+        "iv-design-pd-sizing": [f"{tp8.decode_step_seconds(200, 4500) * 1e3:.1f} ms",
+                                f"{tp8.decode_step_seconds(134, 4500) * 1e3:.1f} ms",
+                                f"about {round(tp8.prefill_seconds(4096) * 1e3, -1):.0f} ms",
+                                f"{tp8.prefill_flops(4096) / 1e15:.1f}e15", str(tp8.pool_tokens_per_replica // 4500),
+                                f"{tp8.kv_transfer_seconds(4000, 8 * 50e9) * 1e3:.0f} ms"],
+        "iv-mfu": [f"{tp8.prefill_flops(8192) / 1e15:.3f}e15",
+                   f"{tp8.prefill_flops(8192) / (8 * h100.bf16_flops) * 1e3:.0f} ms"],
+        "iv-mbu": [f"{tp8.weights_per_gpu / 1e9:.2f} GB"],
+        "iv-mla-kv": [_figure(Deployment(llama70, h100).kv_bytes_per_token)],
+        "beyond-kv-size-formula": [_figure(Deployment(llama70, h100).kv_bytes_per_token)],
+        "00_tour-q1": [_figure(Deployment(MODELS["Llama-2-7B"], h100).kv_bytes_per_token)],
+        "beyond-disaggregation": [f"about {tp8.kv_transfer_seconds(8192, 50e9) * 1e3:.0f} ms",
+                                  f"about {tp8.kv_transfer_seconds(8192, 8 * 50e9) * 1e3:.0f} ms"],
+        "12_design_worksheet-q5": [f"{round(littles_law(50, 0.5 + 299 * 0.030), -1):.0f}", "3,300"],
+    }
+    for qid, figures in expected.items():
+        for figure in figures:
+            assert figure in by_id[qid], f"{qid}: the calculators give {figure!r}, which the answer does not say"
+
+
+def test_the_bank_ships_whole_in_a_student_copy_but_the_exercise_answers():
+    from fnmatch import fnmatch
+
+    from minikv.classroom.release import HELD_BACK
+
+    shipped = [f"minikv/interview/data/{name}" for name in bank.FILES]
+    held = [f for f in shipped if any(fnmatch(f, pattern) for pattern in HELD_BACK)]
+    assert held == ["minikv/interview/data/course.json"], held
+    course = [q for q in QUESTIONS if q.notebook and q.notebook.startswith("exercises/")]
+    in_student_copy = bank.load()  # every file but course.json
+    assert len(in_student_copy) - len(course) >= 195
+    assert {q.topic for q in QUESTIONS if q.notebook is None or q.notebook.startswith("notebooks/")} >= {
+        "system-design", "quantization", "speculative-decoding"}
+
+
+def test_answers_are_stored_one_line_per_paragraph():
+    import re
+
+    wrapped = "first-\ncached blocks\nare reused\n\n- one\n- two"
+    assert bank.unwrap(wrapped) == "first-cached blocks are reused\n\n- one\n- two"
+    assert not [q.id for q in QUESTIONS if re.search(r"[a-z]- [a-z]", q.answer)], "a word cut at a line's end"
+
+
+# ---- the quiz -------------------------------------------------------------------------------------------
+
+def test_quiz_seed_reproduces_whatever_the_score_file_holds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["quiz", "--seed", "7", "-n", "3"]) == 0
+    first = capsys.readouterr().out
+    data = quiz.load_scores()
+    for q in QUESTIONS[:50]:
+        quiz.record(data, q.id, "n")
+    quiz.save_scores(data)
+    assert main(["quiz", "--seed", "7", "-n", "3"]) == 0
+    again = capsys.readouterr().out
+    assert first == again and "[1/3] " in first
+    shown = first.split("[1/3] ")[1].split(" · ")[0]
+    assert shown in {q.id for q in QUESTIONS}, "the question id is on screen"
+
+
+def test_quiz_filters_by_id_grep_missed_and_says_when_fewer_match(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["quiz", "--id", "iv-mbu", "--export", "json"]) == 0
+    assert [e["id"] for e in json.loads(capsys.readouterr().out)] == ["iv-mbu"]
+    assert main(["quiz", "--id", "iv-mbuu"]) == 2
+    assert "did you mean iv-mbu" in capsys.readouterr().err
+    assert main(["quiz", "--grep", "EAGLE", "--export", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found and all("eagle" in (e["question"] + e["answer"] + " ".join(e["follow_ups"])).lower() for e in found)
+    data = quiz.load_scores()
+    quiz.record(data, "iv-mbu", "n")
+    quiz.record(data, "iv-mfu", "y")
+    quiz.save_scores(data)
+    assert main(["quiz", "--missed", "--export", "json"]) == 0
+    assert [e["id"] for e in json.loads(capsys.readouterr().out)] == ["iv-mbu"]
+    moe = sum(q.topic == "moe" for q in QUESTIONS)
+    assert main(["quiz", "--topic", "moe", "-n", "50"]) == 0
+    assert f"only {moe} questions match; asking all of them" in capsys.readouterr().out
+
+
+def test_quiz_topic_aliases_and_did_you_mean(capsys):
+    assert main(["quiz", "--topic", "tp", "--export", "json"]) == 0
+    assert {e["topic"] for e in json.loads(capsys.readouterr().out)} == {"parallelism"}
+    assert main(["quiz", "--topic", "speculativ"]) == 2
+    assert "did you mean 'speculative-decoding'" in capsys.readouterr().err
+
+
+def test_spaced_repetition_schedules_like_sm2_and_due_asks_what_is_due():
+    data = {"questions": {}, "sessions": []}
+    day = 20_000
+    quiz.record(data, "iv-mbu", "y", day)
+    assert data["questions"]["iv-mbu"]["due"] == day + 1
+    quiz.record(data, "iv-mbu", "y", day + 1)
+    assert data["questions"]["iv-mbu"]["due"] == day + 7  # the second interval is 6 days
+    quiz.record(data, "iv-mbu", "y", day + 7)
+    entry = data["questions"]["iv-mbu"]
+    assert entry["interval"] == round(6 * entry["ease"]) or entry["interval"] > 6
+    quiz.record(data, "iv-mfu", "n", day)
+    assert data["questions"]["iv-mfu"]["interval"] == 1 and data["questions"]["iv-mfu"]["ease"] < 2.5
+    due = quiz.due(QUESTIONS, data, day + 1)
+    assert [q.id for q in due] == ["iv-mfu"]
+    assert {q.id for q in quiz.due(QUESTIONS, data, day + 400)} == {"iv-mbu", "iv-mfu"}
+
+
+def test_quiz_exports_markdown_and_anki_cards(capsys):
+    assert main(["quiz", "--topic", "moe", "--export", "md"]) == 0
+    md = capsys.readouterr().out
+    moe = sum(q.topic == "moe" for q in QUESTIONS)
+    assert md.startswith(f"# minikv interview questions ({moe})") and "**Follow-up:**" in md and "`iv-mla-kv`" in md
+    assert main(["quiz", "--topic", "moe", "--export", "anki"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r and not r.startswith("#")]
+    assert len(rows) == moe and all(len(r.split("\t")) == 3 for r in rows)
+
+
+def test_quiz_shows_a_follow_ups_answer_only_after_a_key_press(tmp_path):
+    q = next(q for q in QUESTIONS if q.id == "iv-mbu")
+    out = io.StringIO()
+    quiz.run([q], io.StringIO("\n\ny\n"), out, scores=tmp_path / "s.json")
+    text = out.getvalue()
+    assert text.index("(Enter: its answer)") < text.index(q.follow_up_answers[0].split()[0] + " " +
+                                                          q.follow_up_answers[0].split()[1])
+
+
+# ---- mock interview, progress, design calculators on the command line ------------------------------------
+
+def test_a_scripted_mock_interview_writes_its_report_under_minikv_home(tmp_path, monkeypatch, capsys):
+    from minikv.interview import mock
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    out, rubric = io.StringIO(), iter("ypnyy")
+
+    def key(_stdin):  # the candidate: reveals everything, grades every answer y, scores the rubric y p n y y
+        last = out.getvalue().rstrip().splitlines()[-1].strip()
+        return "y" if last == "y / p / n" else next(rubric) if last.startswith("- ") and last.endswith("?") else "\n"
+
+    path = mock.run(30, "ml-systems", io.StringIO(), out, seed=3, key=key)
+    assert path.parent == tmp_path / "mocks" and str(path) in out.getvalue()
+    text = path.read_text()
+    for part in ("## Rapid-fire", "## Drill", "## Design", "design rubric: 7 / 10"):
+        assert part in text, part
+    picked = [line.split("`")[1] for line in text.splitlines() if line.startswith("- `")]
+    assert len(picked) == 3 and set(picked) <= {q.id for q in QUESTIONS}
+    assert main(["progress"]) == 0
+    shown = capsys.readouterr().out
+    assert "mock interviews: 1" in shown and "drills" in shown and "bug labs" in shown
+    assert main(["mock", "--minutes", "5"]) == 2
+
+
+def test_a_mock_hides_each_follow_ups_answer_until_the_candidate_answers(tmp_path, monkeypatch):
+    from minikv.interview import mock
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    out = io.StringIO()
+    mock.run(30, "inference-engineer", io.StringIO("\ny\n" + "q\n"), out, seed=1)
+    text = out.getvalue()
+    assert text.count("A: ") == 1 and "Follow-up: " in text, "one answer revealed, the follow-up asked, not answered"
+
+
+def test_minikv_design_prints_the_calculators_for_each_tp_degree(capsys):
+    assert main(["design", "--tp", "8", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pool of all replicas: 1,351,670 tokens" in out and "pool of all replicas: 920,762 tokens" in out
+    assert main(["design", "--tp", "3"]) == 2 and "multiple of tp" in capsys.readouterr().err
+
+
+def test_a_quiz_asks_at_most_one_question_of_a_group_of_near_duplicates(tmp_path):
+    groups = bank.duplicate_groups()
+    ids = {q.id for q in QUESTIONS}
+    assert len(groups) >= 10 and all(len(g) >= 2 and set(g) <= ids for g in groups)
+    in_groups = [q for q in QUESTIONS if any(q.id in g for g in groups)]
+    for seed in range(5):
+        drawn = {q.id for q in quiz.order(in_groups, {"questions": {}, "sessions": []}, len(in_groups), seed)}
+        assert all(len(drawn & set(g)) == 1 for g in groups), seed
+
+
+def test_the_quiz_path_imports_no_torch():
+    """`minikv quiz` needs only the bank: its modules import no torch, so the quiz can start in well under a
+    second. (The package's own __init__ still imports torch to set Triton's interpreter switch; this test
+    loads the package without it, to pin what the quiz itself imports.)"""
+    import subprocess
+
+    code = ("import sys, types, io, contextlib\n"
+            f"m = types.ModuleType('minikv'); m.__path__ = [{str(ROOT / 'minikv')!r}]; sys.modules['minikv'] = m\n"
+            "from minikv.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['quiz', '--export', 'json', '--topic', 'moe']) == 0\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('minikv.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.strip()
+    assert "'torch'" not in loaded and "minikv.checks" not in loaded, loaded

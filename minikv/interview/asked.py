@@ -192,7 +192,8 @@ def render(path: Path, root: Path, questions: list[bank.Question] | None = None)
     questions = bank.load() if questions is None else questions
     found, extra = asked(path, root, questions)
     rel = path.relative_to(root).as_posix()
-    has_course = any(_imported(q) for q in questions)  # a student copy holds back course.json
+    folder = rel.split("/")[0]  # a student copy holds back the exercises' answers (course.json), not the notebooks'
+    has_course = any(_imported(q) and q.notebook.startswith(folder + "/") for q in questions)
     lines = [f"{rel}: {len(found)} question{'s' * (len(found) != 1)}"]
     if not has_course:
         lines.append("(the model answers are the instructor's and not part of a student copy: ask your instructor)")
@@ -202,8 +203,10 @@ def render(path: Path, root: Path, questions: list[bank.Question] | None = None)
             heading = a.entry.heading if a.entry.heading.startswith('"') else f'"{a.entry.heading}"'  # never ""quoted""
             lines.append(f"    ({a.entry.topic} · {a.entry.difficulty} · taught in {heading})")
             lines.append(_wrap(a.entry.answer, "A:  "))
-            for f in a.entry.follow_ups:
+            for i, f in enumerate(a.entry.follow_ups):
                 lines.append(_wrap(f, "    next: "))
+                if i < len(a.entry.follow_up_answers):
+                    lines.append(_wrap(a.entry.follow_up_answers[i], "          "))
         elif has_course:
             lines.append("A:  (no model answer in the bank yet: add one under this question in the instructor key, "
                          "then run python instructor/bank_import.py)")

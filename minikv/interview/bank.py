@@ -1,9 +1,14 @@
 """The interview question bank: every question the course asks, with its model answer, and the
 questions interviews ask beyond the course.
 
-    data/course.json   the course's own questions and the instructor key's answers
-                       (written by instructor/bank_import.py; edit difficulty, topic and follow-ups here)
-    data/beyond.json   questions on what the course does not build (MLA, speculative decoding, ...)
+    data/notebooks.json  the questions the notebooks ask, with the instructor key's answers (written by
+                         instructor/bank_import.py; edit difficulty, topic and follow-ups here); in every copy
+    data/course.json     the same for the exercises (graded work: held back from a student copy)
+    data/beyond.json     questions on what the course does not build (MLA, speculative decoding, ...)
+    data/interview.json  what interviews for inference roles ask: speculative decoding, parallelism,
+                         quantization, serving metrics, system design; each follow-up with its answer
+    data/duplicates.json groups of questions that ask the same thing (a notebook's question and its
+                         exercise's, say): a quiz or a mock asks at most one of each group
 
 Each entry:
 
@@ -11,6 +16,7 @@ Each entry:
     question    the question, as an interviewer would ask it
     answer      a model answer (a few sentences, with the figures)
     follow_ups  what an interviewer asks next (at least one)
+    follow_up_answers  the model answer to each follow-up, in the same order (where written)
     difficulty  "warm-up" | "standard" | "hard"
     topic       one of TOPICS
     notebook    the notebook or exercise that teaches it ("notebooks/04_paged_kv.ipynb"), or None:
@@ -27,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
-FILES = ("course.json", "beyond.json")
+FILES = ("notebooks.json", "course.json", "beyond.json", "interview.json")
 DIFFICULTIES = ("warm-up", "standard", "hard")
 BEYOND = "beyond the course"
 TOPICS = {
@@ -49,7 +55,35 @@ TOPICS = {
     "disaggregation": "prefill/decode disaggregation, KV transfer, offload tiers",
     "parallelism": "tensor, pipeline, data and context parallelism",
     "system-design": "sizing a deployment end to end",
+    "quantization": "weight and KV quantization: int8, fp8, int4, AWQ, GPTQ, and how to evaluate them",
+    "moe": "mixture of experts: routing, expert parallelism, DP attention, MLA",
+    "production": "batch invariance, structured output, multi-LoRA, distillation, reliability",
 }
+ALIASES = {  # what people type -> the topic
+    "spec": "speculative-decoding", "speculative": "speculative-decoding", "spec-decoding": "speculative-decoding",
+    "tp": "parallelism", "pp": "parallelism", "ep": "moe", "tensor-parallelism": "parallelism",
+    "quant": "quantization", "fp8": "quantization", "int8": "quantization", "awq": "quantization",
+    "gptq": "quantization", "metrics": "serving-metrics", "slo": "serving-metrics", "mbu": "serving-metrics",
+    "mfu": "serving-metrics", "goodput": "serving-metrics", "design": "system-design", "sizing": "system-design",
+    "prefix": "prefix-caching", "cache": "prefix-caching", "paged": "paged-kv", "paging": "paged-kv",
+    "flash": "kernels", "flashattention": "kernels", "cuda-graphs": "kernels", "kv": "kv-size",
+    "mla": "moe", "experts": "moe", "mixture-of-experts": "moe", "pd": "disaggregation",
+    "disagg": "disaggregation", "lora": "production", "structured-output": "production",
+}
+
+
+def resolve_topic(name: str) -> str:
+    """A topic or an alias of one; a ValueError names the closest topic otherwise."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if key in TOPICS:
+        return key
+    if key in ALIASES:
+        return ALIASES[key]
+    import difflib
+
+    near = difflib.get_close_matches(key, list(TOPICS) + list(ALIASES), n=1, cutoff=0.5)
+    hint = f"; did you mean {ALIASES.get(near[0], near[0])!r}?" if near else ""
+    raise ValueError(f"unknown topic {name!r}{hint} (`minikv quiz --topics` lists them)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,7 @@ class Question:
     notebook: str | None
     heading: str
     follow_ups: list[str] = field(default_factory=list)
+    follow_up_answers: list[str] = field(default_factory=list)
 
     @property
     def beyond_course(self) -> bool:
@@ -82,16 +117,58 @@ def load(data: Path = DATA) -> list[Question]:
         if not (data / name).is_file():  # a student copy holds back course.json (the instructor key's answers)
             continue
         for raw in json.loads((data / name).read_text()):
-            out.append(Question(raw["id"], raw["question"], raw["answer"], raw["difficulty"], raw["topic"],
-                                raw["notebook"], raw["heading"], list(raw.get("follow_ups", []))))
+            out.append(Question(raw["id"], unwrap(raw["question"]), unwrap(raw["answer"]), raw["difficulty"],
+                                raw["topic"], raw["notebook"], raw["heading"],
+                                [unwrap(f) for f in raw.get("follow_ups", [])],
+                                [unwrap(a) for a in raw.get("follow_up_answers", [])]))
+    return out
+
+
+def unwrap(text: str) -> str:
+    """One line per paragraph: the instructor key wraps its answers at its own width ('first-' at the end
+    of a line and 'cached' on the next is 'first-cached'). Blank lines and list items stay."""
+    paragraphs = []
+    for para in text.strip().split("\n\n"):
+        out = ""
+        for line in para.split("\n"):
+            line = line.strip()
+            if not out:
+                out = line
+            elif line[:2] in ("- ", "* ") or line[:1].isdigit() and line[1:3] in (". ", ") "):
+                out += "\n" + line
+            elif len(out) > 1 and out[-1] == "-" and out[-2].isalnum() and line[:1].islower():
+                out += line
+            else:
+                out += " " + line
+        paragraphs.append(out)
+    return "\n\n".join(paragraphs)
+
+
+def duplicate_groups(data: Path = DATA) -> list[list[str]]:
+    path = data / "duplicates.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def one_per_group(questions: list[Question], groups: list[list[str]] | None = None) -> list[Question]:
+    """The questions in order, dropping any whose group already has a question earlier in the list."""
+    group_of = {qid: i for i, g in enumerate(duplicate_groups() if groups is None else groups) for qid in g}
+    seen: set[int] = set()
+    out = []
+    for q in questions:
+        g = group_of.get(q.id)
+        if g is not None:
+            if g in seen:
+                continue
+            seen.add(g)
+        out.append(q)
     return out
 
 
 def select(questions: list[Question], topic: str | None = None, difficulty: str | None = None,
            beyond: bool | None = None) -> list[Question]:
     """The questions of one topic and/or difficulty; beyond=True only those beyond the course, False none."""
-    if topic is not None and topic not in TOPICS:
-        raise ValueError(f"unknown topic {topic!r}; topics: {', '.join(TOPICS)}")
+    if topic is not None:
+        topic = resolve_topic(topic)
     if difficulty is not None and difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {', '.join(DIFFICULTIES)}")
     return [q for q in questions
@@ -102,7 +179,7 @@ def select(questions: list[Question], topic: str | None = None, difficulty: str 
 def draw(questions: list[Question], n: int, seed: int | None = None) -> list[Question]:
     """n questions in random order (all of them if there are fewer)."""
     rng = random.Random(seed)
-    return rng.sample(questions, min(n, len(questions)))
+    return one_per_group(rng.sample(questions, len(questions)))[:n]
 
 
 def problems(questions: list[Question], root: Path | None = None) -> list[str]:
@@ -127,6 +204,9 @@ def problems(questions: list[Question], root: Path | None = None) -> list[str]:
             faults.append(f"{where} topic {q.topic!r}; use one of {', '.join(TOPICS)} (or add it to TOPICS)")
         if not q.follow_ups or not all(isinstance(f, str) and f.strip() for f in q.follow_ups):
             faults.append(f"{where} no follow-up question; add one to follow_ups")
+        if q.follow_up_answers and len(q.follow_up_answers) != len(q.follow_ups):
+            faults.append(f"{where} {len(q.follow_ups)} follow-ups but {len(q.follow_up_answers)} follow-up answers; "
+                          "answer each, in order")
         if q.notebook is None:
             if q.heading != BEYOND:
                 faults.append(f"{where} no notebook, so the heading must say {BEYOND!r}")
@@ -158,3 +238,30 @@ def notebook_headings(path: Path) -> list[str]:
 
 def export_json(questions: list[Question]) -> str:
     return json.dumps([q.to_dict() for q in questions], indent=1, ensure_ascii=False)
+
+
+def export_markdown(questions: list[Question]) -> str:
+    """A study sheet: each question with its id, where it is taught, the answer and the follow-ups."""
+    out = [f"# minikv interview questions ({len(questions)})", ""]
+    for q in questions:
+        out += [f"## {q.question}", "", f"`{q.id}` · {q.topic} · {q.difficulty} · {q.where}", "", q.answer, ""]
+        for i, f in enumerate(q.follow_ups):
+            out.append(f"- **Follow-up:** {f}")
+            if i < len(q.follow_up_answers):
+                out.append(f"  {q.follow_up_answers[i]}")
+        out.append("")
+    return "\n".join(out)
+
+
+def export_anki(questions: list[Question]) -> str:
+    """Tab-separated cards for Anki's import (front, back, tags); newlines become <br>."""
+    def cell(text: str) -> str:
+        return text.replace("\t", " ").replace("\n", "<br>")
+
+    rows = ["#separator:tab", "#html:true", "#tags column:3"]
+    for q in questions:
+        back = q.answer + "".join(
+            f"<br><br><b>Follow-up:</b> {f}" + (f"<br>{q.follow_up_answers[i]}" if i < len(q.follow_up_answers) else "")
+            for i, f in enumerate(q.follow_ups))
+        rows.append("\t".join([cell(q.question), cell(back), f"minikv {q.topic} {q.difficulty} {q.id}"]))
+    return "\n".join(rows) + "\n"

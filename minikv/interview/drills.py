@@ -11,15 +11,18 @@ A drill's statement is its starter file's docstring (drill_files/<name>_starter.
 the course's (minikv.checks); each check draws a fresh seed, so the random cases differ on every run
 and cannot be matched by hand; the seed is printed with a failure (`--seed` reruns it).
 
-The clock: `start` records the time in $MINIKV_HOME/drill_clock.json (default ~/.minikv).
+The clock (clock.py): `start` records the time in $MINIKV_HOME/drill_clock.json (default ~/.minikv);
+`start` again keeps it running (`--restart` resets it); the first passing check stops it and records
+the time and the number of checks; `minikv drill status` shows the time left.
+
+The answer must be the learner's own code (guard.py): a drill file that imports the engine's answer
+from minikv, or names a function it does not define, fails before any case runs.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import io
-import json
-import os
 import random
 import signal
 import threading
@@ -31,13 +34,10 @@ from types import ModuleType
 from typing import Callable
 
 from minikv.checks.report import CheckFailed
+from minikv.interview import clock, drill_cases, guard
+from minikv.interview.clock import home  # noqa: F401  (quiz and mock import it from here)
 
 FILES = Path(__file__).resolve().parent / "drill_files"
-
-
-def home() -> Path:
-    """Where the quiz scores and drill clocks live: $MINIKV_HOME, else ~/.minikv."""
-    return Path(os.environ.get("MINIKV_HOME") or Path.home() / ".minikv")
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,14 @@ def _gqa(m, seed):
     from minikv.checks.attention import check_causal_attention
 
     check_causal_attention(m.causal_attention, num_cases=25, seed=seed)
+    drill_cases.check_scaled_attention(m.causal_attention, seed)
 
 
 def _decode(m, seed):
     from minikv.checks.attention import check_decode_step
 
     check_decode_step(m.decode_step, num_cases=25, seed=seed)
+    drill_cases.check_scaled_decode(m.decode_step, seed)
 
 
 def _slots(m, seed):
@@ -113,6 +115,7 @@ def _lru(m, seed):
     from minikv.checks.lru import check_free_queue, check_release
 
     check_free_queue(m.FreeBlockQueue, num_random=300, seed=seed)
+    drill_cases.check_popleft_timing(m.FreeBlockQueue)
     check_release(m.release, m.FreeBlockQueue)
 
 
@@ -130,7 +133,10 @@ def _radix(m, seed):
     check_radix_match(m.match_prefix, num_random=200, seed=seed)
     check_split(m.split)
     check_evict_leaf(m.evict_leaf)
+    drill_cases.check_radix_evict_random(m.evict_leaf, seed)
+    drill_cases.check_radix_root(m.insert)
     check_radix_insert(m.insert, m.split, num_random=200, seed=seed)
+    drill_cases.check_radix_lookup(m.match_prefix, m.insert)
 
 
 def _softmax(m, seed):
@@ -188,29 +194,16 @@ def load_module(path: Path, name: str = "learner_drill") -> ModuleType:
     return module
 
 
-# ---- the clock -----------------------------------------------------------------------------------
+# ---- the clock (clock.py) -------------------------------------------------------------------------
 
-def _clock_file() -> Path:
-    return home() / "drill_clock.json"
-
-
-def _clocks() -> dict:
-    try:
-        return json.loads(_clock_file().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def start_clock(name: str, now: float | None = None) -> None:
-    clocks = _clocks()
-    clocks[name] = time.time() if now is None else now
-    path = _clock_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clocks, indent=1))
+def start_clock(name: str, now: float | None = None, restart: bool = False) -> bool:
+    """Start the drill's clock; True when a running clock was kept."""
+    return clock.start(name, now, restart)[1]
 
 
 def started(name: str) -> float | None:
-    return _clocks().get(name)
+    entry = clock.get(name)
+    return None if entry is None else entry["started"]
 
 
 # ---- running a check -----------------------------------------------------------------------------
@@ -249,24 +242,17 @@ class Result:
     passed: bool
     diagnosis: str
     seed: int
-    seconds_taken: float | None  # since `drill start`, None if never started
+    seconds_taken: float | None  # since `drill start` (until the first pass), None if never started
     limit_minutes: int
     check_seconds: float
+    clock: dict | None = None  # the clock's entry after this check: attempts, passed_after
 
     def report(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [f"{self.drill}: {verdict}", self.diagnosis.rstrip()]
         if not self.passed:
             lines.append(f"(random cases drawn with seed {self.seed}; `--seed {self.seed}` reruns the same ones)")
-        if self.seconds_taken is not None:
-            taken = self.seconds_taken / 60
-            over = taken > self.limit_minutes
-            lines.append(f"time: {taken:.1f} min of {self.limit_minutes} min"
-                         + (f" ({taken - self.limit_minutes:.1f} min over the limit)" if over
-                            else " (within the limit)"))
-        else:
-            lines.append(f"time: not started (`minikv drill start {self.drill}` starts the clock); "
-                         f"limit {self.limit_minutes} min")
+        lines.append(clock.describe(self.clock, self.limit_minutes, "drill", self.drill))
         return "\n".join(lines)
 
 
@@ -284,6 +270,13 @@ def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = T
             if missing:
                 raise CheckFailed(f"{path.name} defines no {', '.join(missing)}; the drill asks for "
                                   f"{', '.join(drill.functions)}")
+            foreign = guard.foreign_imports(path, drill.starter)
+            if foreign:
+                raise CheckFailed(foreign)
+            borrowed = guard.missing_definitions(module, path, list(drill.functions))
+            if borrowed:
+                raise CheckFailed(f"{', '.join(borrowed)} must be defined in {path.name} (not imported or assigned "
+                                  "from elsewhere): the drill checks your own code")
             drill.check(module, seed)
         passed = True
         diagnosis = out.getvalue()
@@ -295,6 +288,6 @@ def run_check(drill: Drill, path: Path, seed: int | None = None, timed: bool = T
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
         where = f" (line {frames[-1].lineno} of {path.name}: {(frames[-1].line or '').strip()})" if frames else ""
         diagnosis = out.getvalue() + f"{type(e).__name__}: {e}{where}"
-    began = started(drill.name) if timed else None
-    return Result(drill.name, passed, diagnosis, seed, None if began is None else time.time() - began,
-                  drill.minutes, time.perf_counter() - t0)
+    entry = clock.record(drill.name, passed) if timed else None
+    return Result(drill.name, passed, diagnosis, seed, None if entry is None else clock.elapsed(entry),
+                  drill.minutes, time.perf_counter() - t0, entry)

@@ -7,11 +7,19 @@
     minikv quiz --scores                     what the score file holds, per topic
     minikv quiz --notebook 05                the questions notebook 05 asks, with their model answers
                                              (minikv/interview/asked.py)
+    minikv quiz --due                        the questions spaced repetition says are due today
+    minikv quiz --id ID --grep WORD --missed one question, a word anywhere, those missed before
+    minikv quiz --seed 7                     the same questions in the same order (the score file is ignored)
+    minikv quiz --export md | anki | json    a study sheet, Anki cards (tab-separated), or JSON
 
 For each question: read it, answer aloud or on paper, press Enter (or any key) for the model answer
 and the follow-ups, then say how it went: y (got it), p (partly), n (missed), q (stop). Scores go to
 $MINIKV_HOME/quiz_scores.json (default ~/.minikv): per question, how often seen, got, partly, missed;
 questions missed before come first in later sessions.
+
+Spaced repetition (SM-2, as in SuperMemo and Anki): each grade sets when the question is due again:
+y (5) doubles and more the interval (1 day, 6 days, then interval x ease), p (3) keeps it growing
+slowly and lowers the ease, n (1) starts over at 1 day. `--due` asks what is due.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from minikv.interview import bank
-from minikv.interview.drills import home
+from minikv.interview.clock import home
 
 GRADES = {"y": "got", "p": "partly", "n": "missed"}
 
@@ -51,15 +59,58 @@ def save_scores(data: dict, path: Path | None = None) -> None:
     tmp.replace(path)
 
 
-def record(data: dict, qid: str, grade: str) -> None:
+QUALITY = {"y": 5, "p": 3, "n": 1}  # SM-2's 0-5 quality of recall
+
+
+def today() -> int:
+    """Days since the epoch, local time: the unit of SM-2's intervals."""
+    return int((time.time() - time.timezone) // 86400)
+
+
+def record(data: dict, qid: str, grade: str, day: int | None = None) -> None:
     entry = data["questions"].setdefault(qid, {"seen": 0, "got": 0, "partly": 0, "missed": 0})
     entry["seen"] += 1
     entry[GRADES[grade]] += 1
+    entry["last"] = GRADES[grade]
+    schedule(entry, QUALITY[grade], today() if day is None else day)
+
+
+def schedule(entry: dict, quality: int, day: int) -> None:
+    """SM-2: the next interval from the repetitions so far, the ease and this recall's quality."""
+    ease, reps, interval = entry.get("ease", 2.5), entry.get("reps", 0), entry.get("interval", 0)
+    if quality < 3:
+        reps, interval = 0, 1
+    else:
+        reps += 1
+        interval = 1 if reps == 1 else 6 if reps == 2 else round(interval * ease)
+    ease = max(1.3, ease + 0.1 - (5 - quality) * (0.08 + (5 - quality) * 0.02))
+    entry.update(ease=round(ease, 3), reps=reps, interval=interval, due=day + interval)
+
+
+def due(questions: list[bank.Question], data: dict, day: int | None = None) -> list[bank.Question]:
+    """Questions seen before whose interval has passed, most overdue first."""
+    day = today() if day is None else day
+    seen = [(data["questions"][q.id].get("due", day), i, q) for i, q in enumerate(questions)
+            if q.id in data["questions"]]
+    return [q for d, _, q in sorted(seen) if d <= day]
+
+
+def missed(questions: list[bank.Question], data: dict) -> list[bank.Question]:
+    """Questions whose last grade was partly or missed (or, in an older score file, missed more than got)."""
+    out = []
+    for q in questions:
+        s = data["questions"].get(q.id)
+        if s and (s.get("last") in ("partly", "missed") if "last" in s else s["missed"] + s["partly"] > s["got"]):
+            out.append(q)
+    return out
 
 
 def order(questions: list[bank.Question], data: dict, n: int, seed: int | None) -> list[bank.Question]:
-    """n questions: those missed last time first, then never seen, then the rest; random within each."""
-    shuffled = bank.draw(questions, len(questions), seed)
+    """n questions: those missed last time first, then never seen, then the rest; random within each.
+    With a seed, the draw depends on the seed alone (the score file is ignored): the same list again."""
+    if seed is not None:
+        return bank.draw(questions, n, seed)
+    shuffled = bank.draw(questions, len(questions), None)
 
     def rank(q: bank.Question) -> int:
         s = data["questions"].get(q.id)
@@ -67,7 +118,7 @@ def order(questions: list[bank.Question], data: dict, n: int, seed: int | None) 
             return 1
         return 0 if s["missed"] + s["partly"] > s["got"] else 2
 
-    return sorted(shuffled, key=rank)[:n]
+    return bank.one_per_group(sorted(shuffled, key=rank))[:n]
 
 
 def read_key(stream: TextIO) -> str:
@@ -107,7 +158,7 @@ def run(questions: list[bank.Question], stdin: TextIO, stdout: TextIO, scores: P
     tally = {"asked": 0, "got": 0, "partly": 0, "missed": 0}
     say = lambda text="": print(text, file=stdout, flush=True)  # noqa: E731
     for i, q in enumerate(questions, 1):
-        say(f"\n[{i}/{len(questions)}] {q.topic} · {q.difficulty} · {q.where}")
+        say(f"\n[{i}/{len(questions)}] {q.id} · {q.topic} · {q.difficulty} · {q.where}")
         say("Q: " + textwrap.fill(q.question, 96, subsequent_indent="   "))
         say("   (press Enter for the model answer, q to stop)")
         k = key(stdin)
@@ -117,8 +168,13 @@ def run(questions: list[bank.Question], stdin: TextIO, stdout: TextIO, scores: P
         say(_wrap(q.answer))
         if q.follow_ups:
             say("Follow-ups:")
-            for f in q.follow_ups:
+            for j, f in enumerate(q.follow_ups):
                 say(_wrap(f, "  - "))
+                if j < len(q.follow_up_answers):
+                    say("    (Enter: its answer)")
+                    if key(stdin) in ("q", ""):
+                        break
+                    say(_wrap(q.follow_up_answers[j], "    "))
         say("How did it go? y got it / p partly / n missed / q stop")
         grade = key(stdin).lower()
         while grade not in ("y", "p", "n", "q", ""):

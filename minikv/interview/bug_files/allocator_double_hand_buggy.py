@@ -5,9 +5,7 @@ never-used blocks from a bump pointer first and keeps freed ones for later. With
 well; when the pool fills up and requests finish and get preempted, the engine stops with the error
 above (and before that, sometimes, answers are wrong).
 
-Localize it: drive the allocator by hand (allocate every block, free the newest, allocate again) and
-keep a set of the blocks handed out; run the engine's own check of the protocol,
-minikv.checks.paged.check_block_allocator(BumpAllocator). Then fix the code below.
+Stuck? `minikv bugs hint allocator-double-hand` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check allocator-double-hand
 """

@@ -1,12 +1,11 @@
 """Bug lab: the naive engine disagrees with Hugging Face on every prompt longer than one token.
 
 Our causal attention (plugged in with LLM(..., kv_backend="naive", causal_attention=...)) is below.
-A one-token prompt gives the right answer; anything longer gives another one. Training-style loss on
-a sentence is suspiciously low.
+A one-token prompt gets the right first token; any longer prompt gets another one (and the naive
+engine, with no cache, runs every later token over a longer sequence, so those drift too).
+Training-style loss on a sentence is suspiciously low.
 
-Localize it: call causal_attention on q, k, v of 4 positions where v[j] = j (a ramp) and read which
-positions each output row averages; minikv.checks.check_causal_attention(causal_attention) names the
-first wrong position and head. Then fix the code below.
+Stuck? `minikv bugs hint causal-mask-peek` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check causal-mask-peek
 """

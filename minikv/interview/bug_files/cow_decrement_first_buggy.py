@@ -2,12 +2,10 @@
 
 A request with SamplingParams(n=2, seed=...) gives two samples; run sample i alone with seed + i and
 it differs from sample i of the group. Beams go wrong the same way. Single requests are fine. Our
-copy-on-write rule, plugged in with LLM(..., copy_on_write=...), is below.
+copy-on-write rule, plugged in with LLM(..., copy_on_write=...), is below. Keep the rule (the
+engine's default is not an option here: this rule is the team's), and copy only what must be copied.
 
-Localize it: compare llm.generate(prompt, SamplingParams(n=2, ...)) with the engine's own rule
-(llm.derive(copy_on_write=None)); print llm.stats()["cow_copies"] for both; call
-llm.block_manager.check(samples) from an observer after every step (ref_count against the block
-tables). Then fix the code below.
+Stuck? `minikv bugs hint cow-decrement-first` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check cow-decrement-first
 """

@@ -4,9 +4,7 @@ Our decode step (plugged in with LLM(..., kv_backend="contiguous", decode_step=.
 first output token is right (it comes from the prefill), every later one may be wrong, and the
 answers change when the server ran a longer request in the same cache row before.
 
-Localize it: generate with the naive engine (kv_backend="naive": the rung below) and compare token by
-token; inside decode_step print pos and the shape of what the scores are computed over. Then fix the
-code below.
+Stuck? `minikv bugs hint decode-reads-past-len` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check decode-reads-past-len
 """

@@ -4,10 +4,7 @@ When many users start with the same new document at once, KV usage jumps as if n
 and stays high until those requests finish; a prefix that was cached before the burst is shared as
 expected. Our cache's insert is below.
 
-Localize it: record the pool step by step (minikv.viz.pool.record_trace and step_lines, or the pool
-widget of notebook 06) for three requests that share a 16-token prefix and arrive together; compare
-their block tables after the first step with what the cache holds (llm.prefix_cache.table). Then fix
-the code below.
+Stuck? `minikv bugs hint duplicate-prefix-blocks` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check duplicate-prefix-blocks
 """

@@ -4,9 +4,7 @@ Our prefix cache lets a request reuse every cached block of its prompt (below). 
 a prompt is fine; when the very same prompt comes again and its length is a multiple of the block
 size, the engine stops with "the scheduler could run nothing this step".
 
-Localize it: print llm.prefix_cache.match(ids) and the sequence's num_computed_tokens against its
-num_tokens when it is admitted (llm.add_observer with an on_schedule hook shows the batch of every
-step); ask what the first output token is computed from. Then fix the code below.
+Stuck? `minikv bugs hint full-prompt-hit` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check full-prompt-hit
 """

@@ -2,12 +2,11 @@
 
 Our decode step reads the cache row in tiles of 8 positions with an online softmax, as a fused kernel
 would (plugged in with LLM(..., kv_backend="contiguous", decode_step=...)). Answers to prompts of a few
-tokens are right; once the context passes 8 tokens they drift.
+tokens are right; once the context passes 8 tokens they drift. TILE is the kernel's tile (what fits
+in its fast memory): keep it at 8, and keep the tiles (a fix that reads the whole row at once is
+another kernel).
 
-Localize it: compare with the naive engine (kv_backend="naive") on a short and a long prompt; call
-decode_step by hand on a random cache row of 20 positions and compare with
-torch.softmax(scores) @ values; find the first tile after which the two disagree. Then fix the code
-below.
+Stuck? `minikv bugs hint missing-rescale` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check missing-rescale
 """

@@ -5,9 +5,7 @@ time to first token: when tenant "alice" has sent a long prompt, tenant "bob" ge
 token on a prompt that starts the same way, which leaks what alice asked. Our cache mixes the salt
 into block keys as below.
 
-Localize it: send the same prompt as alice then as bob ({"prompt_token_ids": ids, "cache_salt": ...})
-and compare each output's num_cached_tokens; llm.block_manager.check(llm.scheduler.running) while
-both run checks that no request holds a block cached for another salt. Then fix the code below.
+Stuck? `minikv bugs hint salt-last-block` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check salt-last-block
 """

@@ -4,9 +4,7 @@ Our slot mapping (plugged in with LLM(..., kv_backend="paged", slot_mapping=...)
 prefill correctly and the first generated token equals the contiguous engine's; from the second token
 on, answers drift.
 
-Localize it: record the pool step by step (minikv.viz.pool.record_trace, step_lines) and look at the
-slots a decode step writes; call slot_mapping([7, 2, 9], [9], 4) by hand and work out where position 9
-must go. Then fix the code below.
+Stuck? `minikv bugs hint slot-offset` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check slot-offset
 """

@@ -5,9 +5,7 @@ llm.reset_prefix_cache(), as the docs say. Prompts never seen before get the new
 prompts that were cached before the update still get the old model's. Our cache keeps itself
 "warm" across resets (below).
 
-Localize it: after the update and the reset, print llm.prefix_cache.stats() (cached blocks, hits)
-and the num_cached_tokens of the next request; compare with an engine built on the new weights with
-prefix_caching=None; call llm.block_manager.check([]) after the reset. Then fix the code below.
+Stuck? `minikv bugs hint stale-after-weight-update` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check stale-after-weight-update
 """

@@ -2,12 +2,12 @@
 
 Our team's prefix cache is a HashChainCache with its own eviction (below). Users report that a
 prompt they sent an hour ago now gets a different answer, but only on a busy server; restarting
-the server fixes it for a while.
+the server fixes it for a while. Now and then the server also stops with
+`RuntimeError: block N is free; cannot share it` (the block manager refusing a cache hit on a block
+that holds nothing): same bug, other luck. A fix must keep the cache useful: a returning prompt
+whose blocks are still cached must hit them. Keep the fix in TeamHashCache.
 
-Localize it: run the same requests with prefix_caching=None (the ladder: caching must never change
-the tokens) and find the first request that differs; call llm.block_manager.check(llm.scheduler.running)
-after every request (the pool's and the cache's invariants); print llm.prefix_cache.stats() and look at
-`table` against `by_block`. Then fix the code below.
+Stuck? `minikv bugs hint stale-prefix-entry` gives a first hint; `--level 2` a closer one.
 
     minikv bugs check stale-prefix-entry          checks this file
 """

@@ -7,7 +7,8 @@ Write causal_attention(q, k, v, scale) -> out
     out   [T, num_heads, head_dim]       token i attends to keys 0..i only; query head h reads
                                          kv head h // (num_heads // num_kv_heads)
 
-Scores are q . k * scale, softmax over the visible keys, then the weighted sum of the values.
+Scores are q . k * scale (the scale passed in: the hidden cases vary it), softmax over the visible
+keys, then the weighted sum of the values.
 Example: T = 1 gives out[0, h] = v[0, h // group] for every head h.
 
 Check it with: minikv drill check gqa-attention

@@ -10,7 +10,8 @@ Write decode_step(q, k_new, v_new, k_cache, v_cache, pos, scale) -> out
                   (pos, max_len)   stale numbers of an earlier request: never read them
     out           [num_heads, head_dim]              attention of q over positions 0..pos
 
-GQA: query head h reads kv head h // (num_heads // num_kv_heads). scale = 1 / sqrt(head_dim).
+GQA: query head h reads kv head h // (num_heads // num_kv_heads). Use the scale passed in (the engine
+passes 1 / sqrt(head_dim); some models pass others: the hidden cases vary it).
 
 Check it with: minikv drill check kv-decode-step
 """

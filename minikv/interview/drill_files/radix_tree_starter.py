@@ -19,6 +19,7 @@ node.parent. The root has an empty key. Everything works in whole blocks.
        take up to num_blocks blocks off the tail of a leaf while is_unused(block); trim its key; a
        leaf left without blocks leaves its parent's children. Return them, tail first.
 
+Write the code here: importing minikv's own radix functions fails the check (Node is allowed).
 Check it with: minikv drill check radix-tree
 """
 from minikv.cache.prefix.radix import Node  # noqa: F401
