@@ -179,7 +179,8 @@ class EngineCore:
     """The engine's state and its step. Built from loaded weights and a config (fitted to them here
     unless it is already: see `fit_to_model`)."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, runner_cls: Callable[..., ModelRunner] = ModelRunner):
+        """runner_cls builds the runner (tensor parallelism passes one that also drives the other ranks)."""
         if not cfg.fitted:
             cfg = fit_to_model(cfg, loaded)
         self.loaded, self.engine_config = loaded, cfg
@@ -220,7 +221,7 @@ class EngineCore:
                                   self.max_model_len, c.vocab_size)
             with torch.inference_mode():
                 graphs.capture_all()
-        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
+        self.runner = runner_cls(self.model, self.backend, self.device, self.block_size, graphs,
                                   **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
 
     # ---- one builder per rung -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from minikv.engine.fork import samples_of
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.prompts import is_single_prompt, parse_prompt
+from minikv.engine.runner import ModelRunner
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.sequence import Sequence
 from minikv.model.loader import LoadedModel, load_model
@@ -181,12 +182,18 @@ class LLM:
             loaded = load_model(model, device, dtype)
         if device.type == "cuda":  # what a closed or deleted engine left in PyTorch's cache counts as free
             torch.cuda.empty_cache()
-        cfg = fit_to_model(cfg, loaded)
+        runner_cls = ModelRunner
+        if cfg.tensor_parallel_size > 1:  # rung 12: this process is rank 0 (minikv/engine/parallel.py)
+            from minikv.engine.parallel import tensor_parallel_engine
+
+            loaded, cfg, runner_cls = tensor_parallel_engine(model, loaded, cfg)
+        else:
+            cfg = fit_to_model(cfg, loaded)
         if cfg.chosen and device.type == "cuda":
             _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: "
                       + ", ".join(f"{name}={getattr(cfg, name):,}" for name in cfg.chosen)
                       + " (pass any of them to LLM(...) to override)")
-        self.core = EngineCore(loaded, cfg)
+        self.core = EngineCore(loaded, cfg, runner_cls)
         self.core.observed_as(self)
         self.loaded, self.engine_config = loaded, cfg
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -474,6 +481,8 @@ class LLM:
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
         out = self.core.stats()
+        if self.engine_config.tensor_parallel_size > 1:  # each rank's heads and pool
+            out["tensor_parallel"] = self.core.runner.stats()
         prefix = out.pop("prefix_cache", None)
         out["requests"] = [
             {"request_id": s.request_id, "time_to_first_token": o.time_to_first_token,
