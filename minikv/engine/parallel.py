@@ -51,7 +51,10 @@ import torch.distributed as dist
 from minikv.attention.metadata import BatchInputs
 from minikv.cache.blocks.pool import KVPool
 from minikv.engine.runner import ModelRunner
-from minikv.model.loader import LoadedModel, load_model
+from minikv.model.config import ModelConfig
+from minikv.model.dtype import parse_dtype
+from minikv.model.llama import LlamaForCausalLM
+from minikv.model.loader import LoadedModel, load_model, read_config, read_state_dict, resolve, uninitialised_weights
 from minikv.model.tensor_parallel import HeadShard, ShardHeadsFn, shard_all, shard_heads, shard_model
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective (an all-reduce) waits this long for a silent rank
@@ -122,6 +125,19 @@ def inputs_from_host(host: dict[str, np.ndarray], device: torch.device) -> Batch
                        max_seq_len=max(seq_lens), logits_indices=torch.empty(0, dtype=torch.long, device=device))
 
 
+def _load_weights(source: str, device: torch.device, dtype: str):
+    """The model as `load_model` builds it, without the tokenizer (rank 0 alone turns text into ids)."""
+    ckpt, raw = resolve(source)
+    if ckpt is None:  # tiny-random: built in code from its seed
+        return load_model(source, device, dtype).model
+    cfg = ModelConfig.from_hf(read_config(ckpt), source=str(ckpt / "config.json"))
+    with uninitialised_weights():
+        model = LlamaForCausalLM(cfg)
+    state = {k: v for k, v in read_state_dict(ckpt).items() if "rotary_emb" not in k}
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings)
+    return model.to(device=device, dtype=parse_dtype(dtype, device)).eval()
+
+
 def _worker_main(spec: WorkerSpec, conn) -> None:
     """Rank 1 .. N-1: join the group, load and cut the weights, build the pool, then run every step
     rank 0 describes until it says close (or its pipe ends: rank 0 is gone)."""
@@ -134,8 +150,7 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
         dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-        loaded = load_model(spec.source, device, spec.dtype)
-        model = loaded.model
+        model = _load_weights(spec.source, device, spec.dtype)
         shard_model(model, spec.shard, spec.rank, spec.world_size, _all_reduce, keep_lm_head=False)
         model.fused_ops = spec.fused_ops
         conn.send(("ready", None))

@@ -16,8 +16,8 @@ query heads share one K/V head; when N does not divide the K/V heads (SmolLM2: 9
 N = 2) a K/V head whose group straddles two ranks is held by both, REPLICATED:
 
     SmolLM2, N = 2          q heads 0 1 2 | 3 4 5 | 6 7 8      (K/V head 0 | 1 | 2)
-        rank 0  q heads 0-3     K/V heads 0, 1   local slots [0 1 2 | 3 - -]
-        rank 1  q heads 4-8     K/V heads 1, 2   local slots [- 4 5 | 6 7 8]
+        rank 0  q heads 0-4     K/V heads 0, 1   local slots [0 1 2 | 3 4 -]
+        rank 1  q heads 5-8     K/V heads 1, 2   local slots [- - 5 | 6 7 8]
 
 Every rank holds the same number of K/V heads (the most any rank needs, ceil(KV / N) in the cases
 that matter), so every rank's pool has the same bytes per block and the same block ids: one block
