@@ -205,6 +205,19 @@ def _shutdown(procs: list, conns: list, kill: bool) -> None:
     _live.clear()
 
 
+def _start_child(proc) -> None:
+    """Start a worker, also from a daemonic process (the server's engine process is one, and
+    multiprocessing refuses children there lest they outlive it): ours cannot, since a worker ends
+    when its pipe to this process closes."""
+    me = mp.current_process()
+    daemonic = me.daemon
+    me.daemon = False
+    try:
+        proc.start()
+    finally:
+        me.daemon = daemonic
+
+
 class TensorParallelGroup:
     """Rank 0's handle on the workers: start them, describe each step to them, ask their stats, end them."""
 
@@ -235,7 +248,7 @@ class TensorParallelGroup:
                                   fused_ops)
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, args=(spec, child), name=f"minikv-tp-rank{rank}", daemon=True)
-                proc.start()
+                _start_child(proc)
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
@@ -344,12 +357,14 @@ class TensorParallelRunner(ModelRunner):
             raise TensorParallelError("a tensor-parallel step must be prepared just before it runs (the overlapped "
                                       "step is not supported under tensor parallelism)")
         host, self._host = self._host, None
-        self.group.send(("step", host, list(batch.blocks_to_copy or ())))
         try:
+            self.group.send(("step", host, list(batch.blocks_to_copy or ())))
             return super().forward(batch, prepared, fed_ids)
+        except TensorParallelError:
+            self.pool.close()  # the group is down: rank 0's pool goes too (the workers' went with them)
+            raise
         except BaseException as e:  # the ranks are out of step now: the group cannot go on
-            if self.pool is not None:
-                self.pool.close()
+            self.pool.close()
             err = self.group.fail(f"rank 0's step failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
             if isinstance(e, Exception):
                 raise err from e
