@@ -415,6 +415,8 @@ def tensor_parallel_engine(source, loaded: LoadedModel, cfg) -> tuple[LoadedMode
     group, local = start_tensor_parallel(source, loaded, cfg.tensor_parallel_size, cfg.device, cfg.dtype,
                                          cfg.tensor_parallel_timeout, cfg.fused_ops, cfg.shard_heads)
     try:
+        if cfg.device.type == "cuda":  # the weights rank 0 cut away count as free memory for its pool
+            torch.cuda.empty_cache()
         cfg = fit_to_model(cfg, local)
         group.build_pools(pool_spec(cfg, local.config))
     except BaseException:
