@@ -194,3 +194,28 @@ def shard_model(model, shard: HeadShard, rank: int, world_size: int, all_reduce:
     model._merge_projections()
     return replace(cfg, num_heads=len(shard.q_slots), num_kv_heads=len(shard.kv_heads),
                    intermediate_size=len(units))
+
+
+# ---- the calculator: K/V bytes each GPU holds, and what the all-reduces move -------------------------
+def kv_bytes_per_token_per_gpu(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, world_size: int,
+                               dtype_bytes: int = 2, mode: str = "tp") -> int:
+    """K and V bytes of one token on the busiest GPU of `world_size`:
+
+        tp  every GPU holds every layer, its share of the K/V heads (replicated heads counted: `shard_heads`)
+        pp  every GPU (a pipeline stage) holds all the K/V heads of its run of layers; the K/V of a
+            layer lives on the stage that computes it, so nothing is recomputed or moved"""
+    if mode == "tp":
+        heads = len(shard_heads(num_heads, num_kv_heads, world_size, 0).kv_heads)
+        return 2 * num_layers * heads * head_dim * dtype_bytes
+    if mode == "pp":
+        if not 1 <= world_size <= num_layers:
+            raise ValueError(f"{world_size} pipeline stages for {num_layers} layers; use 1 to {num_layers}")
+        layers = max(len(split(num_layers, world_size, r)) for r in range(world_size))
+        return 2 * layers * num_kv_heads * head_dim * dtype_bytes
+    raise ValueError(f"mode must be 'tp' or 'pp', got {mode!r}")
+
+
+def allreduce_bytes_per_step(num_layers: int, hidden_size: int, num_tokens: int, dtype_bytes: int = 2) -> int:
+    """The bytes tensor parallelism all-reduces in one step: 2 per layer (after o_proj and after
+    down_proj), each the [num_tokens, hidden_size] activations."""
+    return 2 * num_layers * num_tokens * hidden_size * dtype_bytes
