@@ -156,3 +156,28 @@ def check_shard_in_model(shard_heads, world_size: int = 3) -> None:
         fail(case, "the cut model picks other greedy tokens",
              f"{whole.argmax(-1).tolist()} vs {cut.argmax(-1).tolist()}")
     passed(1, f"{world_size} ranks, each with its heads and its all-reduces, give the whole model's logits")
+
+
+def check_shard_in_engine(shard_heads, world_size: int = 2) -> None:
+    """Your shard_heads as the engine's seam: `LLM("tiny-random", tensor_parallel_size=N, shard_heads=...)`
+    starts N - 1 worker processes (gloo), each rank keeps the heads your function gives it, and the
+    greedy tokens must equal one process's."""
+    from minikv import LLM, SamplingParams
+
+    prompts, params = [[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_tokens=6, ignore_eos=True)
+    opts = dict(kv_backend="paged", device="cpu", dtype="float32", num_blocks=32, max_model_len=64)
+    with LLM("tiny-random", **opts) as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    case = f"tiny-random on {world_size} processes (torch.distributed, gloo), your shard_heads as the seam"
+    try:
+        with LLM("tiny-random", tensor_parallel_size=world_size, shard_heads=shard_heads, **opts) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+            ranks = llm.stats()["tensor_parallel"]["ranks"]
+    except NotImplementedError:
+        raise
+    except ValueError as e:
+        fail(case, "the engine refused your shards", str(e))
+    if got != want:
+        fail(case, "the greedy tokens differ from one process's", f"{got} vs {want}")
+    heads = ", ".join(f"rank {r['rank']}: K/V heads {r['kv_heads']}" for r in ranks)
+    passed(1, f"{world_size} processes give one process's tokens ({heads})")
