@@ -205,6 +205,17 @@ def _shutdown(procs: list, conns: list, kill: bool) -> None:
     _live.clear()
 
 
+def _context():
+    """Where workers come from: a fork server that imported torch and minikv once (each later worker is
+    a fork of it, in milliseconds; vLLM offers the same), or a fresh interpreter each where there is none.
+    Never a fork of rank 0 itself, whose threads (and CUDA) a fork would copy half-way."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["minikv.engine.parallel"])
+        return ctx
+    return mp.get_context("spawn")
+
+
 def _start_child(proc) -> None:
     """Start a worker, also from a daemonic process (the server's engine process is one, and
     multiprocessing refuses children there lest they outlive it): ours cannot, since a worker ends
@@ -237,7 +248,7 @@ class TensorParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.procs, self.conns = [], []
         _live.append(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, False)
