@@ -52,6 +52,14 @@ def test_bad_tensor_parallel_options_are_refused_before_any_worker_starts(option
         LLM("tiny-random", device="cpu", **options)
 
 
+def test_serve_refuses_a_bad_tensor_parallel_size_before_it_listens(capsys):
+    from minikv.cli import main
+
+    assert main(["serve", "--model", "tiny-random", "--device", "cpu", "--port", "0", "--no-engine-process",
+                 "--tensor-parallel-size", "0"]) != 0
+    assert "tensor_parallel_size must be an integer >= 1" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def reference():
     """TP = 1: the tokens, and the bytes of K/V per token of the whole model."""

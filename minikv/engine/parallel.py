@@ -205,11 +205,12 @@ def _shutdown(procs: list, conns: list, kill: bool) -> None:
     _live.clear()
 
 
-def _context():
-    """Where workers come from: a fork server that imported torch and minikv once (each later worker is
-    a fork of it, in milliseconds; vLLM offers the same), or a fresh interpreter each where there is none.
-    Never a fork of rank 0 itself, whose threads (and CUDA) a fork would copy half-way."""
-    if "forkserver" in mp.get_all_start_methods():
+def _context(device: torch.device):
+    """Where workers come from. On a CPU: a fork server that imported torch and minikv once (each later
+    worker is a fork of it, in milliseconds instead of seconds). On GPUs, and where there is no fork
+    server: a fresh interpreter each (spawn), since a process that has touched the CUDA driver must not
+    be forked. Never a fork of rank 0 itself, whose threads a fork would copy half-way."""
+    if device.type == "cpu" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["minikv.engine.parallel"])
         return ctx
@@ -248,7 +249,7 @@ class TensorParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
-        ctx = _context()
+        ctx = _context(device)
         self.procs, self.conns = [], []
         _live.append(self)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, False)
