@@ -268,6 +268,8 @@ class LLM:
 
             mine = llm.derive(slot_mapping=my_slot_mapping)   # = LLM(same model, same options, slot_mapping=...)
         """
+        if self.engine_config.tensor_parallel_size > 1:  # these weights are rank 0's slice: load them again
+            return LLM(self.loaded.source, **{**self._options, **changes})
         return LLM(self.loaded, **{**self._options, **changes})
 
     def add_observer(self, observer) -> Callable[[], None]:
