@@ -74,11 +74,13 @@ def tp(request, smollm2_dir):
         yield request.param, llm
 
 
+@pytest.mark.slow  # SmolLM2 on 2 and 3 processes
 def test_tensor_parallel_greedy_tokens_equal_one_process(tp, reference):
     n, llm = tp
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference[0]
 
 
+@pytest.mark.slow  # SmolLM2 on 2 and 3 processes
 def test_each_rank_pool_holds_its_share_of_the_kv_heads(tp, reference):
     n, llm = tp
     ranks = llm.stats()["tensor_parallel"]["ranks"]
@@ -102,6 +104,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # SmolLM2 on 2 and 3 processes
 def test_a_killed_or_hung_worker_fails_the_engine_within_the_timeout(tp):
     """Last for each engine (it ends it): TP=2 loses a worker to SIGKILL, TP=3 has one stopped (SIGSTOP)."""
     n, llm = tp
