@@ -157,7 +157,13 @@ class LLM:
             kv_quantizer=fn       rung 8  quantizes K/V rows (with their scales) as the pool stores them
             kv_offload_store=obj  rung 9  keeps the blocks the pool evicts (put, get, in)
             pick_next=fn          rung 10 which waiting request the fair scheduler admits next
+            shard_heads=fn        rung 12 which attention heads each tensor-parallel rank holds
         Views and checkers watch the engine through `add_observer`.
+
+        Tensor parallelism (rung 12, paged): tensor_parallel_size=N runs the model on N processes (one per
+        GPU, rank 0 this one, with the scheduler), each holding 1/N of every layer and its own K/V heads,
+        over torch.distributed (NCCL on GPUs, gloo on CPUs); tensor_parallel_timeout (seconds) bounds how
+        long a step waits for a silent rank before the engine fails. See minikv/engine/parallel.py.
 
         Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
         and the last W positions (StreamingLLM), and blocks outside every later window go back to
