@@ -93,6 +93,7 @@ class WorkerSpec:
     backend: str
     shard: HeadShard
     fused_ops: bool
+    num_threads: int  # torch threads of a CPU worker: its share of rank 0's, so N ranks do not oversubscribe
 
 
 def _all_reduce(t: torch.Tensor) -> None:
@@ -146,6 +147,8 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(spec.num_threads)
         timeout = timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, False,
                               timeout=timedelta(seconds=START_TIMEOUT_S))
@@ -257,7 +260,7 @@ class TensorParallelGroup:
             for rank in range(1, world_size):
                 spec = WorkerSpec(source, rank, world_size, f"cuda:{rank}" if device.type == "cuda" else "cpu",
                                   str(dtype).removeprefix("torch."), store.port, timeout_s, backend, shards[rank],
-                                  fused_ops)
+                                  fused_ops, max(1, torch.get_num_threads() // world_size))
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, args=(spec, child), name=f"minikv-tp-rank{rank}", daemon=True)
                 _start_child(proc)
