@@ -21,11 +21,12 @@ engine sits idle, while every collective of torch.distributed times out. The all
 model go through torch.distributed: gloo on CPUs (a laptop runs TP = 2), NCCL on GPUs (rank r on
 cuda:r).
 
-Faults. A worker that dies breaks its connections: rank 0's next all-reduce (or pipe write) fails at
+Faults. A worker that dies breaks its connections: rank 0's pipe write or next all-reduce fails at
 once. A worker that hangs leaves rank 0 waiting in an all-reduce until `tensor_parallel_timeout`
-seconds have passed (gloo honours it; NCCL's watchdog aborts the collective after it). Either way
-the engine raises TensorParallelError naming the rank, kills every worker (the OS takes back their
-memory), frees its own pool and tears the group down; the engine is then closed for good.
+seconds have passed: gloo then raises; NCCL's watchdog ends the stuck collective (by default taking
+the process down with it, which the tests on CPUs cannot show). On a raise, the engine raises
+TensorParallelError naming the rank, kills every worker (the OS takes back their memory), frees its
+own pool and tears the group down; the engine is then closed for good (build a new LLM).
 
 What runs under TP: the paged engine, prefix caching, recompute preemption, forks and beams (their
 copy-on-write copies travel in the description), sliding windows, fused ops. What is refused with a
