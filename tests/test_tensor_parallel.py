@@ -60,6 +60,28 @@ def test_serve_refuses_a_bad_tensor_parallel_size_before_it_listens(capsys):
     assert "tensor_parallel_size must be an integer >= 1" in capsys.readouterr().err
 
 
+def _prefix_hits_and_preemptions(**options):
+    """Two calls sharing a 13-token prefix (the second hits the cache), six requests in a pool of 24 blocks
+    of 4 (some are preempted and recomputed), and n=2 sampled forks (copy-on-write)."""
+    opts = dict(device="cpu", kv_backend="paged", block_size=4, num_blocks=24, prefix_caching="hash",
+                max_model_len=64, max_num_seqs=8, **options)
+    with LLM("tiny-random", **opts) as llm:
+        shared = list(range(1, 14))
+        first = llm.generate([shared + [20]], SamplingParams(max_tokens=20, ignore_eos=True))
+        rest = llm.generate([shared + [30 + i] for i in range(6)], SamplingParams(max_tokens=20, ignore_eos=True))
+        forks = llm.generate([shared + [50]], SamplingParams(max_tokens=8, n=2, temperature=0.8, seed=3,
+                                                              ignore_eos=True))
+        s = llm.stats()
+        tokens = [o.token_ids for o in first + rest] + [c.token_ids for c in forks[0].outputs]
+        return tokens, s["prefix_cache"]["hits"], s["num_preemptions"], s["cow_copies"]
+
+
+def test_prefix_caching_preemption_and_forks_run_under_tensor_parallelism():
+    one, two = _prefix_hits_and_preemptions(), _prefix_hits_and_preemptions(tensor_parallel_size=2)
+    assert one[1] > 0 and one[2] > 0 and one[3] > 0  # the workload hits, preempts and copies on write
+    assert two == one  # the same tokens, hits, preemptions and copies: rank 0 decides, every rank follows
+
+
 @pytest.fixture(scope="module")
 def reference():
     """TP = 1: the tokens, and the bytes of K/V per token of the whole model."""
