@@ -40,6 +40,7 @@ TOPICS = {
     "00_": "kv-size", "00b": "attention", "01": "attention", "02": "prefill-decode", "03": "batching",
     "04": "paged-kv", "05": "scheduling", "06": "prefix-caching", "07": "sharing", "08": "kernels",
     "09": "kv-compression", "10": "disaggregation", "11": "serving-metrics", "12": "system-design",
+    "14": "parallelism",
 }
 _SKIP = re.compile(r"recap|question|hint|what you proved|your turn|^exercise|^\d\d\w? ·", re.I)
 _WORD = re.compile(r"[a-z][a-z0-9_]{2,}")

@@ -141,6 +141,8 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (GPUs) that share every layer, over torch.distributed (gloo on CPUs)")
     s.add_argument("--prefix-caching", choices=("hash", "radix", "none"), default="hash")
     s.add_argument("--schedule-policy", choices=("fcfs", "vtc", "lpm"), default="fcfs",
                    help="fcfs: first come first served; vtc: fair between tenants (virtual token counter); "
@@ -180,7 +182,7 @@ def _serve(args) -> int:
                        num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
                        prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching,
                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                       draft_model=args.draft_model)
+                       draft_model=args.draft_model, tensor_parallel_size=args.tensor_parallel_size)
         llm = CoreProcess(args.model, **options) if args.engine_process else LLM(args.model, **options)
     except _user_errors() as e:
         return _error(e)

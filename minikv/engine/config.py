@@ -140,6 +140,8 @@ SEAMS: dict[str, tuple[str, Callable[["_Draft"], bool], str]] = {
                          "kv_backend='paged', prefix_caching='hash'"),
     "spec_rollback": ("rung 11", lambda c: c.speculative is not None,
                       "kv_backend='paged' and speculative='ngram' or 'draft'"),
+    "shard_heads": ("rung 12", lambda c: _is_int(c.tensor_parallel_size) and c.tensor_parallel_size > 1,
+                    "tensor_parallel_size=N with N > 1"),
 }
 
 
@@ -277,6 +279,10 @@ class _Draft:
     draft_model: Any = None  # a model name / path / LoadedModel sharing the tokenizer, or "self:N"
     speculative_disable_by_batch_size: int | None = None  # no drafts while more requests than this run
     spec_rollback: Callable | None = None  # the rung-11 seam: gives back the blocks of rejected drafts
+    # tensor parallelism (rung 12, minikv/engine/parallel.py): N processes, each with 1/N of every layer
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0  # seconds a collective waits for a silent rank before the engine fails
+    shard_heads: Callable | None = None  # the rung-12 seam: which heads each rank holds
 
     @property
     def is_paged(self) -> bool:
@@ -284,7 +290,8 @@ class _Draft:
 
     def __post_init__(self) -> None:
         if self.kv_backend is None:
-            self.kv_backend = "paged" if parse_device(self.device).type == "cuda" else "contiguous"
+            self.kv_backend = "paged" if parse_device(self.device).type == "cuda" or self.tensor_parallel_size != 1 \
+                else "contiguous"
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"unknown kv_backend {self.kv_backend!r}; choose one of {', '.join(KV_BACKENDS)}")
         self.device = parse_device(self.device)
@@ -308,6 +315,7 @@ class _Draft:
         self._check_seams()
         self._check_window()
         self._check_speculative()
+        self._check_tensor_parallel()
         if self.attention == "triton" and self.device.type != "cuda" and self.dtype == torch.bfloat16:
             raise ValueError("the Triton kernels run in the interpreter on a CPU, whose bfloat16 arithmetic is "
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
@@ -336,6 +344,35 @@ class _Draft:
             raise ValueError(f"cuda_graphs replays decode steps of the Triton kernels on a GPU (here: device "
                              f"{self.device.type}, attention {self.attention!r}, kv_backend {self.kv_backend!r}); "
                              "use kv_backend='paged', attention='triton' on a CUDA device, or cuda_graphs=False")
+
+    def _check_tensor_parallel(self) -> None:
+        """tensor_parallel_size against the machine and the features that run on rank 0 alone."""
+        n = self.tensor_parallel_size
+        _check_int("tensor_parallel_size", n, 1, "it is how many processes (GPUs) share the model", allow_none=False)
+        t = self.tensor_parallel_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise ValueError(f"tensor_parallel_timeout must be a number of seconds > 0, got {t!r}")
+        if n == 1:
+            return
+        if self.device.type == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={n} puts one rank on each GPU but this machine has "
+                             f"{torch.cuda.device_count()}; use at most {torch.cuda.device_count()}")
+        if not self.is_paged:
+            raise ValueError(f"tensor_parallel_size={n} shards the paged pool (one block table for every rank's "
+                             f"heads), but kv_backend is {self.kv_backend!r}; use kv_backend='paged'")
+        refused = {"preemption='swap'": self.preemption == "swap",
+                   "the offload tiers (kv_offload_*)": self.kv_offload_cpu_bytes is not None
+                   or self.kv_offload_dir is not None or self.kv_offload_store is not None,
+                   f"kv_cache_dtype={self.kv_cache_dtype!r}": self.kv_cache_dtype != "auto",
+                   "cuda_graphs=True": self.cuda_graphs is True,
+                   "async_scheduling=True": self.async_scheduling is True,
+                   "the decode_inner_loop seam": self.decode_inner_loop is not None,
+                   f"speculative={self.speculative!r}": self.speculative is not None}
+        for what, given in refused.items():
+            if given:
+                raise ValueError(f"{what} does not run under tensor parallelism (tensor_parallel_size={n}): rank 0 "
+                                 "alone would act on it; drop it, or use tensor_parallel_size=1")
+        self.cuda_graphs, self.async_scheduling = False, False
 
     def _paged_only(self, name: str, given: bool) -> None:
         if given and not self.is_paged:
@@ -680,6 +717,8 @@ class ExecutionConfig:
     cuda_graphs: bool
     cuda_graph_max_tokens: int
     async_scheduling: bool
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -701,6 +740,7 @@ class Seams:
     radix_evict_leaf: Callable | None = None
     free_block_queue: Any = None
     spec_rollback: Callable | None = None
+    shard_heads: Callable | None = None
 
 
 @dataclass(frozen=True)

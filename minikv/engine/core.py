@@ -180,7 +180,8 @@ class EngineCore:
     """The engine's state and its step. Built from loaded weights and a config (fitted to them here
     unless it is already: see `fit_to_model`)."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, runner_cls: Callable[..., ModelRunner] = ModelRunner):
+        """runner_cls builds the runner (tensor parallelism passes one that also drives the other ranks)."""
         if not cfg.fitted:
             cfg = fit_to_model(cfg, loaded)
         self.loaded, self.engine_config = loaded, cfg
@@ -226,9 +227,9 @@ class EngineCore:
                 graphs.capture_all()
                 if small is not None:
                     small.capture_all()
-        self.runner = ModelRunner(self.model, self.backend, self.device, self.block_size, graphs,
-                                  step_graphs=small,
-                                  **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
+        self.runner = runner_cls(self.model, self.backend, self.device, self.block_size, graphs,
+                                 step_graphs=small,
+                                 **_given(slot_mapping=cfg.slot_mapping), pool=self.pool if self.is_paged else None)
         self.speculator = build_speculator(cfg, loaded, cfg.num_blocks) if cfg.is_paged else None  # rung 11
         if self.speculator is not None:
             self.scheduler.num_drafts = self.speculator.num_drafts

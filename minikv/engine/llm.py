@@ -24,6 +24,7 @@ from minikv.engine.fork import samples_of
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent
 from minikv.engine.prompts import is_single_prompt, parse_prompt
+from minikv.engine.runner import ModelRunner
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.sequence import Sequence
 from minikv.model.loader import LoadedModel, load_model
@@ -166,6 +167,13 @@ class LLM:
         first N layers and LM head), num_speculative_tokens (k, default 4) verified in one step,
         speculative_disable_by_batch_size (no drafts while more requests run); see
         minikv/engine/speculative.py.
+            shard_heads=fn        rung 12 which attention heads each tensor-parallel rank holds
+        Views and checkers watch the engine through `add_observer`.
+
+        Tensor parallelism (rung 12, paged): tensor_parallel_size=N runs the model on N processes (one per
+        GPU, rank 0 this one, with the scheduler), each holding 1/N of every layer and its own K/V heads,
+        over torch.distributed (NCCL on GPUs, gloo on CPUs); tensor_parallel_timeout (seconds) bounds how
+        long a step waits for a silent rank before the engine fails. See minikv/engine/parallel.py.
 
         Sliding window (rung 8, paged): sliding_window=W, sink_tokens=S: each query sees the first S
         and the last W positions (StreamingLLM), and blocks outside every later window go back to
@@ -193,12 +201,18 @@ class LLM:
             loaded = load_model(model, device, dtype)
         if device.type == "cuda":  # what a closed or deleted engine left in PyTorch's cache counts as free
             torch.cuda.empty_cache()
-        cfg = fit_to_model(cfg, loaded)
+        runner_cls = ModelRunner
+        if cfg.tensor_parallel_size > 1:  # rung 12: this process is rank 0 (minikv/engine/parallel.py)
+            from minikv.engine.parallel import tensor_parallel_engine
+
+            loaded, cfg, runner_cls = tensor_parallel_engine(model, loaded, cfg)
+        else:
+            cfg = fit_to_model(cfg, loaded)
         if cfg.chosen and device.type == "cuda":
             _say_once(f"minikv: {cfg.kv_backend} engine fitted to the device: "
                       + ", ".join(f"{name}={getattr(cfg, name):,}" for name in cfg.chosen)
                       + " (pass any of them to LLM(...) to override)")
-        self.core = EngineCore(loaded, cfg)
+        self.core = EngineCore(loaded, cfg, runner_cls)
         self.core.observed_as(self)
         self.loaded, self.engine_config = loaded, cfg
         self._owns_weights = loaded is not model  # loaded here (not handed another engine's weights)
@@ -285,6 +299,8 @@ class LLM:
 
             mine = llm.derive(slot_mapping=my_slot_mapping)   # = LLM(same model, same options, slot_mapping=...)
         """
+        if self.engine_config.tensor_parallel_size > 1:  # these weights are rank 0's slice: load them again
+            return LLM(self.loaded.source, **{**self._options, **changes})
         return LLM(self.loaded, **{**self._options, **changes})
 
     def add_observer(self, observer) -> Callable[[], None]:
@@ -498,6 +514,8 @@ class LLM:
     def stats(self) -> dict:
         """KV usage, preemptions, swap traffic, and per-request latency of the last generate()."""
         out = self.core.stats()
+        if self.engine_config.tensor_parallel_size > 1:  # each rank's heads and pool
+            out["tensor_parallel"] = self.core.runner.stats()
         prefix = out.pop("prefix_cache", None)
         out["requests"] = [
             {"request_id": s.request_id, "time_to_first_token": o.time_to_first_token,
