@@ -1,0 +1,86 @@
+"""Prefill and decode on separate engines (rung 13): the prompt's KV blocks are sent over a
+torch.distributed (gloo) pair of ranks, and the decode engine admits the request with them as if it
+had computed them. Both ranks live in this process (one thread each): the point-to-point transport is
+the one two processes use, without the cost of starting them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from minikv import LLM, SamplingParams
+from minikv.serve.disagg import Inbox, KVChannel, receive_prefill, send_prefill
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+OPTIONS = dict(kv_backend="paged", block_size=16, num_blocks=64, max_model_len=512, prefix_caching="hash",
+               dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    return LLM("tiny-random", **OPTIONS)
+
+
+def ids_of(i: int, n: int) -> list[int]:
+    return [(13 * i + 7 * j) % 400 + 3 for j in range(n)]
+
+
+def transfer(prefill: LLM, decode: LLM, ids: list[int], salt: str | None = None,
+             channels: tuple[KVChannel, KVChannel] | None = None) -> tuple[int, int]:
+    """(blocks the prefill engine sent, blocks the decode engine took), the two sides on two threads."""
+    a, b = channels or KVChannel.pair()
+    sent: list[int] = []
+    t = threading.Thread(target=lambda: sent.append(send_prefill(prefill, a, ids, salt)))
+    t.start()
+    got = receive_prefill(decode, b, ids, salt)
+    t.join()
+    return sent[0], got
+
+
+def test_a_transferred_block_is_bit_identical_to_the_one_the_decode_engine_computes(prefill):
+    ids = ids_of(1, 70)  # 4 full blocks and a tail
+    decode = prefill.derive(kv_offload_store=Inbox())
+    assert transfer(prefill, decode, ids) == (4, 4)
+    alone = prefill.derive()  # one engine, computing everything itself
+    params = SamplingParams(max_tokens=12, temperature=0)
+    assert decode.generate(ids, params)[0].token_ids == alone.generate(ids, params)[0].token_ids
+    stats = decode.stats()
+    assert stats["requests"][0]["num_cached_tokens"] == 64  # admitted on the 4 received blocks
+    assert stats["prefix_cache"]["offload"]["blocks_in"] == 4
+    keys_d, planes_d = decode.core.export_prefix(ids)
+    keys_a, planes_a = alone.core.export_prefix(ids)
+    assert keys_d == keys_a and len(planes_d) == 2
+    assert all(torch.equal(x, y) for x, y in zip(planes_d, planes_a))  # K and V, bit for bit
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=3)
+    assert decode.generate(ids, seeded)[0].token_ids == alone.generate(ids, seeded)[0].token_ids
+
+
+def test_only_the_blocks_the_decode_engine_lacks_are_sent(prefill):
+    decode = prefill.derive(kv_offload_store=Inbox())
+    first, longer = ids_of(2, 40), ids_of(2, 40) + ids_of(3, 40)
+    assert transfer(prefill, decode, first) == (2, 2)
+    decode.generate(first, SamplingParams(max_tokens=1))
+    assert transfer(prefill, decode, longer) == (3, 3)  # blocks 2..4: the first two are there already
+    assert transfer(prefill, decode, longer) == (0, 0)
+
+
+def test_blocks_never_cross_into_another_models_or_another_tenants_cache(prefill):
+    other = LLM("tiny-random", **{**OPTIONS, "block_size": 32, "kv_offload_store": Inbox()})
+    ids = ids_of(4, 48)
+    assert transfer(prefill, other, ids) == (0, 0)  # another identity (here the pool's format): refused
+    decode = prefill.derive(kv_offload_store=Inbox())
+    assert transfer(prefill, decode, ids, salt="tenant-a") == (3, 3)
+    decode.generate([{"prompt_token_ids": ids, "cache_salt": "tenant-b"}], SamplingParams(max_tokens=1))
+    assert decode.stats()["requests"][0]["num_cached_tokens"] == 0  # tenant b never reads tenant a's blocks
+
+
+def test_a_transfer_that_times_out_falls_back_to_computing_the_prompt(prefill):
+    decode = prefill.derive(kv_offload_store=Inbox())
+    a, b = KVChannel.pair(timeout_s=0.5)  # nobody sends on `a`: the decode side's wait ends
+    ids = ids_of(5, 40)
+    assert receive_prefill(decode, b, ids) == 0 and b.broken
+    params = SamplingParams(max_tokens=6, temperature=0)
+    assert decode.generate(ids, params)[0].token_ids == prefill.derive().generate(ids, params)[0].token_ids
+    with pytest.raises(ValueError, match="kv_offload_store=Inbox"):
+        receive_prefill(prefill, b, ids)
