@@ -164,7 +164,7 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="start N replicas (one GPU each when there are N) behind a cache-aware router on --port")
     r = sub.add_parser("route", help="one OpenAI-compatible front over several `minikv serve` replicas")
-    r.add_argument("--backend", action="append", required=True, metavar="URL",
+    r.add_argument("--backend", dest="backends", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (once per replica)")
     r.add_argument("--policy", choices=("cache_aware", "round_robin", "least_loaded"), default="cache_aware",
                    help="cache_aware: longest cached prefix unless that replica is overloaded; round_robin; "
@@ -223,12 +223,12 @@ def _route(args) -> int:
 
     try:
         _check_listen(args.host, args.port)
-        RouterState(args.backend, args.policy, args.block_size, args.balance_threshold)  # checks the options
+        RouterState(args.backends, args.policy, args.block_size, args.balance_threshold)  # checks the options
     except _user_errors() as e:
         return _error(e)
-    print(f"minikv: routing ({args.policy}) at http://{args.host}:{args.port}/v1 over {', '.join(args.backend)}",
+    print(f"minikv: routing ({args.policy}) at http://{args.host}:{args.port}/v1 over {', '.join(args.backends)}",
           flush=True)
-    run_router(args.backend, args.host, args.port, args.policy, args.block_size, args.balance_threshold,
+    run_router(args.backends, args.host, args.port, args.policy, args.block_size, args.balance_threshold,
                args.isolate_tenants, args.log_level)
     return 0
 

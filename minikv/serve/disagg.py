@@ -117,10 +117,8 @@ class KVChannel:
 
     @staticmethod
     def _group(store, rank: int, timeout: datetime.timedelta, device: torch.device):
-        if device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return dist.ProcessGroupNCCL(store, rank, 2, options)
+        if device.type == "cuda":  # NCCL's own watchdog bounds its waits
+            return dist.ProcessGroupNCCL(store, rank, 2)
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
     def send(self, t: torch.Tensor) -> None:
