@@ -161,11 +161,20 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own (default), so HTTP, SSE and tokenizing never "
                         "slow a step; --no-engine-process runs it on a thread of the server's process")
+    s.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="both: one engine runs prompts and decodes; prefill/decode: prompts on one engine, tokens "
+                        "on another, the prompt's KV blocks sent between them (give both --kv-address)")
+    s.add_argument("--kv-address", default=None, metavar="HOST:PORT",
+                   help="with --role prefill|decode: where the pair meets (the prefill server listens there)")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="start N replicas (one GPU each when there are N) behind a cache-aware router on --port")
     r = sub.add_parser("route", help="one OpenAI-compatible front over several `minikv serve` replicas")
-    r.add_argument("--backend", dest="backends", action="append", required=True, metavar="URL",
+    r.add_argument("--backend", dest="backends", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (once per replica)")
+    r.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode server (minikv serve --role decode), paired in order with a --prefill")
+    r.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="the prefill server (minikv serve --role prefill) of the --decode at the same position")
     r.add_argument("--policy", choices=("cache_aware", "round_robin", "least_loaded"), default="cache_aware",
                    help="cache_aware: longest cached prefix unless that replica is overloaded; round_robin; "
                         "least_loaded: fewest requests in flight")
@@ -195,6 +204,8 @@ def _serve(args) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                        num_blocks=args.num_blocks, schedule_policy=args.schedule_policy,
                        prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching)
+        if args.role != "both":
+            return _serve_role(args, options)
         llm = CoreProcess(args.model, **options) if args.engine_process else LLM(args.model, **options)
     except _user_errors() as e:
         return _error(e)
@@ -203,6 +214,23 @@ def _serve(args) -> int:
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
     run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
         args.log_level, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
+def _serve_role(args, options: dict) -> int:
+    """A prefill or a decode server: the engine in this process (the KV blocks go to and from its pool)."""
+    from minikv import LLM
+    from minikv.serve.disagg import Inbox, serve_role
+
+    if not args.kv_address:
+        raise ValueError(f"--role {args.role} needs --kv-address HOST:PORT, the same on the prefill and the decode "
+                         "server (the prefill server listens there)")
+    if args.role == "decode":
+        options = {**options, "kv_offload_store": Inbox()}
+    llm = LLM(args.model, **options)
+    serve_role(args.role, llm, args.kv_address, args.host, args.port, args.served_model_name or args.model,
+               args.log_level, isolate_tenants=args.isolate_tenants, max_waiting=args.max_waiting,
+               max_waiting_per_tenant=args.max_waiting_per_tenant, max_body_bytes=args.max_body_bytes)
     return 0
 
 
@@ -221,15 +249,18 @@ def _serve_data_parallel(args, argv: list[str]) -> int:
 def _route(args) -> int:
     from minikv.serve.router import RouterState, run_router
 
+    backends = args.backends + args.decode
     try:
+        if args.prefill and args.backends:
+            raise ValueError("--prefill pairs with --decode servers, not with --backend replicas; give --decode URLs")
         _check_listen(args.host, args.port)
-        RouterState(args.backends, args.policy, args.block_size, args.balance_threshold)  # checks the options
+        RouterState(backends, args.policy, args.block_size, args.balance_threshold, prefill=args.prefill)  # checks
     except _user_errors() as e:
         return _error(e)
-    print(f"minikv: routing ({args.policy}) at http://{args.host}:{args.port}/v1 over {', '.join(args.backends)}",
+    print(f"minikv: routing ({args.policy}) at http://{args.host}:{args.port}/v1 over {', '.join(backends)}",
           flush=True)
-    run_router(args.backends, args.host, args.port, args.policy, args.block_size, args.balance_threshold,
-               args.isolate_tenants, args.log_level)
+    run_router(backends, args.host, args.port, args.policy, args.block_size, args.balance_threshold,
+               args.isolate_tenants, args.log_level, prefill=args.prefill)
     return 0
 
 

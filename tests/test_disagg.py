@@ -84,3 +84,29 @@ def test_a_transfer_that_times_out_falls_back_to_computing_the_prompt(prefill):
     assert decode.generate(ids, params)[0].token_ids == prefill.derive().generate(ids, params)[0].token_ids
     with pytest.raises(ValueError, match="kv_offload_store=Inbox"):
         receive_prefill(prefill, b, ids)
+
+
+def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_prefill_server(prefill):
+    import httpx
+
+    from minikv.serve import Server
+    from minikv.serve.disagg import DecodeSide, build_prefill_app
+    from minikv.serve.router import AppThread, Router
+
+    a, b = KVChannel.pair()
+    decode = prefill.derive(kv_offload_store=Inbox())
+    side = DecodeSide(decode, b)
+    ids = ids_of(6, 60)
+    want = prefill.derive().generate(ids, SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    with AppThread(build_prefill_app(prefill, a)) as p, Server(decode, served_name="m", before_submit=side) as d, \
+            Router([d.url], prefill=[p.url]) as r:
+        body = {"model": "m", "prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        out = httpx.post(r.url + "/v1/completions", json=body, timeout=120, trust_env=False).json()
+        assert out["choices"][0]["token_ids"] == want
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # the 3 blocks sent, not computed
+        assert (side.transfers, side.received_blocks, p.app.state.sent_blocks) == (1, 3, 3)
+        direct = httpx.post(d.url + "/v1/completions", json={**body, "prompt": ids_of(7, 40)}, timeout=120,
+                            trust_env=False).json()  # no prefill server named: computed on the decode engine
+        assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and side.transfers == 1
+    with pytest.raises(ValueError, match="one --prefill URL per --decode URL"):
+        Router(["http://d1", "http://d2"], prefill=["http://p1"])

@@ -351,3 +351,19 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["route", "--port", "0"], "at least one backend"),
+    (["route", "--decode", "http://d1", "--decode", "http://d2", "--prefill", "http://p1", "--port", "0"],
+     "one --prefill URL per --decode URL"),
+    (["route", "--backend", "http://b", "--prefill", "http://p", "--port", "0"], "give --decode URLs"),
+    (["serve", "--model", "tiny-random", "--role", "decode", "--port", "0"], "needs --kv-address HOST:PORT"),
+    (["serve", "--model", "tiny-random", "--data-parallel-size", "0", "--port", "0"], "at least 1"),
+])
+def test_bad_route_and_serve_options_are_one_line_errors(argv, words, capsys):
+    from minikv.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 log = logging.getLogger("minikv.disagg")
 KEY_BYTES = 32  # identity.store_key: sha256
@@ -211,3 +213,97 @@ def receive_prefill(llm, channel: KVChannel, ids: list[int], salt: str | None = 
         channel.broken = True
         log.warning("KV transfer failed (%s: %s); the decode engine computes the prompt", type(e).__name__, e)
         return 0
+
+
+# ---- serving: `minikv serve --role prefill|decode`, `minikv route --prefill URL --decode URL` -------
+
+PREFILL_ROUTE = "/kv/prefill"
+
+
+def build_prefill_app(llm, channel: KVChannel):
+    """The prefill server's routes: POST /kv/prefill {prompt_token_ids, cache_salt} runs the prompt and
+    sends its blocks to the paired decode server (one at a time: both ends see transfers in one order)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    app = FastAPI(title="minikv prefill", docs_url=None, redoc_url=None, openapi_url=None)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="minikv-prefill")  # the engine and the channel: one user
+    app.state.sent_blocks = 0
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok" if not channel.broken else "KV channel failed"},
+                            status_code=200 if not channel.broken else 503)
+
+    @app.post(PREFILL_ROUTE)
+    async def prefill(request: Request) -> JSONResponse:
+        body = await request.json()
+        ids, salt = body.get("prompt_token_ids"), body.get("cache_salt")
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+            return JSONResponse({"error": "'prompt_token_ids' must be a non-empty list of token ids"}, 400)
+        try:
+            sent = await asyncio.get_running_loop().run_in_executor(worker, send_prefill, llm, channel, ids, salt)
+        except Exception as e:  # noqa: BLE001  the decode side times out and computes the prompt itself
+            log.warning("prefill and send failed: %s: %s", type(e).__name__, e)
+            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, 500)
+        app.state.sent_blocks += sent
+        return JSONResponse({"sent_blocks": sent})
+
+    return app
+
+
+class DecodeSide:
+    """The decode server's `before_submit`: a request that names its prefill server (the router's
+    x-minikv-prefill header) has the prompt run there and its blocks received here before it is
+    submitted; without the header, or when the transfer fails, the prompt is computed here."""
+
+    def __init__(self, llm, channel: KVChannel, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.llm, self.channel, self.timeout_s = llm, channel, timeout_s
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="minikv-receive")
+        self.lock = asyncio.Lock()
+        self.received_blocks = self.transfers = 0
+
+    async def __call__(self, headers, ids: list[int], salt: str | None) -> None:
+        import asyncio
+
+        import httpx
+
+        from minikv.serve.router import PREFILL_HEADER
+
+        url = headers.get(PREFILL_HEADER)
+        if not url or self.channel.broken:
+            return
+        loop = asyncio.get_running_loop()
+        async with self.lock:  # one transfer at a time on the channel
+            received = loop.run_in_executor(self.worker, receive_prefill, self.llm, self.channel, ids, salt)
+            try:
+                async with httpx.AsyncClient(trust_env=False, timeout=self.timeout_s) as client:
+                    await client.post(url.rstrip("/") + PREFILL_ROUTE,
+                                      json={"prompt_token_ids": ids, "cache_salt": salt})
+            except httpx.HTTPError as e:
+                log.warning("prefill server %s did not answer (%s): computing the prompt here", url, e)
+            self.received_blocks += await received
+            self.transfers += 1
+
+
+def serve_role(role: str, llm, kv_address: str, host: str, port: int, served_name: str, log_level: str = "info",
+               timeout_s: float = 600.0, **serve_options) -> None:
+    """`minikv serve --role prefill|decode --kv-address HOST:PORT`: join the pair (the prefill server is
+    rank 0 and listens at HOST:PORT; each waits up to `timeout_s` for the other), then serve in the
+    foreground: the prefill server its /kv/prefill route, the decode server the OpenAI API."""
+    import uvicorn
+
+    from minikv.serve.app import run
+
+    print(f"minikv: {role} server waiting for its pair at {kv_address}", flush=True)
+    channel = KVChannel.connect(kv_address, 0 if role == "prefill" else 1, timeout_s, llm.core.device)
+    if role == "prefill":
+        print(f"minikv: prefill server at http://{host}:{port}{PREFILL_ROUTE}", flush=True)
+        uvicorn.Server(uvicorn.Config(build_prefill_app(llm, channel), host=host, port=port, log_level=log_level,
+                                      timeout_graceful_shutdown=2)).run()
+        return
+    print(f"minikv: decode server {served_name!r} at http://{host}:{port}/v1", flush=True)
+    run(llm, host, port, served_name, log_level=log_level, before_submit=DecodeSide(llm, channel), **serve_options)

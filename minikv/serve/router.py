@@ -62,7 +62,7 @@ DEFAULT_BALANCE_THRESHOLD = 4  # requests in flight beyond the least loaded repl
 DEFAULT_MIN_MATCH = 0.5  # the part of a request that must be cached on a replica for the match to count
 DEFAULT_TABLE_BLOCKS = 1 << 20  # blocks remembered per replica until its answers say it holds fewer
 MIN_TABLE_BLOCKS = 64
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+PREFILL_HEADER = "x-minikv-prefill"  # sent to a decode server: the prefill server whose KV blocks it takes
 
 
 def _label(value: str) -> str:
@@ -211,6 +211,7 @@ class Replica:
         self.requests = self.prompt_tokens = self.cached_tokens = self.matched_blocks = 0
         self.forgotten_blocks = 0
         self.failures = 0
+        self.prefill = ""  # its prefill server, when prefill and decode run on separate engines
 
 
 @dataclass
@@ -230,7 +231,11 @@ class RouterState:
 
     def __init__(self, backends: Sequence[str], policy: str | Policy = "cache_aware",
                  block_tokens: int = DEFAULT_BLOCK_TOKENS, balance_threshold: int = DEFAULT_BALANCE_THRESHOLD,
-                 table_blocks: int = DEFAULT_TABLE_BLOCKS, isolate_tenants: bool = False):
+                 table_blocks: int = DEFAULT_TABLE_BLOCKS, isolate_tenants: bool = False, prefill: Sequence[str] = ()):
+        if prefill and len(prefill) != len(backends):
+            raise ValueError(f"{len(prefill)} prefill servers for {len(backends)} decode servers; give one --prefill "
+                             "URL per --decode URL (each decode server is paired with the prefill server it receives "
+                             "KV blocks from, in order)")
         if not backends:
             raise ValueError("the router needs at least one backend; give --backend URL (once per replica)")
         if len(set(b.rstrip("/") for b in backends)) != len(backends):
@@ -244,6 +249,8 @@ class RouterState:
         self.policy_name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
         self.policy = policy_named(policy, balance_threshold) if isinstance(policy, str) else policy
         self.replicas = [Replica(b, table_blocks) for b in backends]
+        for r, p in zip(self.replicas, prefill):
+            r.prefill = p.rstrip("/")
         self.block_tokens, self.isolate_tenants = block_tokens, isolate_tenants
         self.turn = 0
         self.retries = self.balanced = 0
@@ -483,9 +490,10 @@ def build_router_app(state: RouterState, probe_interval: float = 1.0, probe_time
             if tried:
                 state.retries += 1
             r, resp = pick.replica, None
+            sent_headers = {**headers, PREFILL_HEADER: r.prefill} if r.prefill else headers
             try:
                 send = shared["client"].send(shared["client"].build_request("POST", r.url + path, content=raw,
-                                                                            headers=headers), stream=True)
+                                                                            headers=sent_headers), stream=True)
                 resp = await watched(r, send)
                 if resp.status_code >= 500:  # its engine stopped, or it is overloaded: another may take it
                     text = (await watched(r, resp.aread())).decode("utf-8", "replace")[:300]
@@ -593,34 +601,29 @@ def json_or_none(data: bytes):
         return None
 
 
-class Router:
-    """The router on a thread of this process, on a free loopback port by default (tests, notebooks,
-    benchmarks); `minikv route` runs the same app in the foreground."""
+class AppThread:
+    """An ASGI app served by uvicorn on a thread of this process, on a free loopback port by default."""
 
-    def __init__(self, backends: Sequence[str], policy: str | Policy = "cache_aware", host: str = "127.0.0.1",
-                 port: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 balance_threshold: int = DEFAULT_BALANCE_THRESHOLD, isolate_tenants: bool = False,
-                 probe_interval: float = 1.0, probe_timeout: float = 2.0, log_level: str = "warning"):
-        self.state = RouterState(backends, policy, block_tokens, balance_threshold, isolate_tenants=isolate_tenants)
-        self.app = build_router_app(self.state, probe_interval, probe_timeout)
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", name: str = "minikv"):
+        self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2))
+        self._uvicorn = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve(sockets=[self._sock])),
-                                        name="minikv-router", daemon=True)
+                                        name=name, daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Router":
+    def start(self, timeout: float = 30.0):
         self._thread.start()
         waited = 0.0
         while not self._uvicorn.started:
             if not self._thread.is_alive() or waited > timeout:
-                raise RuntimeError(f"the router did not start on {self.url} within {timeout} s")
+                raise RuntimeError(f"the server did not start on {self.url} within {timeout} s")
             threading.Event().wait(0.02)
             waited += 0.02
         return self
@@ -630,18 +633,35 @@ class Router:
         self._thread.join(10)
         self._sock.close()
 
-    def __enter__(self) -> "Router":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
+class Router(AppThread):
+    """The router on a thread of this process, on a free loopback port by default (tests, notebooks,
+    benchmarks); `minikv route` runs the same app in the foreground. `prefill`: one prefill server per
+    backend (then each backend is a decode server, paired in order; minikv/serve/disagg.py)."""
+
+    def __init__(self, backends: Sequence[str], policy: str | Policy = "cache_aware", host: str = "127.0.0.1",
+                 port: int = 0, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 balance_threshold: int = DEFAULT_BALANCE_THRESHOLD, isolate_tenants: bool = False,
+                 probe_interval: float = 1.0, probe_timeout: float = 2.0, log_level: str = "warning",
+                 prefill: Sequence[str] = ()):
+        self.state = RouterState(backends, policy, block_tokens, balance_threshold, isolate_tenants=isolate_tenants,
+                                 prefill=prefill)
+        super().__init__(build_router_app(self.state, probe_interval, probe_timeout), host, port, log_level,
+                         "minikv-router")
+
+
 def run_router(backends: Sequence[str], host: str, port: int, policy: str = "cache_aware",
                block_tokens: int = DEFAULT_BLOCK_TOKENS, balance_threshold: int = DEFAULT_BALANCE_THRESHOLD,
-               isolate_tenants: bool = False, log_level: str = "info") -> None:
+               isolate_tenants: bool = False, log_level: str = "info", prefill: Sequence[str] = ()) -> None:
     """`minikv route`: the router in the foreground until Ctrl-C / SIGTERM."""
-    state = RouterState(backends, policy, block_tokens, balance_threshold, isolate_tenants=isolate_tenants)
+    state = RouterState(backends, policy, block_tokens, balance_threshold, isolate_tenants=isolate_tenants,
+                        prefill=prefill)
     uvicorn.Server(uvicorn.Config(build_router_app(state), host=host, port=port, log_level=log_level,
                                   timeout_graceful_shutdown=2)).run()
 
