@@ -411,12 +411,22 @@ def build_router_app(state: RouterState, probe_interval: float = 1.0, probe_time
     app = FastAPI(title="minikv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = state
 
+    checked: dict[str, tuple[float, bool]] = {}  # replica URL -> (when, answer) of its last /health probe
+
     async def healthy(r: Replica) -> bool:
+        """Does the replica answer /health? One probe per replica per `probe_interval`, however many
+        requests wait on it."""
+        now_ = asyncio.get_running_loop().time()
+        last = checked.get(r.url)
+        if last is not None and now_ - last[0] < probe_interval:
+            return last[1]
         try:
             resp = await shared["client"].get(r.url + "/health", timeout=probe_timeout)
-            return resp.status_code == 200
+            ok = resp.status_code == 200
         except httpx.HTTPError:
-            return False
+            ok = False
+        checked[r.url] = (asyncio.get_running_loop().time(), ok)
+        return ok
 
     async def bring_back() -> None:
         """Probe the replicas taken out; one whose /health answers 200 is back in."""
