@@ -110,3 +110,26 @@ def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_pr
         assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and side.transfers == 1
     with pytest.raises(ValueError, match="one --prefill URL per --decode URL"):
         Router(["http://d1", "http://d2"], prefill=["http://p1"])
+
+
+@pytest.mark.slow  # SmolLM2's load
+def test_smollm2_through_the_router_and_a_prefill_decode_pair_answers_as_one_engine(smollm2_dir):
+    import httpx
+
+    from minikv.serve import Server
+    from minikv.serve.disagg import DecodeSide, build_prefill_app
+    from minikv.serve.router import AppThread, Router
+
+    one = LLM(str(smollm2_dir), kv_backend="paged", block_size=16, num_blocks=128, max_model_len=512,
+              prefix_caching="hash", dtype="float32", device="cpu")
+    prompt = one.chat_prompt("Why is the sky blue? Answer in one sentence.")
+    want = one.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0].text
+    a, b = KVChannel.pair()
+    decode = one.derive(kv_offload_store=Inbox())
+    side = DecodeSide(decode, b)
+    with AppThread(build_prefill_app(one.derive(), a)) as p, Server(decode, served_name="m", before_submit=side) as d, \
+            Router([d.url], prefill=[p.url]) as r:
+        out = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 10,
+                                                           "temperature": 0}, timeout=300, trust_env=False).json()
+    assert out["choices"][0]["text"] == want
+    assert side.received_blocks >= 1 and out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
