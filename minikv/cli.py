@@ -4,6 +4,7 @@
     minikv generate --model smollm2-135m --prompt "Why is the sky blue?"
     minikv bench <name> [options]                    run minikv/bench/<name>.py (e.g. cache_speedup)
     minikv serve --model smollm2-135m --port 8000    an OpenAI-compatible server (see minikv/serve)
+    minikv route --backend URL --backend URL --port 8000   one front over several servers (cache-aware)
 
 For the classroom:
     minikv check exercises/04a_slot_mapping.ipynb [--json]   grade an exercise you saved (exit 0: all checks pass)
@@ -45,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     _interview_parsers(sub)
     _serve_parsers(sub)
     args = ap.parse_args(argv)
+    if args.cmd == "serve" and args.data_parallel_size != 1:
+        return _serve_data_parallel(args, sys.argv[1:] if argv is None else argv)
     if args.cmd == "serve":
         return _serve(args)
+    if args.cmd == "route":
+        return _route(args)
 
     if args.cmd in ("check", "grade", "release"):
         return {"check": _check, "grade": _grade, "release": _release}[args.cmd](args)
@@ -163,6 +168,31 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own (default), so HTTP, SSE and tokenizing never "
                         "slow a step; --no-engine-process runs it on a thread of the server's process")
+    s.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="both: one engine runs prompts and decodes; prefill/decode: prompts on one engine, tokens "
+                        "on another, the prompt's KV blocks sent between them (give both --kv-address)")
+    s.add_argument("--kv-address", default=None, metavar="HOST:PORT",
+                   help="with --role prefill|decode: where the pair meets (the prefill server listens there)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="start N replicas (one GPU each when there are N) behind a cache-aware router on --port")
+    r = sub.add_parser("route", help="one OpenAI-compatible front over several `minikv serve` replicas")
+    r.add_argument("--backend", dest="backends", action="append", default=[], metavar="URL",
+                   help="a replica's base URL, e.g. http://127.0.0.1:8001 (once per replica)")
+    r.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode server (minikv serve --role decode), paired in order with a --prefill")
+    r.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="the prefill server (minikv serve --role prefill) of the --decode at the same position")
+    r.add_argument("--policy", choices=("cache_aware", "round_robin", "least_loaded"), default="cache_aware",
+                   help="cache_aware: longest cached prefix unless that replica is overloaded; round_robin; "
+                        "least_loaded: fewest requests in flight")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--balance-threshold", type=int, default=4,
+                   help="requests in flight beyond the least loaded replica before load beats a cached prefix")
+    r.add_argument("--block-size", type=int, default=16, help="tokens per hashed block (the replicas' block size)")
+    r.add_argument("--isolate-tenants", action="store_true",
+                   help="the replicas isolate tenants: a prefix is only shared under the same API key")
+    r.add_argument("--log-level", default="info")
 
 
 def _serve(args) -> int:
@@ -183,6 +213,8 @@ def _serve(args) -> int:
                        prefix_caching=None if args.prefix_caching == "none" else args.prefix_caching,
                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, tensor_parallel_size=args.tensor_parallel_size)
+        if args.role != "both":
+            return _serve_role(args, options)
         llm = CoreProcess(args.model, **options) if args.engine_process else LLM(args.model, **options)
     except _user_errors() as e:
         return _error(e)
@@ -191,6 +223,53 @@ def _serve(args) -> int:
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
     run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
         args.log_level, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
+def _serve_role(args, options: dict) -> int:
+    """A prefill or a decode server: the engine in this process (the KV blocks go to and from its pool)."""
+    from minikv import LLM
+    from minikv.serve.disagg import Inbox, serve_role
+
+    if not args.kv_address:
+        raise ValueError(f"--role {args.role} needs --kv-address HOST:PORT, the same on the prefill and the decode "
+                         "server (the prefill server listens there)")
+    if args.role == "decode":
+        options = {**options, "kv_offload_store": Inbox()}
+    llm = LLM(args.model, **options)
+    serve_role(args.role, llm, args.kv_address, args.host, args.port, args.served_model_name or args.model,
+               args.log_level, isolate_tenants=args.isolate_tenants, max_waiting=args.max_waiting,
+               max_waiting_per_tenant=args.max_waiting_per_tenant, max_body_bytes=args.max_body_bytes)
+    return 0
+
+
+def _serve_data_parallel(args, argv: list[str]) -> int:
+    from minikv.serve.router import serve_data_parallel
+
+    try:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+        _check_listen(args.host, args.port)
+        return serve_data_parallel(argv, args.data_parallel_size, args.host, args.port, log_level=args.log_level)
+    except _user_errors() as e:
+        return _error(e)
+
+
+def _route(args) -> int:
+    from minikv.serve.router import RouterState, run_router
+
+    backends = args.backends + args.decode
+    try:
+        if args.prefill and args.backends:
+            raise ValueError("--prefill pairs with --decode servers, not with --backend replicas; give --decode URLs")
+        _check_listen(args.host, args.port)
+        RouterState(backends, args.policy, args.block_size, args.balance_threshold, prefill=args.prefill)  # checks
+    except _user_errors() as e:
+        return _error(e)
+    print(f"minikv: routing ({args.policy}) at http://{args.host}:{args.port}/v1 over {', '.join(backends)}",
+          flush=True)
+    run_router(backends, args.host, args.port, args.policy, args.block_size, args.balance_threshold,
+               args.isolate_tenants, args.log_level, prefill=args.prefill)
     return 0
 
 

@@ -48,7 +48,7 @@ from minikv.cache.prefix.base import PrefixCache
 from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.cache.tiers.cpu import CpuTier
 from minikv.cache.tiers.disk import DiskTier
-from minikv.cache.tiers.identity import store_identity, weights_fingerprint
+from minikv.cache.tiers.identity import store_identity, store_key, weights_fingerprint
 from minikv.cache.tiers.offload import Offload
 from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
@@ -961,6 +961,32 @@ class EngineCore:
         """Let the pinned blocks of this prefix be evicted again. Returns the number of tokens unpinned."""
         with self.lock:
             return self._need_prefix_cache("unpin_prefix").unpin(ids, salt)
+
+    # ---- a prompt's KV blocks sent to another engine (rung 13, minikv/serve/disagg.py) ------------
+    def kv_identity(self) -> str:
+        """What besides the tokens decides a block's bytes here (the weights, the dtype, the pool's format):
+        blocks sent between engines are keyed by it (identity.store_key), so a block only ever lands in an
+        engine that would have computed the same bytes."""
+        return store_identity(self._weights_fingerprint(), self.dtype, self.pool)
+
+    def held_prefix_blocks(self, ids: list[int], salt: str | None = None) -> int:
+        """How many full blocks of this prompt the pool's prefix cache holds (no side effects)."""
+        return len(self._need_prefix_cache("held_prefix_blocks").match(ids, salt).blocks)
+
+    def export_prefix(self, ids: list[int], salt: str | None = None) -> tuple[list[bytes], tuple]:
+        """The cached full blocks of this prompt, to send to another engine: their store keys (the hash
+        chain's key of each block, salt included, under `kv_identity`) and their tensors on the CPU, each
+        [num_layers, len(keys), block_size, ...] as `KVPool.read_blocks` gives them."""
+        cache = self._need_prefix_cache("export_prefix")
+        if not hasattr(cache, "key_of"):
+            raise ValueError("export_prefix keys blocks by the hash chain; build the LLM with prefix_caching='hash'")
+        with self.lock:
+            blocks = cache.match(ids, salt).blocks
+            if not blocks:
+                return [], ()
+            identity = self.kv_identity()
+            keys = [store_key(identity, cache.key_of(b)) for b in blocks]
+            return keys, tuple(t.to("cpu") for t in self.pool.read_blocks(blocks))
 
     def _check_fits_beside_pins(self, ids: list[int], salt: str | None, params: SamplingParams) -> None:
         """Pinned blocks never leave the pool: refuse now a request that could never fit beside them

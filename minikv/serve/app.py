@@ -112,11 +112,14 @@ class AppDeps:
 
 def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = False,
               max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
+              before_submit=None) -> FastAPI:
     """max_waiting: requests waiting for a seat (beyond the free seats) before anyone gets 503.
     max_waiting_per_tenant: before that tenant gets 429 (so a flood is refused to the tenant who
     floods, not to everyone). max_body_bytes: a larger body gets 413. tenants: who sent a request
-    (minikv/serve/tenants.py; a fresh key if None)."""
+    (minikv/serve/tenants.py; a fresh key if None). before_submit: `await before_submit(headers, ids,
+    salt)` once a request is tokenized, before the engine sees it (a decode engine takes the prompt's
+    KV blocks from a prefill engine there: minikv/serve/disagg.py)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     tenants = tenants or Tenants(isolate=isolate_tenants)
@@ -207,6 +210,8 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             salt = deps.tenants.cache_salt(tenant, parsed.cache_salt)
             if salt is not None:
                 prompt["cache_salt"] = salt
+            if before_submit is not None:
+                await before_submit(request.headers, ids, salt)
             deps.engine.submit(prompt, parsed.params, tenant, rid,
                           lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         except ApiError:
@@ -386,13 +391,14 @@ class Server:
     def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 0, served_name: str | None = None,
                  isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
                  max_waiting_per_tenant: int | None = None, log_level: str = "warning",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_key: bytes | str | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_key: bytes | str | None = None,
+                 before_submit=None):
         self.metrics = ServerMetrics()
         self.engine = engine_loop_for(llm, self.metrics)
         self.served_name = served_name or str(llm.loaded.source)
         self.tenants = Tenants(tenant_key, isolate=isolate_tenants)
         self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant,
-                             max_body_bytes, self.tenants)
+                             max_body_bytes, self.tenants, before_submit)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -437,7 +443,7 @@ class Server:
 
 def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool = False,
         max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
-        log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, before_submit=None) -> None:
     """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM. If the engine loop ends
     (a bug), the server stops and the process exits with status 1, for a supervisor to restart it."""
     if max_body_bytes < 1:
@@ -445,7 +451,8 @@ def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool 
         raise SystemExit(2)
     metrics = ServerMetrics()
     engine = engine_loop_for(llm, metrics)
-    app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes)
+    app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes,
+                    before_submit=before_submit)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=2))
     engine.on_death.append(lambda error: setattr(server, "should_exit", True))

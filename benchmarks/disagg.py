@@ -1,0 +1,182 @@
+"""Prefill and decode on separate engines against one colocated engine: a few long prompts among many
+short chats. What disaggregation buys is the short chats' inter-token latency (no long prefill in their
+steps); what it costs is the long prompts' time to first token (a transfer, one prefill engine).
+
+    python benchmarks/disagg.py --device cuda --model random-qwen2.5-0.5b     # 2 GPUs: 1 prefill + 1 decode
+    python benchmarks/disagg.py --smoke                                       # CPU, tiny-random: the plumbing
+
+Colocated: one `minikv serve` on GPU 0 (chunked prefill, its default token budget). Disaggregated:
+`minikv serve --role prefill` on GPU 0 and `--role decode` on GPU 1 (KV blocks over NCCL; gloo on CPUs),
+`minikv route --prefill URL --decode URL` in front (in this process; the colocated engine has a router in
+front too, so both pay the same hop). Every engine runs in its server's
+process (--no-engine-process) on both sides, so the comparison is like for like. The load is seeded:
+`short` chats of `short_len` prompt tokens streaming `short_out` tokens, and `long` prompts of
+`long_len` tokens arriving among them; the clients stream and time every token (tokens that arrive in
+one server-sent chunk count a gap of 0: on a tiny model whose steps take a millisecond, most do).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from router import commit, device_name, pct, versions  # noqa: E402
+
+from minikv.serve.router import Router, free_port  # noqa: E402
+
+
+def start(cmd: list[str], gpu: int | None, url: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return subprocess.Popen([sys.executable, "-m", "minikv.cli", "serve", *cmd], env=env)
+
+
+def wait_up(procs: list[subprocess.Popen], urls: list[str], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    for p, url in zip(procs, urls):
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"{url} exited with status {p.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not start")
+            time.sleep(0.5)
+
+
+def load(args) -> list[dict]:
+    """Seeded requests: (send_at, prompt ids, max_tokens, kind), short chats with long prompts among them."""
+    rng = random.Random(args.seed)
+    reqs, t = [], 0.0
+    long_at = sorted(rng.uniform(0.2, 0.8) * args.short / args.rate for _ in range(args.long))
+    for _ in range(args.short):
+        t += rng.expovariate(args.rate)
+        reqs.append({"at": t, "ids": [rng.randrange(100, args.vocab) for _ in range(args.short_len)],
+                     "max_tokens": args.short_out, "kind": "short"})
+    for at in long_at:
+        reqs.append({"at": at, "ids": [rng.randrange(100, args.vocab) for _ in range(args.long_len)],
+                     "max_tokens": args.long_out, "kind": "long"})
+    return sorted(reqs, key=lambda r: r["at"])
+
+
+async def replay(url: str, model: str, reqs: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    async with httpx.AsyncClient(timeout=1800, trust_env=False) as client:
+        t0 = time.perf_counter()
+
+        async def one(r: dict) -> None:
+            await asyncio.sleep(max(0.0, r["at"] - (time.perf_counter() - t0)))
+            body = {"model": model, "prompt": r["ids"], "max_tokens": r["max_tokens"], "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True}
+            start, times = time.perf_counter(), []
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            raise RuntimeError(event["error"])
+                        n = sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
+                        times += [time.perf_counter()] * n
+            out.append({"kind": r["kind"], "ttft_s": times[0] - start,
+                        "itls": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)})
+        await asyncio.gather(*(one(r) for r in reqs))
+    return out
+
+
+def summary(results: list[dict]) -> dict:
+    short = [r for r in results if r["kind"] == "short"]
+    long = [r for r in results if r["kind"] == "long"]
+    itls = [x for r in short for x in r["itls"]]
+    return {"short_itl_p50_s": statistics.median(itls), "short_itl_p99_s": pct(itls, 0.99),
+            "short_ttft_p50_s": statistics.median(r["ttft_s"] for r in short),
+            "long_ttft_p50_s": statistics.median(r["ttft_s"] for r in long) if long else None,
+            "long_ttft_max_s": max(r["ttft_s"] for r in long) if long else None,
+            "requests": len(results), "tokens": sum(r["tokens"] for r in results)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random-qwen2.5-0.5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--short", type=int, default=200, help="short chats")
+    ap.add_argument("--short-len", type=int, default=256)
+    ap.add_argument("--short-out", type=int, default=128)
+    ap.add_argument("--long", type=int, default=4, help="long prompts among them")
+    ap.add_argument("--long-len", type=int, default=16384)
+    ap.add_argument("--long-out", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=20.0, help="short chats per second (Poisson)")
+    ap.add_argument("--max-model-len", type=int, default=20000)
+    ap.add_argument("--vocab", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, a dozen requests")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 8, 32, 8
+        args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 2, 384, 4, 8.0, 512, 500
+    gpu = args.device.startswith("cuda")
+    common = ["--model", args.model, "--device", args.device.split(":")[0], "--max-model-len", str(args.max_model_len),
+              "--no-engine-process", "--log-level", "warning"]
+    reqs = load(args)
+    results = {}
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    kv = f"127.0.0.1:{free_port()}"
+
+    procs = [start([*common, "--port", str(ports[0])], 0 if gpu else None, urls[0])]
+    try:
+        wait_up(procs, urls[:1])
+        with Router([urls[0]]) as router:  # the same front as the pair's: like for like
+            asyncio.run(replay(router.url, args.model, reqs[:2]))  # warm up
+            results["colocated"] = summary(asyncio.run(replay(router.url, args.model, reqs)))
+    finally:
+        procs[0].terminate()
+        procs[0].wait(timeout=120)
+    procs = [start([*common, "--port", str(ports[1]), "--role", "prefill", "--kv-address", kv], 0 if gpu else None,
+                   urls[1]),
+             start([*common, "--port", str(ports[2]), "--role", "decode", "--kv-address", kv], 1 if gpu else None,
+                   urls[2])]
+    try:
+        wait_up(procs, urls[1:])
+        with Router([urls[2]], prefill=[urls[1]]) as router:
+            asyncio.run(replay(router.url, args.model, reqs[:2]))
+            results["disaggregated"] = summary(asyncio.run(replay(router.url, args.model, reqs)))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=120)
+    print(f"{'':>14} {'short ITL p50':>14} {'short ITL p99':>14} {'short TTFT p50':>15} {'long TTFT p50':>14}")
+    for name, r in results.items():
+        long_ttft = f"{r['long_ttft_p50_s']:.3f}s" if r["long_ttft_p50_s"] is not None else "-"
+        print(f"{name:>14} {r['short_itl_p50_s']:>13.4f}s {r['short_itl_p99_s']:>13.4f}s "
+              f"{r['short_ttft_p50_s']:>14.3f}s {long_ttft:>14}  ({r['requests']} requests, {r['tokens']} tokens)")
+    record = {"benchmark": "disagg", "device": device_name(args.device), "versions": versions(), "commit": commit(),
+              "date": time.strftime("%Y-%m-%d"),
+              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+              "workload": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+    out = args.out or ROOT / "benchmarks" / f"disagg_{'smoke' if args.smoke else args.device.split(':')[0]}.json"
+    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

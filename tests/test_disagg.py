@@ -1,0 +1,135 @@
+"""Prefill and decode on separate engines (rung 13): the prompt's KV blocks are sent over a
+torch.distributed (gloo) pair of ranks, and the decode engine admits the request with them as if it
+had computed them. Both ranks live in this process (one thread each): the point-to-point transport is
+the one two processes use, without the cost of starting them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from minikv import LLM, SamplingParams
+from minikv.serve.disagg import Inbox, KVChannel, receive_prefill, send_prefill
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+OPTIONS = dict(kv_backend="paged", block_size=16, num_blocks=64, max_model_len=512, prefix_caching="hash",
+               dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    return LLM("tiny-random", **OPTIONS)
+
+
+def ids_of(i: int, n: int) -> list[int]:
+    return [(13 * i + 7 * j) % 400 + 3 for j in range(n)]
+
+
+def transfer(prefill: LLM, decode: LLM, ids: list[int], salt: str | None = None,
+             channels: tuple[KVChannel, KVChannel] | None = None) -> tuple[int, int]:
+    """(blocks the prefill engine sent, blocks the decode engine took), the two sides on two threads."""
+    a, b = channels or KVChannel.pair()
+    sent: list[int] = []
+    t = threading.Thread(target=lambda: sent.append(send_prefill(prefill, a, ids, salt)))
+    t.start()
+    got = receive_prefill(decode, b, ids, salt)
+    t.join()
+    return sent[0], got
+
+
+def test_a_transferred_block_is_bit_identical_to_the_one_the_decode_engine_computes(prefill):
+    ids = ids_of(1, 70)  # 4 full blocks and a tail
+    decode = prefill.derive(kv_offload_store=Inbox())
+    assert transfer(prefill, decode, ids) == (4, 4)
+    alone = prefill.derive()  # one engine, computing everything itself
+    params = SamplingParams(max_tokens=12, temperature=0)
+    assert decode.generate(ids, params)[0].token_ids == alone.generate(ids, params)[0].token_ids
+    stats = decode.stats()
+    assert stats["requests"][0]["num_cached_tokens"] == 64  # admitted on the 4 received blocks
+    assert stats["prefix_cache"]["offload"]["blocks_in"] == 4
+    keys_d, planes_d = decode.core.export_prefix(ids)
+    keys_a, planes_a = alone.core.export_prefix(ids)
+    assert keys_d == keys_a and len(planes_d) == 2
+    assert all(torch.equal(x, y) for x, y in zip(planes_d, planes_a))  # K and V, bit for bit
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=3)
+    assert decode.generate(ids, seeded)[0].token_ids == alone.generate(ids, seeded)[0].token_ids
+
+
+def test_only_the_blocks_the_decode_engine_lacks_are_sent(prefill):
+    decode = prefill.derive(kv_offload_store=Inbox())
+    first, longer = ids_of(2, 40), ids_of(2, 40) + ids_of(3, 40)
+    assert transfer(prefill, decode, first) == (2, 2)
+    decode.generate(first, SamplingParams(max_tokens=1))
+    assert transfer(prefill, decode, longer) == (3, 3)  # blocks 2..4: the first two are there already
+    assert transfer(prefill, decode, longer) == (0, 0)
+
+
+def test_blocks_never_cross_into_another_models_or_another_tenants_cache(prefill):
+    other = LLM("tiny-random", **{**OPTIONS, "block_size": 32, "kv_offload_store": Inbox()})
+    ids = ids_of(4, 48)
+    assert transfer(prefill, other, ids) == (0, 0)  # another identity (here the pool's format): refused
+    decode = prefill.derive(kv_offload_store=Inbox())
+    assert transfer(prefill, decode, ids, salt="tenant-a") == (3, 3)
+    decode.generate([{"prompt_token_ids": ids, "cache_salt": "tenant-b"}], SamplingParams(max_tokens=1))
+    assert decode.stats()["requests"][0]["num_cached_tokens"] == 0  # tenant b never reads tenant a's blocks
+
+
+def test_a_transfer_that_times_out_falls_back_to_computing_the_prompt(prefill):
+    decode = prefill.derive(kv_offload_store=Inbox())
+    a, b = KVChannel.pair(timeout_s=0.5)  # nobody sends on `a`: the decode side's wait ends
+    ids = ids_of(5, 40)
+    assert receive_prefill(decode, b, ids) == 0 and b.broken
+    params = SamplingParams(max_tokens=6, temperature=0)
+    assert decode.generate(ids, params)[0].token_ids == prefill.derive().generate(ids, params)[0].token_ids
+    with pytest.raises(ValueError, match="kv_offload_store=Inbox"):
+        receive_prefill(prefill, b, ids)
+
+
+def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_prefill_server(prefill):
+    import httpx
+
+    from minikv.serve import Server
+    from minikv.serve.disagg import DecodeSide, build_prefill_app
+    from minikv.serve.router import AppThread, Router
+
+    a, b = KVChannel.pair()
+    decode = prefill.derive(kv_offload_store=Inbox())
+    side = DecodeSide(decode, b)
+    ids = ids_of(6, 60)
+    want = prefill.derive().generate(ids, SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    with AppThread(build_prefill_app(prefill, a)) as p, Server(decode, served_name="m", before_submit=side) as d, \
+            Router([d.url], prefill=[p.url]) as r:
+        body = {"model": "m", "prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        out = httpx.post(r.url + "/v1/completions", json=body, timeout=120, trust_env=False).json()
+        assert out["choices"][0]["token_ids"] == want
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # the 3 blocks sent, not computed
+        assert (side.transfers, side.received_blocks, p.app.state.sent_blocks) == (1, 3, 3)
+        direct = httpx.post(d.url + "/v1/completions", json={**body, "prompt": ids_of(7, 40)}, timeout=120,
+                            trust_env=False).json()  # no prefill server named: computed on the decode engine
+        assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and side.transfers == 1
+    with pytest.raises(ValueError, match="one --prefill URL per --decode URL"):
+        Router(["http://d1", "http://d2"], prefill=["http://p1"])
+
+
+@pytest.mark.slow  # SmolLM2's load
+def test_smollm2_through_the_router_and_a_prefill_decode_pair_answers_as_one_engine(smollm2_dir):
+    import httpx
+
+    from minikv.serve import Server
+    from minikv.serve.disagg import DecodeSide, build_prefill_app
+    from minikv.serve.router import AppThread, Router
+
+    one = LLM(str(smollm2_dir), kv_backend="paged", block_size=16, num_blocks=128, max_model_len=512,
+              prefix_caching="hash", dtype="float32", device="cpu")
+    prompt = one.chat_prompt("Why is the sky blue? Answer in one sentence.")
+    want = one.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0].text
+    a, b = KVChannel.pair()
+    decode = one.derive(kv_offload_store=Inbox())
+    side = DecodeSide(decode, b)
+    with AppThread(build_prefill_app(one.derive(), a)) as p, Server(decode, served_name="m", before_submit=side) as d, \
+            Router([d.url], prefill=[p.url]) as r:
+        out = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 10,
+                                                           "temperature": 0}, timeout=300, trust_env=False).json()
+    assert out["choices"][0]["text"] == want
+    assert side.received_blocks >= 1 and out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
