@@ -242,8 +242,9 @@ def _classroom_parsers(sub) -> None:
                    help="seconds a notebook may run before its process is killed (default 600)")
     c.add_argument("--jobs", type=int, default=1, help="notebooks graded at once, one process each (default 1)")
     c.add_argument("--reference", type=Path, default=None,
-                   help="the course's copy of the exercise (a notebook or its folder) whose check cells count; "
-                        "default: exercises/ of the checkout minikv runs from")
+                   help="the teacher's copy of the exercise (a notebook or its folder) whose checks count; "
+                        "default: the course's own, inside the package")
+    c.add_argument("--memory-gb", type=float, default=8.0, help="address space per notebook in GiB (default 8)")
     g = sub.add_parser("grade", help="grade a class: one sub-folder per student -> a CSV (and JUnit XML)",
                        description=GRADE_HELP, formatter_class=fmt)
     g.add_argument("folder", type=Path, metavar="FOLDER")
@@ -253,6 +254,13 @@ def _classroom_parsers(sub) -> None:
                    help="the folder of the course's exercise notebooks (default: exercises/ of this checkout)")
     g.add_argument("--jobs", type=int, default=2, help="notebooks graded at once, one process each (default 2)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook (default 600)")
+    g.add_argument("--student", default=None, metavar="NAME",
+                   help="grade this student's folder alone and merge the row into the CSV already at --out")
+    g.add_argument("--deadline", default=None, help="a `late` column: the last commit of each student's clone "
+                   "against this date (2026-03-01 or 2026-03-01T23:59+01:00)")
+    g.add_argument("--feedback", type=Path, default=None, metavar="DIR",
+                   help="write DIR/<student>.md: every exercise's report, for the student")
+    g.add_argument("--memory-gb", type=float, default=8.0, help="address space per notebook in GiB (default 8)")
     r = sub.add_parser("release", help="write the student copy of the course (no solutions, no instructor key)",
                        description=RELEASE_HELP, formatter_class=fmt)
     r.add_argument("--student", type=Path, metavar="OUT", help="the folder to write the student copy into (new)")
@@ -268,7 +276,7 @@ def _check(args) -> int:
         print(g.to_json() if args.json else g.report(), flush=True)
 
     grades = grade_notebooks(args.notebooks, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
-                             on_done=show if args.jobs == 1 else None)
+                             on_done=show if args.jobs == 1 else None, memory_gb=args.memory_gb)
     if args.jobs != 1:
         for g in grades:
             show(g)
@@ -279,20 +287,50 @@ def _check(args) -> int:
 
 def _grade(args) -> int:
     from minikv.classroom.check import number
-    from minikv.classroom.grade import grade_class, write_csv, write_junit
+    from minikv.classroom.grade import (
+        check_writable,
+        grade_class,
+        parse_deadline,
+        write_csv,
+        write_feedback,
+        write_junit,
+    )
 
     try:
-        exercises, rows = grade_class(args.folder, exercises=args.exercises, jobs=args.jobs, timeout=args.timeout,
-                                      log=lambda line: print(line, file=sys.stderr, flush=True))
-    except FileNotFoundError as e:
+        check_writable(args.out)
+        if args.junit is not None:
+            check_writable(args.junit)
+        deadline = parse_deadline(args.deadline) if args.deadline else None
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_csv(args.out, exercises, rows)
+    finished = []
+
+    def save(row) -> None:  # the CSV as each student finishes: an interrupted run keeps what it graded
+        finished.append(row)
+        write_csv(args.out, exercises[0], finished, merge=args.student is not None)
+        if args.feedback is not None:
+            write_feedback(args.feedback, exercises[0], row)
+
+    exercises: list = []
+    try:
+        from minikv.classroom.grade import exercise_names
+
+        exercises.append([p.rsplit(".", 1)[0] for p in exercise_names(args.exercises)[0]])
+        names, rows = grade_class(args.folder, exercises=args.exercises, jobs=args.jobs, timeout=args.timeout,
+                                  log=lambda line: print(line, file=sys.stderr, flush=True), only=args.student,
+                                  deadline=deadline, on_student=save, memory_gb=args.memory_gb)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_csv(args.out, names, rows, merge=args.student is not None)
     if args.junit is not None:
-        write_junit(args.junit, exercises, rows)
+        write_junit(args.junit, names, rows)
     for r in rows:
-        print(f"{r.student}: {number(r.points)} of {number(r.max_points)} points")
-    print(f"wrote {args.out}" + (f" and {args.junit}" if args.junit else ""))
+        print(f"{r.student}: {number(r.points)} of {number(r.max_points)} points"
+              + (f"  FLAGGED: {'; '.join(r.flags)}" if r.flags else ""))
+    print(f"wrote {args.out}" + (f" and {args.junit}" if args.junit else "")
+          + (f"; feedback in {args.feedback}/" if args.feedback else ""))
     return 0
 
 
