@@ -75,18 +75,20 @@ def exercise(path: Path, body: str = STUB, check2: str = "check_square(square)")
 
 # ---- minikv check on small notebooks -------------------------------------------------------------
 
-def test_check_passes_a_written_exercise_and_prints_one_json_line(tmp_path):
+def test_check_passes_a_written_exercise_and_prints_one_json_line(tmp_path, capsys):
+    course = exercise(tmp_path / "course" / "sq.ipynb")
     nb = exercise(tmp_path / "sq.ipynb", SQUARE)
-    run = minikv("check", "--json", str(nb))
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.strip().splitlines()
+    code, out, err = cli(capsys, "check", "--json", "--reference", str(course), str(nb))
+    assert code == 0, out + err
+    lines = out.strip().splitlines()
     assert len(lines) == 1
     assert json.loads(lines[0]) == {"exercise": "sq", "passed": True, "points": 3, "max_points": 3,
-                                    "message": "all 2 checks passed"}
+                                    "status": "passed", "flags": [], "message": "all 2 checks passed"}
 
 
 def test_check_fails_a_stub_with_its_diagnosis_not_a_traceback(tmp_path, capsys):
-    code, out, _ = cli(capsys, "check", str(exercise(tmp_path / "sq.ipynb")))
+    nb = exercise(tmp_path / "sq.ipynb")
+    code, out, _ = cli(capsys, "check", "--reference", str(nb), str(nb))
     assert code == 1
     assert "sq: 0 of 3 points" in out
     assert "FAIL  check 1 of 2 (cell 2): check_square(square)" in out
@@ -109,7 +111,7 @@ def test_a_stub_is_named_as_one():
 def test_check_grades_each_check_cell_and_names_the_first_difference(tmp_path):
     wrong = "def square(x):\n    return x + x\n"  # right at 0 and 2 only
     nb = exercise(tmp_path / "sq.ipynb", wrong, check2="assert square(2) == 4\nprint('square(2) is 4')")
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert (g.points, g.max_points, g.passed) == (2, 3, False)
     assert [c.passed for c in g.checks] == [False, True]
     assert "square(1): expected 1, got 2" in g.checks[0].message
@@ -124,7 +126,7 @@ def test_saved_outputs_count_for_nothing(tmp_path):
         if "check" in c.metadata["tags"]:
             c.outputs = [nbformat.v4.new_output("stream", name="stdout", text="all 5 cases passed: square\n")]
     nbformat.write(nb, path)
-    assert grade_notebook(path).points == 0
+    assert grade_notebook(path, reference=exercise(tmp_path / "course" / "sq.ipynb")).points == 0
 
 
 def test_an_edited_check_cell_is_graded_with_the_course_one(tmp_path):
@@ -133,14 +135,14 @@ def test_an_edited_check_cell_is_graded_with_the_course_one(tmp_path):
                     ("print('all 5 cases passed: square')", ["check"]))  # the second check deleted too
     g = grade_notebook(mine, reference=course.parent)
     assert (g.points, g.max_points) == (0, 3)
-    assert any("differs from the course's" in n for n in g.notes)
-    assert any("missing from your notebook" in n for n in g.notes)
+    assert any("a check cell the course does not have" in n for n in g.notes)
+    assert [c.cell for c in g.checks] == [None, None]  # neither of the course's checks is in the notebook
     assert "square(0): expected 0, got 3" in g.checks[0].message
 
 
 def test_an_error_in_the_learners_code_names_its_line(tmp_path):
     nb = exercise(tmp_path / "sq.ipynb", "def square(x):\n    y = x * x\n    return y / 0\n")
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert "ZeroDivisionError: division by zero" in g.checks[0].message
     assert "raised in square (cell 1, line 3): return y / 0" in g.checks[0].message
 
@@ -149,28 +151,29 @@ def test_a_hanging_cell_stops_at_the_notebooks_time_limit(tmp_path, capsys):
     nb = notebook(tmp_path / "hang.ipynb", ("x = 1", ["exercise"]), ("print('first')", ["check"]),
                   ("import threading\nthreading.Event().wait()  # never ends", ["check"]),
                   ("print('never')", ["check"]))
-    code, out, _ = cli(capsys, "check", "--json", "--timeout", "4", str(nb))
+    code, out, _ = cli(capsys, "check", "--json", "--timeout", "15", "--reference", str(nb), str(nb))
     assert code == 1
     result = json.loads(out)
     assert (result["points"], result["max_points"]) == (1, 3)
-    assert "ran past the notebook's 4 s limit" in result["message"]
-    assert "did not run: cell 2 was still running" in result["message"]
+    assert "ran past the notebook's 15 s limit" in result["message"]
+    assert "did not run: check 2 was still running" in result["message"]
 
 
 def test_exit_in_a_learners_cell_ends_only_that_cell(tmp_path):
     nb = notebook(tmp_path / "ex.ipynb", ("def f():\n    return 1\nexit()", ["exercise"]),
                   ("assert f() == 1\nprint('ok')", ["check"]), ("import sys\nsys.exit(3)", ["check"]),
                   ("import os\nos._exit(0)", []), ("print('after')", ["check"]))
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert [c.passed for c in g.checks] == [True, False, False]
     assert "cell 0 (your exercise cell) raised: the cell called exit()" in g.notes
     assert g.checks[1].message == "the cell called exit() or sys.exit(3)"
-    assert g.checks[2].message.startswith("did not run: the notebook's process ended (exit code 0) in cell 3")
+    assert g.checks[2].message.startswith("did not run: the notebook's process ended (exit code 0) in the course's "
+                                          "setup cell 3")
 
 
 @pytest.mark.parametrize("setup, says", [
     (lambda d: d / "absent.ipynb", "absent.ipynb: no such file"),
-    (lambda d: notebook(d / "plain.ipynb", ("print(1)", [])), "is not an exercise notebook"),
+    (lambda d: notebook(d / "plain.ipynb", ("print(1)", [])), "is not one of the course's exercises"),
     (lambda d: (d / "junk.ipynb").write_text("{not json") and d / "junk.ipynb", "is not a notebook"),
     (lambda d: d, "is a folder"),
 ])
@@ -184,7 +187,7 @@ def test_what_cannot_be_graded_exits_2_with_the_reason(tmp_path, setup, says, ca
 def test_cells_tagged_solution_never_run(tmp_path):
     nb = notebook(tmp_path / "sq.ipynb", (CHECK, []), (STUB, ["exercise"]), (SQUARE, ["solution"]),
                   ("check_square(square)", ["check"]))
-    assert grade_notebook(nb).points == 0
+    assert grade_notebook(nb, reference=nb).points == 0
 
 
 # ---- the diagnosis in a notebook -----------------------------------------------------------------
