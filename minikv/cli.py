@@ -210,19 +210,21 @@ def _check_listen(host: str, port: int) -> None:
 
 # ---- for the classroom ---------------------------------------------------------------------------
 
-CHECK_HELP = """Grade exercise notebooks you saved: run each in a fresh process (its code cells in order, as a
-kernel runs them: your exercise cells as saved, the course's check cells), then print every check's
-diagnosis. Stored outputs count for nothing. A check cell is worth 1 point unless its metadata says
-{"minikv": {"points": N}}.
+CHECK_HELP = """Grade exercise notebooks you saved: run each alone in a fresh process (your code cells in order,
+as a kernel runs them, never your check cells), then the course's checks of that exercise on what
+your cells defined, and print every check's diagnosis. Stored outputs count for nothing. A check is
+worth 1 point unless its cell's metadata says {"minikv": {"points": N}}.
 
 exit status: 0 every check passed; 1 a check failed (or the notebook hung past --timeout, or ended
 its process); 2 a notebook could not be graded (missing, not a notebook, no check cell)."""
 
 GRADE_HELP = """Grade a class. FOLDER holds one sub-folder per student with their exercise notebooks (at
-any depth: a clone of their repository works). The exercises are the course's (exercises/*.ipynb of
-this checkout, or --exercises); a student missing one gets 0 for it. Every notebook runs in a process
-of its own, --jobs at a time. Writes a CSV (student, one column per exercise, points, max_points) and,
-with --junit, JUnit XML (a testsuite per student, a testcase per exercise with its diagnosis)."""
+any depth: a clone of their repository works); folders starting with _ or . are skipped. The
+exercises are the course's (or --exercises); a student missing one gets 0 for it. Every notebook runs
+in a process of its own, --jobs at a time. Writes a CSV as each student finishes (student, one column
+per exercise, points, max_points, a status per exercise, flags, review, commit, late; a last row with
+the class's means) and, with --junit, JUnit XML (a testsuite per student, a testcase per exercise
+with its diagnosis); --feedback DIR a report per student."""
 
 RELEASE_HELP = """Write the student copy of the course: notebooks/ (with their outputs), exercises/ (the stubs,
 every output cleared), README, the package (pyproject.toml, Makefile, minikv/), the
@@ -267,6 +269,8 @@ def _classroom_parsers(sub) -> None:
     r.add_argument("--force", action="store_true", help="replace OUT when it holds a previous student copy")
     r.add_argument("--workflow", type=Path, metavar="FILE",
                    help="(also) write the GitHub Classroom workflow for this course's exercises to FILE")
+    r.add_argument("--registry", action="store_true",
+                   help="(also) rewrite minikv/classroom/course.json, the checks the grader trusts, from exercises/")
 
 
 def _check(args) -> int:
@@ -338,10 +342,19 @@ def _release(args) -> int:
     from minikv.classroom.notebooks import course_root
     from minikv.classroom.release import ReleaseError, release_student, render_workflow
 
-    if args.student is None and args.workflow is None:
-        print("error: say what to write: --student OUT (the student copy) and/or --workflow FILE", file=sys.stderr)
+    if args.student is None and args.workflow is None and not args.registry:
+        print("error: say what to write: --student OUT (the student copy), --workflow FILE and/or --registry",
+              file=sys.stderr)
         return 2
     try:
+        if args.registry:
+            from minikv.classroom.registry import COURSE_FILE, render
+
+            root = course_root()
+            if root is None:
+                raise ReleaseError("--registry needs the course checkout (its exercises/)")
+            COURSE_FILE.write_text(render(root / "exercises"), encoding="utf-8")
+            print(f"wrote {COURSE_FILE}")
         if args.workflow is not None:
             root = course_root()
             if root is None:

@@ -346,6 +346,14 @@ def test_the_classroom_workflow_template_is_the_courses_own():
         assert tests[p.stem]["max-score"] == len(checks)
 
 
+def test_the_graders_copy_of_the_course_is_the_courses_own():
+    """The checks the grader trusts (inside the package) are exercises/' own: one entry per exercise."""
+    from minikv.classroom.registry import COURSE_FILE, render
+
+    assert COURSE_FILE.read_text(encoding="utf-8") == render(ROOT / "exercises"), (
+        "minikv/classroom/course.json is out of date with exercises/: regenerate it with `minikv release --registry`")
+
+
 # ---- --help of each verb -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("verb, says", [("check", "exit status: 0 every check passed"),

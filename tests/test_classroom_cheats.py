@@ -16,7 +16,9 @@ import nbformat
 import pytest
 
 from minikv.classroom import guard
-from minikv.classroom.grade import grade_class, write_csv, write_junit
+from minikv.classroom.check import CheckResult, Grade, grade_notebook
+from minikv.classroom.grade import StudentGrades, grade_class, write_csv, write_feedback, write_junit
+from minikv.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = "10a_two_tier_store"
@@ -144,9 +146,17 @@ def graded(tmp_path_factory):
     shutil.copy(course / "sq.ipynb", cls / "reader" / "sq.ipynb")
     _tiers(cls / "patcher" / tiers, exercise=PATCHER)
     _tiers(cls / "engine" / tiers, exercise=ENGINE)
-    names, rows = grade_class(cls, exercises=course, jobs=2, timeout=300)
-    write_csv(base / "grades.csv", names, rows)
+    seen: list[int] = []  # students in the CSV each time one finishes
+
+    def finished(row) -> None:
+        write_csv(base / "grades.csv", [Path(n).stem for n in sorted(p.name for p in course.glob("*.ipynb"))],
+                  [row], merge=True)
+        seen.append(sum(1 for r in csv.DictReader((base / "grades.csv").open()) if r["student"] != "total"))
+
+    names, rows = grade_class(cls, exercises=course, jobs=2, timeout=300, on_student=finished)
+    assert seen == list(range(1, len(rows) + 1)), seen  # written as each student finished, none lost
     write_junit(base / "grades.xml", names, rows)
+    write_feedback(base / "feedback", names, next(r for r in rows if r.student == "engine"))
     return {r.student: r for r in rows}, base
 
 
@@ -188,12 +198,15 @@ def test_the_engines_own_answer_scores_zero_and_is_flagged(graded):
     assert "ReferenceTwoTierStore" in g.flags[0]
 
 
-def test_the_csv_and_junit_name_each_flag(graded):
+def test_the_csv_the_junit_and_the_feedback_name_each_flag(graded):
     rows, base = graded
     table = {r["student"]: r for r in csv.DictReader((base / "grades.csv").open())}
     assert "ReferenceTwoTierStore" in table["engine"]["flags"] and not table["honest"]["flags"]
     assert table["untouched"][f"{TIERS} status"] == "not attempted"
+    assert table["honest"]["points"] == "3" and table["total"]["max_points"] == "3"
     ET.parse(base / "grades.xml")  # parses
+    feedback = (base / "feedback" / "engine.md").read_text()
+    assert "ReferenceTwoTierStore" in feedback and "flagged" in feedback
 
 
 @pytest.mark.parametrize("answer, engine", [
@@ -214,3 +227,68 @@ def test_a_wrapper_over_the_engines_answer_is_recognised(answer, engine):
     found = guard._qualname(obj) if guard._from_minikv(obj) else guard.engine_use(
         obj, {"match_prefix": []}, ["minikv.cache.prefix.radix:RadixCache"], set())
     assert (found is None) if engine is None else (engine in (found or "")), found
+
+
+# ---- the teacher's tables (no notebook runs) -----------------------------------------------------
+
+def _row(student: str, points: float, message: str = "") -> StudentGrades:
+    g = Grade("sq", f"{student}/sq.ipynb", checks=[CheckResult(1, 2, SQ_CHECK, 1.0, points > 0, message)])
+    return StudentGrades(student, {"sq": g})
+
+
+def test_control_characters_in_a_students_output_keep_the_junit_xml_parseable(tmp_path):
+    rows = [_row("ann", 0, "\x1b[31mred\x1b[0m and a NUL \x00 and \x07"), _row("bo", 1)]
+    write_junit(tmp_path / "g.xml", ["sq"], rows)
+    failure = ET.parse(tmp_path / "g.xml").getroot().find(".//failure").text
+    assert "red and a NUL \\x00 and \\x07" in failure and "\x1b" not in failure
+
+
+def test_grade_student_merges_one_row_into_the_csv(tmp_path):
+    out = tmp_path / "g.csv"
+    write_csv(out, ["sq"], [_row("ann", 0), _row("bo", 0)])
+    write_csv(out, ["sq"], [_row("bo", 1)], merge=True)
+    table = {r["student"]: r for r in csv.DictReader(out.open())}
+    assert (table["ann"]["sq"], table["bo"]["sq"], table["total"]["sq"]) == ("0", "1", "0.5")
+
+
+def test_grade_checks_the_output_path_before_grading(tmp_path, capsys):
+    (tmp_path / "class" / "ann").mkdir(parents=True)
+    code = main(["grade", str(tmp_path / "class"), "--out", str(tmp_path / "missing" / "g.csv")])
+    assert code == 2 and "missing/ does not exist" in capsys.readouterr().err
+
+
+def test_late_work_and_skipped_folders_are_reported(tmp_path):
+    """A clone committed after the deadline is late; `_template` and `.cache` are named as skipped."""
+    import subprocess
+
+    course = tmp_path / "course"
+    _notebook(course / "sq.ipynb", [(SQ_SETUP, []), (SQ_STUB, ["exercise"]), (SQ_CHECK, ["check"])])
+    cls = tmp_path / "class"
+    for d in ("ann", "_template", ".cache"):
+        (cls / d).mkdir(parents=True)
+    env = {"GIT_COMMITTER_DATE": "2026-03-02T10:00:00+00:00", "GIT_AUTHOR_DATE": "2026-03-02T10:00:00+00:00",
+           "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a", "GIT_COMMITTER_EMAIL": "a@b",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run(["git", "init", "-q"], cwd=cls / "ann", check=True, env=env)
+    subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "x"], cwd=cls / "ann", check=True, env=env)
+    from minikv.classroom.grade import parse_deadline
+
+    said: list[str] = []
+    _, rows = grade_class(cls, exercises=course, log=said.append, deadline=parse_deadline("2026-03-01"))
+    assert [r.student for r in rows] == ["ann"] and rows[0].late is True
+    assert rows[0].grades["sq"].status == "missing"
+    assert any(".cache, _template" in line and "skipped" in line for line in said), said
+
+
+def test_a_notebook_is_held_to_its_memory_and_its_output_is_kept_short(tmp_path):
+    course = _notebook(tmp_path / "course" / "sq.ipynb", [(SQ_SETUP, []), (SQ_STUB, ["exercise"]),
+                                                          (SQ_CHECK, ["check"]), ("import os\nos._exit(3)", [])])
+    mine = _notebook(tmp_path / "me" / "sq.ipynb", [
+        ("def square(x):\n    return x * x\n", ["exercise"]),
+        ("hog = bytearray(6 * 2**30)", []),                                  # past the 4 GiB limit
+        ("import os\nfor _ in range(400):\n    os.write(1, b'x' * 100_000)", []),  # 40 MB past the cell's capture
+        ("print('y' * 10_000_000)", [])])
+    g = grade_notebook(mine, reference=course, memory_gb=4)
+    assert g.checks[0].passed, g.report()
+    assert any("MemoryError" in n for n in g.notes), g.notes
+    assert len(g.report()) < 5000, "every output is kept to its end"
