@@ -247,6 +247,11 @@ def _classroom_parsers(sub) -> None:
                    help="the teacher's copy of the exercise (a notebook or its folder) whose checks count; "
                         "default: the course's own, inside the package")
     c.add_argument("--memory-gb", type=float, default=8.0, help="address space per notebook in GiB (default 8)")
+    c.add_argument("--check", type=int, default=None, metavar="K",
+                   help="report check K alone (1..): exit 0 when it passes (one test per check in GitHub Classroom)")
+    c.add_argument("--results", type=Path, default=None, metavar="DIR",
+                   help="keep each notebook's grade in DIR/<exercise>.json and reuse it: a notebook runs once "
+                        "for all its --check K")
     g = sub.add_parser("grade", help="grade a class: one sub-folder per student -> a CSV (and JUnit XML)",
                        description=GRADE_HELP, formatter_class=fmt)
     g.add_argument("folder", type=Path, metavar="FOLDER")
@@ -269,21 +274,45 @@ def _classroom_parsers(sub) -> None:
     r.add_argument("--force", action="store_true", help="replace OUT when it holds a previous student copy")
     r.add_argument("--workflow", type=Path, metavar="FILE",
                    help="(also) write the GitHub Classroom workflow for this course's exercises to FILE")
+    r.add_argument("--week", type=int, default=None, metavar="N",
+                   help="release week N's exercises alone (4: 04a_*, 04b_*), with their own workflow")
+    r.add_argument("--exercises", default=None, metavar="LIST",
+                   help="release these exercises alone, comma-separated (04a,06b_radix_match)")
+    r.add_argument("--hints", type=int, default=None, metavar="N",
+                   help="ship hint levels 1..N only (hint 3 is close to the answer: --hints 2 withholds it)")
     r.add_argument("--registry", action="store_true",
                    help="(also) rewrite minikv/classroom/course.json, the checks the grader trusts, from exercises/")
 
 
 def _check(args) -> int:
-    from minikv.classroom.check import grade_notebooks
+    import json as _json
+
+    from minikv.classroom.check import Grade, grade_notebooks
 
     def show(g) -> None:
+        g = g.only(args.check) if args.check is not None else g
         print(g.to_json() if args.json else g.report(), flush=True)
 
-    grades = grade_notebooks(args.notebooks, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
-                             on_done=show if args.jobs == 1 else None, memory_gb=args.memory_gb)
-    if args.jobs != 1:
+    cached: dict = {}
+    if args.results is not None:
+        for p in args.notebooks:
+            f = args.results / f"{p.stem}.json"
+            if f.is_file():
+                cached[p] = Grade.from_dict(_json.loads(f.read_text(encoding="utf-8")))
+    todo = [p for p in args.notebooks if p not in cached]
+    live = args.jobs == 1 and not cached  # each report as its notebook finishes
+    graded = grade_notebooks(todo, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
+                             on_done=show if live else None, memory_gb=args.memory_gb)
+    if args.results is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+        for p, g in zip(todo, graded):
+            (args.results / f"{p.stem}.json").write_text(_json.dumps(g.to_dict()), encoding="utf-8")
+    cached.update(zip(todo, graded))
+    grades = [cached[p] for p in args.notebooks]
+    if not live:
         for g in grades:
             show(g)
+    grades = [g.only(args.check) if args.check is not None else g for g in grades]
     if any(g.error is not None for g in grades):
         return 2
     return 0 if all(g.passed for g in grades) else 1
@@ -340,7 +369,14 @@ def _grade(args) -> int:
 
 def _release(args) -> int:
     from minikv.classroom.notebooks import course_root
-    from minikv.classroom.release import ReleaseError, release_student, render_workflow
+    from minikv.classroom.release import ReleaseError, release_student, render_workflow, select_exercises
+
+    def chosen(root):
+        if root is None:
+            raise ReleaseError("minikv release needs the course checkout (with exercises/ and pyproject.toml); "
+                               "run it from a clone of the repository")
+        names = [n.strip() for n in args.exercises.split(",") if n.strip()] if args.exercises else None
+        return select_exercises(root, week=args.week, names=names)
 
     if args.student is None and args.workflow is None and not args.registry:
         print("error: say what to write: --student OUT (the student copy), --workflow FILE and/or --registry",
@@ -360,10 +396,11 @@ def _release(args) -> int:
             if root is None:
                 raise ReleaseError("--workflow needs the course checkout (its exercises/)")
             args.workflow.parent.mkdir(parents=True, exist_ok=True)
-            args.workflow.write_text(render_workflow(sorted((root / "exercises").glob("*.ipynb"))))
+            args.workflow.write_text(render_workflow(chosen(root)))
             print(f"wrote {args.workflow}")
         if args.student is not None:
-            written = release_student(args.student, force=args.force)
+            written = release_student(args.student, force=args.force, exercises=chosen(course_root()),
+                                      hints=args.hints)
             print(f"wrote the student copy to {args.student} ({len(written)} files)")
     except ReleaseError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -286,6 +286,15 @@ def test_release_holds_back_the_interview_answers_and_says_so(student_copy):
         assert r.returncode == 2 and f"the {word} is not part of a student copy" in r.stderr, r.stderr
 
 
+def test_release_never_mentions_solutions(student_copy):
+    for path in [student_copy / "README.md", student_copy / "pyproject.toml", *student_copy.glob("*/*.ipynb")]:
+        text = path.read_text()
+        if path.suffix == ".ipynb":
+            text = "".join("".join(c.source) for c in nbformat.read(path, as_version=4).cells
+                           if c.cell_type == "markdown")
+        assert "solutions/" not in text and "and solutions" not in text, path
+
+
 def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_copy, capsys):
     text = (student_copy / "Makefile").read_text()
     assert "minikv.cli check" in text and "-m pytest" not in text
@@ -333,17 +342,52 @@ def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_p
 # ---- the GitHub Classroom workflow ---------------------------------------------------------------
 
 def test_the_classroom_workflow_template_is_the_courses_own():
+    """One test per check, worth the check's points: Classroom's total is `minikv grade`'s partial credit."""
     committed = (ROOT / "classroom" / "autograding.yml").read_text()
     assert committed == render_workflow(EXERCISES), (
         "classroom/autograding.yml is out of date with exercises/: regenerate it with "
         "`minikv release --workflow classroom/autograding.yml`")
     steps = yaml.safe_load(committed)["jobs"]["run-autograding-tests"]["steps"]
     tests = {s["with"]["test-name"]: s["with"] for s in steps if "autograding-command-grader" in s.get("uses", "")}
-    assert sorted(tests) == [p.stem for p in EXERCISES]
     for p in EXERCISES:
-        assert tests[p.stem]["command"].endswith(f"minikv check --timeout 540 exercises/{p.name}")
         checks = [c for c in nbformat.read(p, as_version=4).cells if "check" in _tags(c)]
-        assert tests[p.stem]["max-score"] == len(checks)
+        for k, c in enumerate(checks, start=1):
+            test = tests.pop(f"{p.stem} check {k}")
+            assert test["command"].endswith(f"--check {k} exercises/{p.name}"), test["command"]
+            assert test["max-score"] == c.metadata.get("minikv", {}).get("points", 1)
+    assert not tests, f"tests for no check: {sorted(tests)}"
+
+
+def test_one_check_at_a_time_grades_the_notebook_once(tmp_path, capsys):
+    """`check --results DIR --check K`: the first call grades, the next reads that grade (the notebook may be gone)."""
+    wrong = "def square(x):\n    return x + x\n"  # check 1 fails, check 2 (square(2) == 4) passes
+    nb = exercise(tmp_path / "sq.ipynb", wrong, check2="assert square(2) == 4\nprint('square(2) is 4')")
+    results = tmp_path / "results"
+    code, out, _ = cli(capsys, "check", "--reference", str(nb), "--results", str(results), "--check", "1", str(nb))
+    assert code == 1 and "check 1 of 1" in out and "square(1): expected 1, got 2" in out
+    nb.unlink()
+    code, out, _ = cli(capsys, "check", "--json", "--results", str(results), "--check", "2", str(nb))
+    assert code == 0 and json.loads(out)["points"] == 2, out
+
+
+def test_a_week_released_alone_with_its_workflow_and_hints_withheld(tmp_path):
+    out = tmp_path / "week4"
+    assert main(["release", "--student", str(out), "--week", "4", "--hints", "2"]) == 0
+    shipped = sorted(p.name for p in (out / "exercises").glob("*.ipynb"))
+    assert shipped == sorted(p.name for p in EXERCISES if p.name.startswith("04"))
+    names = {s["with"]["test-name"].split()[0] for s in yaml.safe_load(
+        (out / ".github" / "workflows" / "classroom.yml").read_text())["jobs"]["run-autograding-tests"]["steps"]
+        if "with" in s and "test-name" in s["with"]}
+    assert names == {Path(n).stem for n in shipped}
+    for name in shipped:
+        text = (out / "exercises" / name).read_text()
+        assert "Hint 2" in text and "Hint 3" not in text, name
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / ".venv").mkdir()
+    assert main(["release", "--student", str(out), "--exercises", "06b", "--force"]) == 0
+    assert (out / ".git" / "HEAD").is_file() and (out / ".venv").is_dir(), "--force keeps a template's .git, .venv"
+    assert [p.name for p in (out / "exercises").glob("*.ipynb")] == ["06b_radix_match.ipynb"]
 
 
 def test_the_graders_copy_of_the_course_is_the_courses_own():

@@ -109,6 +109,22 @@ class Grade:
                            "max_points": number(self.max_points), "status": self.status, "flags": self.flags,
                            "message": self.message})
 
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in vars(self).items() if k != "checks"}
+        d["checks"] = [vars(c) for c in self.checks]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Grade:
+        return cls(**{**d, "checks": [CheckResult(**c) for c in d.get("checks", [])]})
+
+    def only(self, k: int) -> Grade:
+        """This grade reduced to its check k (1..): what a one-check test of GitHub Classroom reports."""
+        if not 1 <= k <= len(self.checks):
+            return Grade(self.exercise, self.path, error=f"{self.exercise} has {len(self.checks)} checks, no check {k}")
+        return Grade(self.exercise, self.path, [self.checks[k - 1]], self.notes, self.flags, self.error,
+                     seconds=self.seconds, attempted=self.attempted, review=self.review)
+
     def report(self) -> str:
         """What `minikv check` prints: one line per check, the diagnosis under each failing one."""
         head = f"{self.exercise}: {number(self.points)} of {number(self.max_points)} points  ({self.path})"
