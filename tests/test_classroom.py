@@ -416,7 +416,7 @@ def test_each_classroom_verb_explains_itself(verb, says, capsys):
 def course_grades() -> dict[tuple[str, str], object]:
     """`minikv check` of every solution and every untouched exercise, two notebooks at a time."""
     paths = [ROOT / "solutions" / p.name for p in SOLVED] + EXERCISES
-    grades = grade_notebooks(paths, jobs=2)
+    grades = grade_notebooks(paths, jobs=2, run_untouched=True)  # the stubs run too: each check calls them
     return {(p.parent.name, p.name): g for p, g in zip(paths, grades)}
 
 
@@ -466,14 +466,15 @@ def test_grade_a_class_of_a_solver_and_an_untouched_copy(course_grades, tmp_path
     pa, pb = (course_grades["exercises", n].max_points for n in (one, two))
     full = pa + pb
     rows = list(csv.reader(out.open()))
-    assert rows[0] == ["student", a, b, "points", "max_points"]
-    assert rows[1] == ["alice", str(int(pa)), str(int(pb)), str(int(full)), str(int(full))]
-    assert rows[2] == ["bob", "0", "0", "0", str(int(full))]
+    assert rows[0][:5] == ["student", a, b, "points", "max_points"]
+    assert rows[1][:7] == ["alice", str(int(pa)), str(int(pb)), str(int(full)), str(int(full)), "passed", "passed"]
+    assert rows[2][:7] == ["bob", "0", "0", "0", str(int(full)), "not attempted", "missing"]
+    assert rows[3][0] == "total"
     suites = {s.get("name"): s for s in ET.parse(junit).getroot()}
     assert sorted(suites) == ["alice", "bob"]
     assert suites["alice"].get("failures") == "0" and suites["bob"].get("failures") == "2"
     bob = {c.get("name"): c for c in suites["bob"].iter("testcase")}
-    assert "is still a stub" in bob[a].find("failure").text or "NotImplementedError" in bob[a].find("failure").text
+    assert "not attempted" in bob[a].find("failure").text
     assert bob[b].find("failure").text == f"missing: no {two} in bob/"
     assert "alice: " in run.stdout and "bob: 0 of" in run.stdout
 
@@ -489,14 +490,21 @@ def test_the_checkers_work_in_the_student_copy(course_grades, student_copy, tmp_
     env.pop("TRITON_INTERPRET", None)
 
     def check(path: Path):
-        return subprocess.run([sys.executable, "-S", "-m", "minikv.cli", "check", "--json",
-                               "--reference", str(student_copy / "exercises"), str(path)],
+        return subprocess.run([sys.executable, "-S", "-m", "minikv.cli", "check", "--json", str(path)],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
     untouched = check(student_copy / "exercises" / name)
     assert untouched.returncode == 1, untouched.stdout + untouched.stderr
     result = json.loads(untouched.stdout)
-    assert result["points"] == 0 and result["message"], result
-    solved = check(mine)
+    assert result["points"] == 0 and result["status"] == "not attempted", result
+    printed = tmp_path / "printed" / name  # the solution with its check cells replaced by a print
+    printed.parent.mkdir()
+    nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
+    for c in nb.cells:
+        if "check" in _tags(c):
+            c.source = "print('all cases passed')"
+    nbformat.write(nb, printed)
+    assert json.loads(check(printed).stdout)["points"] == json.loads(check(mine).stdout)["points"]
+    solved = check(mine)  # graded by the checks inside the package: no checkout, no --reference
     assert solved.returncode == 0, solved.stdout + solved.stderr
     assert json.loads(solved.stdout)["passed"] is True

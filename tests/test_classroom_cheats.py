@@ -292,3 +292,18 @@ def test_a_notebook_is_held_to_its_memory_and_its_output_is_kept_short(tmp_path)
     assert g.checks[0].passed, g.report()
     assert any("MemoryError" in n for n in g.notes), g.notes
     assert len(g.report()) < 5000, "every output is kept to its end"
+
+
+def test_a_renamed_notebook_is_graded_by_the_course_checks_of_its_exercise(tmp_path):
+    """Renamed, with its check cells replaced by a print, it is still 10a: the course's checks run."""
+    from minikv.classroom.check import plan
+
+    _tiers(tmp_path / "my_store.ipynb")
+    nb = nbformat.read(tmp_path / "my_store.ipynb", as_version=4)
+    for c in nb.cells:
+        if "check" in c.metadata.get("tags", []):
+            c.source = "print('all 308 cases passed')"
+    nbformat.write(nb, tmp_path / "my_store.ipynb")
+    p = plan(tmp_path / "my_store.ipynb")
+    assert p.entry.name == TIERS and [c.source for c in p.entry.checks][0] == "check_two_tier_store(TwoTierStore)"
+    assert not any("all 308 cases passed" in c.source for c in p.cells)

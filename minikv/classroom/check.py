@@ -227,6 +227,7 @@ class Plan:
     notes: list[str]
     attempted: bool
     review: list[str]
+    untouched: bool                 # every code cell is one of the course's, the stubs as handed out
 
 
 def plan(path: Path, reference: Path | None = None) -> Plan:
@@ -263,7 +264,8 @@ def plan(path: Path, reference: Path | None = None) -> Plan:
     course_src = {normalised(c.source) for c in entry.cells}
     review = sorted({f"cell {c.index}: {s}" for c in cells if normalised(c.source) not in course_src
                      for s in suspect(c.source)})
-    return Plan(entry, run, where, notes, attempted, review)
+    untouched = all(normalised(c.source) in course_src for c in cells)
+    return Plan(entry, run, where, notes, attempted, review, untouched)
 
 
 class _Reader(threading.Thread):
@@ -289,9 +291,16 @@ class _Reader(threading.Thread):
             pass
 
 
+NOT_ATTEMPTED = "not attempted: every cell is the course's own, the stubs unchanged (not run: a stub fails every check)"
+
+
 def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference: Path | None = None,
-                   threads: int | None = 1, memory_gb: float | None = DEFAULT_MEMORY_GB) -> Grade:
-    """Run one exercise notebook in a fresh process, then the course's checks on what it defined."""
+                   threads: int | None = 1, memory_gb: float | None = DEFAULT_MEMORY_GB,
+                   run_untouched: bool = False) -> Grade:
+    """Run one exercise notebook in a fresh process, then the course's checks on what it defined.
+
+    A notebook whose every cell is the course's (an exercise handed back as it was handed out) scores 0
+    without running, unless run_untouched."""
     path = Path(path)
     grade = Grade(exercise=path.stem, path=str(path))
     try:
@@ -304,6 +313,10 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
             grade.max_known = 0.0
         return grade
     grade.exercise, grade.notes, grade.attempted, grade.review = p.entry.name, list(p.notes), p.attempted, p.review
+    if p.untouched and not run_untouched:
+        grade.checks = [CheckResult(k, at, c.source, c.points, False, NOT_ATTEMPTED)
+                        for k, (c, at) in enumerate(zip(p.entry.checks, p.where), start=1)]
+        return grade
     package = package_copy()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="minikv-notebook-") as work:
@@ -431,13 +444,15 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
 
 
 def grade_notebooks(paths: list[Path], timeout: float = DEFAULT_TIMEOUT, reference: Path | None = None,
-                    jobs: int = 1, on_done=None, memory_gb: float | None = DEFAULT_MEMORY_GB) -> list[Grade]:
+                    jobs: int = 1, on_done=None, memory_gb: float | None = DEFAULT_MEMORY_GB,
+                    run_untouched: bool = False) -> list[Grade]:
     """Grade several notebooks, `jobs` processes at a time; results in the order of `paths`."""
     jobs = max(1, min(jobs, len(paths) or 1))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 1
 
     def one(p: Path) -> Grade:
-        g = grade_notebook(p, timeout=timeout, reference=reference, threads=threads, memory_gb=memory_gb)
+        g = grade_notebook(p, timeout=timeout, reference=reference, threads=threads, memory_gb=memory_gb,
+                           run_untouched=run_untouched)
         if on_done is not None:
             on_done(g)
         return g
