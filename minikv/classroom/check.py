@@ -264,7 +264,10 @@ def plan(path: Path, reference: Path | None = None) -> Plan:
     course_src = {normalised(c.source) for c in entry.cells}
     review = sorted({f"cell {c.index}: {s}" for c in cells if normalised(c.source) not in course_src
                      for s in suspect(c.source)})
-    untouched = all(normalised(c.source) in course_src for c in cells)
+    untouched = all(normalised(c.source) in course_src for c in run)  # check cells never run: they do not count
+    ref = find_reference(path, reference)
+    if ref is not None and ref.resolve() == path.resolve():
+        untouched = False  # a notebook graded against itself (its own checks) runs
     return Plan(entry, run, where, notes, attempted, review, untouched)
 
 
