@@ -66,6 +66,7 @@ for place in places:
 
 # the checker's `fail` patched to do nothing: in a cell, and again from inside the learner's own code
 PATCHER = """
+import os
 import sys
 
 def nothing(*args, **kwargs):
@@ -77,6 +78,16 @@ def patch():
             module.fail = nothing
 
 patch()
+
+import minikv.checks.tiers as checker  # and a checker's file rewritten on disk
+
+try:
+    os.chmod(os.path.dirname(checker.__file__), 0o755)
+    os.chmod(checker.__file__, 0o644)
+    with open(checker.__file__, "a") as f:
+        f.write("\\ndef fail(*args, **kwargs):\\n    return None\\n")
+except OSError:
+    pass
 
 class TwoTierStore:
     def __init__(self, fast_blocks, slow_blocks):
@@ -190,6 +201,7 @@ def test_patching_the_checkers_fail_scores_nothing_and_is_flagged(graded):
     g = graded[0]["patcher"].grades[TIERS]
     assert g.points == 0, g.report()
     assert g.status == "flagged" and any("fail" in (c.flag or "") for c in g.checks), g.report()
+    assert any("on disk" in f for f in g.flags), g.flags
 
 
 def test_the_engines_own_answer_scores_zero_and_is_flagged(graded):
@@ -280,17 +292,18 @@ def test_late_work_and_skipped_folders_are_reported(tmp_path):
     assert any(".cache, _template" in line and "skipped" in line for line in said), said
 
 
-def test_a_notebook_is_held_to_its_memory_and_its_output_is_kept_short(tmp_path):
+def test_a_notebook_is_held_to_its_memory_one_thread_and_its_output_is_kept_short(tmp_path):
     course = _notebook(tmp_path / "course" / "sq.ipynb", [(SQ_SETUP, []), (SQ_STUB, ["exercise"]),
                                                           (SQ_CHECK, ["check"]), ("import os\nos._exit(3)", [])])
     mine = _notebook(tmp_path / "me" / "sq.ipynb", [
         ("def square(x):\n    return x * x\n", ["exercise"]),
         ("hog = bytearray(6 * 2**30)", []),                                  # past the 4 GiB limit
         ("import os\nfor _ in range(400):\n    os.write(1, b'x' * 100_000)", []),  # 40 MB past the cell's capture
-        ("print('y' * 10_000_000)", [])])
+        ("print('y' * 10_000_000)", []),
+        ("import torch\nassert torch.get_num_threads() == 1, torch.get_num_threads()", [])])  # one thread
     g = grade_notebook(mine, reference=course, memory_gb=4)
     assert g.checks[0].passed, g.report()
-    assert any("MemoryError" in n for n in g.notes), g.notes
+    assert [n for n in g.notes if "raised" in n] == [n for n in g.notes if "MemoryError" in n] != [], g.notes
     assert len(g.report()) < 5000, "every output is kept to its end"
 
 

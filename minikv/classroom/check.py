@@ -13,7 +13,7 @@ classroom/README.md.
 """
 from __future__ import annotations
 
-import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -166,22 +166,35 @@ def _ignore_held_back(folder: str, names: list[str]) -> set[str]:
     return set()
 
 
-_COPY: list[Path] = []
-_COPY_LOCK = threading.Lock()
+def package_copy(root: Path) -> str:
+    """Copy the minikv package into root/minikv, read-only; its digest (to find it changed after a run).
+
+    A notebook imports this copy: its minikv.__file__ leads to no checkout (no solutions/, instructor/ or
+    tests/ beside it), and a notebook that rewrites a checker on disk changes its own copy alone."""
+    shutil.copytree(Path(minikv.__file__).resolve().parent, root / "minikv", ignore=_ignore_held_back)
+    for p in (root / "minikv").rglob("*"):
+        p.chmod(0o444 if p.is_file() else 0o555)
+    (root / "minikv").chmod(0o555)
+    return _digest(root / "minikv")
 
 
-def package_copy() -> Path:
-    """A copy of the minikv package, alone in a temporary folder: what a notebook imports while graded.
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode() + b"\0")
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
 
-    Its minikv.__file__ leads to no checkout, so no solutions/, instructor/ or tests/ next to it."""
-    with _COPY_LOCK:
-        if _COPY and (_COPY[0] / "minikv" / "__init__.py").is_file():
-            return _COPY[0]
-        root = Path(tempfile.mkdtemp(prefix="minikv-grader-"))
-        shutil.copytree(Path(minikv.__file__).resolve().parent, root / "minikv", ignore=_ignore_held_back)
-        atexit.register(shutil.rmtree, root, True)
-        _COPY[:] = [root]
-        return root
+
+def _writable(folder: Path) -> None:
+    """Undo package_copy's read-only modes (and whatever a notebook set) so the folder can be removed."""
+    for p in [folder, *folder.rglob("*")]:
+        try:
+            if not p.is_symlink():
+                p.chmod(0o755 if p.is_dir() else 0o644)
+        except OSError:
+            pass
 
 
 def _child_env(package: Path) -> dict[str, str]:
@@ -320,9 +333,11 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
         grade.checks = [CheckResult(k, at, c.source, c.points, False, NOT_ATTEMPTED)
                         for k, (c, at) in enumerate(zip(p.entry.checks, p.where), start=1)]
         return grade
-    package = package_copy()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="minikv-notebook-") as work:
+    with tempfile.TemporaryDirectory(prefix="minikv-notebook-") as work, \
+            tempfile.TemporaryDirectory(prefix="minikv-grader-") as package_root:
+        package = Path(package_root)
+        digest = package_copy(package)
         shutil.copy(path, Path(work) / path.name)  # the notebook alone: nothing of its folder or the checkout
         course_plan = {"cwd": work, "env": p.entry.env, "threads": threads,
                        "memory": int(memory_gb * 2**30) if memory_gb else None,
@@ -356,13 +371,18 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
             raise
         events.join(10)
         log.join(10)
+        changed_on_disk = _digest(package / "minikv") != digest
+        _writable(package)
     grade.seconds = time.perf_counter() - start
-    _collect(grade, p, events, code, timed_out, timeout, log.tail.decode("utf-8", "replace").strip()[-600:])
+    if changed_on_disk:
+        grade.flags.append("changed the grader's copy of minikv on disk (a checker's file): its checks score 0")
+    _collect(grade, p, events, code, timed_out, timeout, log.tail.decode("utf-8", "replace").strip()[-600:],
+             changed_on_disk)
     return grade
 
 
 def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out: bool, timeout: float,
-             log_tail: str) -> None:
+             log_tail: str, changed_on_disk: bool = False) -> None:
     cells: dict[int, dict] = {}
     checks: dict[int, dict] = {}
     running, done, fatal, odd = None, False, None, []
@@ -435,7 +455,7 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
         flag = None
         if rec.get("tampered"):
             flag = "changed the grader's or the engine's code: " + ", ".join(map(str, rec["tampered"][:6]))
-        elif engine:
+        elif engine or changed_on_disk:
             flag = grade.flags[0]
         elif odd:
             flag = grade.flags[-1]

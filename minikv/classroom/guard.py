@@ -48,7 +48,7 @@ def _ident(v):
 
 def snapshot(skip_checks: bool = False) -> dict:
     """Every callable of the watched modules, and every class's own dict (a new key shadows a method)."""
-    snap: dict = {"modules": {}, "attrs": {}, "classes": {}}
+    snap: dict = {"modules": {}, "attrs": {}, "classes": {}, "meta_path": list(sys.meta_path)}
     for name in _watched_names(True, skip_checks):
         mod = sys.modules.get(name)
         if not isinstance(mod, types.ModuleType):
@@ -75,6 +75,9 @@ def _method_like(v) -> bool:
 def changed(snap: dict) -> list[str]:
     """The watched names rebound, deleted or shadowed since `snap` (a module swapped in sys.modules too)."""
     out = []
+    before, now = snap.get("meta_path", []), list(sys.meta_path)
+    if any(f not in now for f in before) or (before and now and now[0] is not before[0]):
+        out.append("sys.meta_path")  # an import hook ahead of Python's own could serve fake checkers
     for name, mod in snap["modules"].items():
         if sys.modules.get(name) is not mod and not name.startswith("minikv.checks"):
             out.append(f"sys.modules[{name!r}]")
