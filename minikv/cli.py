@@ -216,7 +216,8 @@ your cells defined, and print every check's diagnosis. Stored outputs count for 
 worth 1 point unless its cell's metadata says {"minikv": {"points": N}}.
 
 exit status: 0 every check passed; 1 a check failed (or the notebook hung past --timeout, or ended
-its process); 2 a notebook could not be graded (missing, not a notebook, no check cell)."""
+its process); 2 a notebook could not be graded (missing, not a notebook, not one of the course's
+exercises: give --reference for one of your own)."""
 
 GRADE_HELP = """Grade a class. FOLDER holds one sub-folder per student with their exercise notebooks (at
 any depth: a clone of their repository works); folders starting with _ or . are skipped. The

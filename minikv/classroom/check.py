@@ -33,6 +33,7 @@ from minikv.classroom.notebooks import (
     Cell,
     NotGradable,
     code_cells,
+    course_exercises,
     find_reference,
     max_points,
     normalised,
@@ -225,6 +226,9 @@ def _entry_for(path: Path, nb: dict, reference: Path | None) -> Entry:
         raise NotGradable(f"{reference} holds no {path.name}: give the course's copy of this exercise")
     entries = course()
     entry = identify(nb, path.stem, entries)
+    if entry is None and any(p.stem == path.stem for p in course_exercises()):
+        raise NotGradable(f"{path.name} is in this checkout's exercises/ but not in the grader's copy of the course "
+                          "(minikv/classroom/course.json): run `minikv release --registry`")
     if entry is None:
         raise NotGradable(f"{path.name} is not one of the course's exercises ({len(entries)} known: "
                           f"{', '.join(sorted(entries)[:3])}, ...); the grader runs only the course's own checks. "
