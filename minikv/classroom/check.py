@@ -35,7 +35,6 @@ from minikv.classroom.notebooks import (
     code_cells,
     course_exercises,
     find_reference,
-    max_points,
     normalised,
     read_notebook,
 )
@@ -370,6 +369,10 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
             except subprocess.TimeoutExpired:
                 _kill(proc)
                 code, timed_out = proc.returncode, True
+            try:  # whatever the notebook started and left running (it would hold the pipes open)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         except BaseException:  # Ctrl-C: the notebook's own session would outlive us
             _kill(proc)
             raise
@@ -487,10 +490,3 @@ def grade_notebooks(paths: list[Path], timeout: float = DEFAULT_TIMEOUT, referen
     with ThreadPoolExecutor(jobs) as pool:
         return list(pool.map(one, paths))
 
-
-def known_max_points(path: Path) -> float:
-    """max points of an exercise by the notebook's own check cells (0 when it cannot be read)."""
-    try:
-        return max_points(path)
-    except NotGradable:
-        return 0.0
