@@ -236,8 +236,7 @@ def test_a_wrapper_over_the_engines_answer_is_recognised(answer, engine):
     ns: dict = {}
     exec(compile(answer, "<cell 4>", "exec"), ns)
     obj = ns["match_prefix"]
-    found = guard._qualname(obj) if guard._from_minikv(obj) else guard.engine_use(
-        obj, {"match_prefix": []}, ["minikv.cache.prefix.radix:RadixCache"], set())
+    found = guard.engine_use(obj, {"match_prefix": []}, ["minikv.cache.prefix.radix:RadixCache"], set())
     assert (found is None) if engine is None else (engine in (found or "")), found
 
 

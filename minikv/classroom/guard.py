@@ -189,6 +189,8 @@ def _parts(obj):
 
 def engine_use(obj, answers: dict[str, list[str]], listed: list[str], allowed: set[int]) -> str | None:
     """The engine object a learner's answer is, or wraps (its code reaches it), or None."""
+    if _from_minikv(obj) and not isinstance(obj, types.ModuleType):
+        return _qualname(obj)  # handed in as it is: `from minikv... import match_prefix`
     seen: set[int] = set()
     todo = [obj]
     while todo and len(seen) < 500:

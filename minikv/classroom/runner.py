@@ -183,8 +183,7 @@ def main(fd: int) -> int:
                 obj = namespace[name]
                 course_ns[name] = obj
                 try:
-                    engine = (guard._qualname(obj) if guard._from_minikv(obj) else
-                              guard.engine_use(obj, answers, course.get("engine_answers", []), allowed))
+                    engine = guard.engine_use(obj, answers, course.get("engine_answers", []), allowed)
                 except Exception:  # noqa: BLE001  an object that breaks the inspection is the learner's own
                     engine = None
                 send({"answer": {"name": name, "engine": engine}})
