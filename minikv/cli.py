@@ -298,19 +298,22 @@ def _check_listen(host: str, port: int) -> None:
 
 # ---- for the classroom ---------------------------------------------------------------------------
 
-CHECK_HELP = """Grade exercise notebooks you saved: run each in a fresh process (its code cells in order, as a
-kernel runs them: your exercise cells as saved, the course's check cells), then print every check's
-diagnosis. Stored outputs count for nothing. A check cell is worth 1 point unless its metadata says
-{"minikv": {"points": N}}.
+CHECK_HELP = """Grade exercise notebooks you saved: run each alone in a fresh process (your code cells in order,
+as a kernel runs them, never your check cells), then the course's checks of that exercise on what
+your cells defined, and print every check's diagnosis. Stored outputs count for nothing. A check is
+worth 1 point unless its cell's metadata says {"minikv": {"points": N}}.
 
 exit status: 0 every check passed; 1 a check failed (or the notebook hung past --timeout, or ended
-its process); 2 a notebook could not be graded (missing, not a notebook, no check cell)."""
+its process); 2 a notebook could not be graded (missing, not a notebook, not one of the course's
+exercises: give --reference for one of your own)."""
 
 GRADE_HELP = """Grade a class. FOLDER holds one sub-folder per student with their exercise notebooks (at
-any depth: a clone of their repository works). The exercises are the course's (exercises/*.ipynb of
-this checkout, or --exercises); a student missing one gets 0 for it. Every notebook runs in a process
-of its own, --jobs at a time. Writes a CSV (student, one column per exercise, points, max_points) and,
-with --junit, JUnit XML (a testsuite per student, a testcase per exercise with its diagnosis)."""
+any depth: a clone of their repository works); folders starting with _ or . are skipped. The
+exercises are the course's (or --exercises); a student missing one gets 0 for it. Every notebook runs
+in a process of its own, --jobs at a time. Writes a CSV as each student finishes (student, one column
+per exercise, points, max_points, a status per exercise, flags, review, commit, late; a last row with
+the class's means) and, with --junit, JUnit XML (a testsuite per student, a testcase per exercise
+with its diagnosis); --feedback DIR a report per student."""
 
 RELEASE_HELP = """Write the student copy of the course: notebooks/ (with their outputs), exercises/ (the stubs,
 every output cleared), README, the package (pyproject.toml, Makefile, minikv/), the
@@ -330,8 +333,14 @@ def _classroom_parsers(sub) -> None:
                    help="seconds a notebook may run before its process is killed (default 600)")
     c.add_argument("--jobs", type=int, default=1, help="notebooks graded at once, one process each (default 1)")
     c.add_argument("--reference", type=Path, default=None,
-                   help="the course's copy of the exercise (a notebook or its folder) whose check cells count; "
-                        "default: exercises/ of the checkout minikv runs from")
+                   help="the teacher's copy of the exercise (a notebook or its folder) whose checks count; "
+                        "default: the course's own, inside the package")
+    c.add_argument("--memory-gb", type=float, default=8.0, help="address space per notebook in GiB (default 8)")
+    c.add_argument("--check", type=int, default=None, metavar="K",
+                   help="report check K alone (1..): exit 0 when it passes (one test per check in GitHub Classroom)")
+    c.add_argument("--results", type=Path, default=None, metavar="DIR",
+                   help="keep each notebook's grade in DIR/<exercise>.json and reuse it: a notebook runs once "
+                        "for all its --check K")
     g = sub.add_parser("grade", help="grade a class: one sub-folder per student -> a CSV (and JUnit XML)",
                        description=GRADE_HELP, formatter_class=fmt)
     g.add_argument("folder", type=Path, metavar="FOLDER")
@@ -341,25 +350,58 @@ def _classroom_parsers(sub) -> None:
                    help="the folder of the course's exercise notebooks (default: exercises/ of this checkout)")
     g.add_argument("--jobs", type=int, default=2, help="notebooks graded at once, one process each (default 2)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook (default 600)")
+    g.add_argument("--student", default=None, metavar="NAME",
+                   help="grade this student's folder alone and merge the row into the CSV already at --out")
+    g.add_argument("--deadline", default=None, help="a `late` column: the last commit of each student's clone "
+                   "against this date (2026-03-01 or 2026-03-01T23:59+01:00)")
+    g.add_argument("--feedback", type=Path, default=None, metavar="DIR",
+                   help="write DIR/<student>.md: every exercise's report, for the student")
+    g.add_argument("--memory-gb", type=float, default=8.0, help="address space per notebook in GiB (default 8)")
     r = sub.add_parser("release", help="write the student copy of the course (no solutions, no instructor key)",
                        description=RELEASE_HELP, formatter_class=fmt)
     r.add_argument("--student", type=Path, metavar="OUT", help="the folder to write the student copy into (new)")
     r.add_argument("--force", action="store_true", help="replace OUT when it holds a previous student copy")
     r.add_argument("--workflow", type=Path, metavar="FILE",
                    help="(also) write the GitHub Classroom workflow for this course's exercises to FILE")
+    r.add_argument("--week", type=int, default=None, metavar="N",
+                   help="release week N's exercises alone (4: 04a_*, 04b_*), with their own workflow")
+    r.add_argument("--exercises", default=None, metavar="LIST",
+                   help="release these exercises alone, comma-separated (04a,06b_radix_match)")
+    r.add_argument("--hints", type=int, default=None, metavar="N",
+                   help="ship hint levels 1..N only (hint 3 is close to the answer: --hints 2 withholds it)")
+    r.add_argument("--registry", action="store_true",
+                   help="(also) rewrite minikv/classroom/course.json, the checks the grader trusts, from exercises/")
 
 
 def _check(args) -> int:
-    from minikv.classroom.check import grade_notebooks
+    import json as _json
+
+    from minikv.classroom.check import Grade, grade_notebooks
 
     def show(g) -> None:
+        g = g.only(args.check) if args.check is not None else g
         print(g.to_json() if args.json else g.report(), flush=True)
 
-    grades = grade_notebooks(args.notebooks, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
-                             on_done=show if args.jobs == 1 else None)
-    if args.jobs != 1:
+    cached: dict = {}
+    if args.results is not None:
+        for p in args.notebooks:
+            f = args.results / f"{p.stem}.json"
+            if f.is_file():
+                cached[p] = Grade.from_dict(_json.loads(f.read_text(encoding="utf-8")))
+    todo = [p for p in args.notebooks if p not in cached]
+    live = args.jobs == 1 and not cached  # each report as its notebook finishes
+    graded = grade_notebooks(todo, timeout=args.timeout, reference=args.reference, jobs=args.jobs,
+                             on_done=show if live else None, memory_gb=args.memory_gb)
+    if args.results is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+        for p, g in zip(todo, graded):
+            (args.results / f"{p.stem}.json").write_text(_json.dumps(g.to_dict()), encoding="utf-8")
+    cached.update(zip(todo, graded))
+    grades = [cached[p] for p in args.notebooks]
+    if not live:
         for g in grades:
             show(g)
+    grades = [g.only(args.check) if args.check is not None else g for g in grades]
     if any(g.error is not None for g in grades):
         return 2
     return 0 if all(g.passed for g in grades) else 1
@@ -367,40 +409,87 @@ def _check(args) -> int:
 
 def _grade(args) -> int:
     from minikv.classroom.check import number
-    from minikv.classroom.grade import grade_class, write_csv, write_junit
+    from minikv.classroom.grade import (
+        check_writable,
+        grade_class,
+        parse_deadline,
+        write_csv,
+        write_feedback,
+        write_junit,
+    )
 
     try:
-        exercises, rows = grade_class(args.folder, exercises=args.exercises, jobs=args.jobs, timeout=args.timeout,
-                                      log=lambda line: print(line, file=sys.stderr, flush=True))
-    except FileNotFoundError as e:
+        check_writable(args.out)
+        if args.junit is not None:
+            check_writable(args.junit)
+        deadline = parse_deadline(args.deadline) if args.deadline else None
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_csv(args.out, exercises, rows)
+    finished = []
+
+    def save(row) -> None:  # the CSV as each student finishes: an interrupted run keeps what it graded
+        finished.append(row)
+        write_csv(args.out, exercises[0], finished, merge=args.student is not None)
+        if args.feedback is not None:
+            write_feedback(args.feedback, exercises[0], row)
+
+    exercises: list = []
+    try:
+        from minikv.classroom.grade import exercise_names
+
+        exercises.append([p.rsplit(".", 1)[0] for p in exercise_names(args.exercises)[0]])
+        names, rows = grade_class(args.folder, exercises=args.exercises, jobs=args.jobs, timeout=args.timeout,
+                                  log=lambda line: print(line, file=sys.stderr, flush=True), only=args.student,
+                                  deadline=deadline, on_student=save, memory_gb=args.memory_gb)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_csv(args.out, names, rows, merge=args.student is not None)
     if args.junit is not None:
-        write_junit(args.junit, exercises, rows)
+        write_junit(args.junit, names, rows)
     for r in rows:
-        print(f"{r.student}: {number(r.points)} of {number(r.max_points)} points")
-    print(f"wrote {args.out}" + (f" and {args.junit}" if args.junit else ""))
+        print(f"{r.student}: {number(r.points)} of {number(r.max_points)} points"
+              + (f"  FLAGGED: {'; '.join(r.flags)}" if r.flags else ""))
+    print(f"wrote {args.out}" + (f" and {args.junit}" if args.junit else "")
+          + (f"; feedback in {args.feedback}/" if args.feedback else ""))
     return 0
 
 
 def _release(args) -> int:
     from minikv.classroom.notebooks import course_root
-    from minikv.classroom.release import ReleaseError, release_student, render_workflow
+    from minikv.classroom.release import ReleaseError, release_student, render_workflow, select_exercises
 
-    if args.student is None and args.workflow is None:
-        print("error: say what to write: --student OUT (the student copy) and/or --workflow FILE", file=sys.stderr)
+    def chosen(root):
+        if root is None:
+            raise ReleaseError("minikv release needs the course checkout (with exercises/ and pyproject.toml); "
+                               "run it from a clone of the repository")
+        names = [n.strip() for n in args.exercises.split(",") if n.strip()] if args.exercises else None
+        return select_exercises(root, week=args.week, names=names)
+
+    if args.student is None and args.workflow is None and not args.registry:
+        print("error: say what to write: --student OUT (the student copy), --workflow FILE and/or --registry",
+              file=sys.stderr)
         return 2
     try:
+        if args.registry:
+            from minikv.classroom.registry import COURSE_FILE, render
+
+            root = course_root()
+            if root is None:
+                raise ReleaseError("--registry needs the course checkout (its exercises/)")
+            COURSE_FILE.write_text(render(root / "exercises"), encoding="utf-8")
+            print(f"wrote {COURSE_FILE}")
         if args.workflow is not None:
             root = course_root()
             if root is None:
                 raise ReleaseError("--workflow needs the course checkout (its exercises/)")
             args.workflow.parent.mkdir(parents=True, exist_ok=True)
-            args.workflow.write_text(render_workflow(sorted((root / "exercises").glob("*.ipynb"))))
+            args.workflow.write_text(render_workflow(chosen(root)))
             print(f"wrote {args.workflow}")
         if args.student is not None:
-            written = release_student(args.student, force=args.force)
+            written = release_student(args.student, force=args.force, exercises=chosen(course_root()),
+                                      hints=args.hints)
             print(f"wrote the student copy to {args.student} ({len(written)} files)")
     except ReleaseError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -140,6 +140,7 @@ THIRD_PARTY_PRIVATE = {
     "_attn_implementation": "transformers' model config names its attention implementation so",
     "_showtraceback": "IPython's shell prints a traceback with it (the checkers' short errors)",
     "_repr_mimebundle_": "IPython's display protocol",
+    "_exit": "os._exit ends a graded notebook's process without running its exit hooks (minikv check)",
 }
 
 

@@ -75,18 +75,20 @@ def exercise(path: Path, body: str = STUB, check2: str = "check_square(square)")
 
 # ---- minikv check on small notebooks -------------------------------------------------------------
 
-def test_check_passes_a_written_exercise_and_prints_one_json_line(tmp_path):
+def test_check_passes_a_written_exercise_and_prints_one_json_line(tmp_path, capsys):
+    course = exercise(tmp_path / "course" / "sq.ipynb")
     nb = exercise(tmp_path / "sq.ipynb", SQUARE)
-    run = minikv("check", "--json", str(nb))
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.strip().splitlines()
+    code, out, err = cli(capsys, "check", "--json", "--reference", str(course), str(nb))
+    assert code == 0, out + err
+    lines = out.strip().splitlines()
     assert len(lines) == 1
     assert json.loads(lines[0]) == {"exercise": "sq", "passed": True, "points": 3, "max_points": 3,
-                                    "message": "all 2 checks passed"}
+                                    "status": "passed", "flags": [], "message": "all 2 checks passed"}
 
 
 def test_check_fails_a_stub_with_its_diagnosis_not_a_traceback(tmp_path, capsys):
-    code, out, _ = cli(capsys, "check", str(exercise(tmp_path / "sq.ipynb")))
+    nb = exercise(tmp_path / "sq.ipynb")
+    code, out, _ = cli(capsys, "check", "--reference", str(nb), str(nb))
     assert code == 1
     assert "sq: 0 of 3 points" in out
     assert "FAIL  check 1 of 2 (cell 2): check_square(square)" in out
@@ -109,7 +111,7 @@ def test_a_stub_is_named_as_one():
 def test_check_grades_each_check_cell_and_names_the_first_difference(tmp_path):
     wrong = "def square(x):\n    return x + x\n"  # right at 0 and 2 only
     nb = exercise(tmp_path / "sq.ipynb", wrong, check2="assert square(2) == 4\nprint('square(2) is 4')")
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert (g.points, g.max_points, g.passed) == (2, 3, False)
     assert [c.passed for c in g.checks] == [False, True]
     assert "square(1): expected 1, got 2" in g.checks[0].message
@@ -124,7 +126,7 @@ def test_saved_outputs_count_for_nothing(tmp_path):
         if "check" in c.metadata["tags"]:
             c.outputs = [nbformat.v4.new_output("stream", name="stdout", text="all 5 cases passed: square\n")]
     nbformat.write(nb, path)
-    assert grade_notebook(path).points == 0
+    assert grade_notebook(path, reference=exercise(tmp_path / "course" / "sq.ipynb")).points == 0
 
 
 def test_an_edited_check_cell_is_graded_with_the_course_one(tmp_path):
@@ -133,14 +135,14 @@ def test_an_edited_check_cell_is_graded_with_the_course_one(tmp_path):
                     ("print('all 5 cases passed: square')", ["check"]))  # the second check deleted too
     g = grade_notebook(mine, reference=course.parent)
     assert (g.points, g.max_points) == (0, 3)
-    assert any("differs from the course's" in n for n in g.notes)
-    assert any("missing from your notebook" in n for n in g.notes)
+    assert any("a check cell the course does not have" in n for n in g.notes)
+    assert [c.cell for c in g.checks] == [None, None]  # neither of the course's checks is in the notebook
     assert "square(0): expected 0, got 3" in g.checks[0].message
 
 
 def test_an_error_in_the_learners_code_names_its_line(tmp_path):
     nb = exercise(tmp_path / "sq.ipynb", "def square(x):\n    y = x * x\n    return y / 0\n")
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert "ZeroDivisionError: division by zero" in g.checks[0].message
     assert "raised in square (cell 1, line 3): return y / 0" in g.checks[0].message
 
@@ -149,28 +151,29 @@ def test_a_hanging_cell_stops_at_the_notebooks_time_limit(tmp_path, capsys):
     nb = notebook(tmp_path / "hang.ipynb", ("x = 1", ["exercise"]), ("print('first')", ["check"]),
                   ("import threading\nthreading.Event().wait()  # never ends", ["check"]),
                   ("print('never')", ["check"]))
-    code, out, _ = cli(capsys, "check", "--json", "--timeout", "4", str(nb))
+    code, out, _ = cli(capsys, "check", "--json", "--timeout", "15", "--reference", str(nb), str(nb))
     assert code == 1
     result = json.loads(out)
     assert (result["points"], result["max_points"]) == (1, 3)
-    assert "ran past the notebook's 4 s limit" in result["message"]
-    assert "did not run: cell 2 was still running" in result["message"]
+    assert "ran past the notebook's 15 s limit" in result["message"]
+    assert "did not run: check 2 was still running" in result["message"]
 
 
 def test_exit_in_a_learners_cell_ends_only_that_cell(tmp_path):
     nb = notebook(tmp_path / "ex.ipynb", ("def f():\n    return 1\nexit()", ["exercise"]),
                   ("assert f() == 1\nprint('ok')", ["check"]), ("import sys\nsys.exit(3)", ["check"]),
                   ("import os\nos._exit(0)", []), ("print('after')", ["check"]))
-    g = grade_notebook(nb)
+    g = grade_notebook(nb, reference=nb)
     assert [c.passed for c in g.checks] == [True, False, False]
     assert "cell 0 (your exercise cell) raised: the cell called exit()" in g.notes
     assert g.checks[1].message == "the cell called exit() or sys.exit(3)"
-    assert g.checks[2].message.startswith("did not run: the notebook's process ended (exit code 0) in cell 3")
+    assert g.checks[2].message.startswith("did not run: the notebook's process ended (exit code 0) in the course's "
+                                          "setup cell 3")
 
 
 @pytest.mark.parametrize("setup, says", [
     (lambda d: d / "absent.ipynb", "absent.ipynb: no such file"),
-    (lambda d: notebook(d / "plain.ipynb", ("print(1)", [])), "is not an exercise notebook"),
+    (lambda d: notebook(d / "plain.ipynb", ("print(1)", [])), "is not one of the course's exercises"),
     (lambda d: (d / "junk.ipynb").write_text("{not json") and d / "junk.ipynb", "is not a notebook"),
     (lambda d: d, "is a folder"),
 ])
@@ -184,7 +187,7 @@ def test_what_cannot_be_graded_exits_2_with_the_reason(tmp_path, setup, says, ca
 def test_cells_tagged_solution_never_run(tmp_path):
     nb = notebook(tmp_path / "sq.ipynb", (CHECK, []), (STUB, ["exercise"]), (SQUARE, ["solution"]),
                   ("check_square(square)", ["check"]))
-    assert grade_notebook(nb).points == 0
+    assert grade_notebook(nb, reference=nb).points == 0
 
 
 # ---- the diagnosis in a notebook -----------------------------------------------------------------
@@ -284,6 +287,15 @@ def test_release_holds_back_the_interview_answers_and_says_so(student_copy):
         assert r.returncode == 2 and f"the {word} is not part of a student copy" in r.stderr, r.stderr
 
 
+def test_release_never_mentions_solutions(student_copy):
+    for path in [student_copy / "README.md", student_copy / "pyproject.toml", *student_copy.glob("*/*.ipynb")]:
+        text = path.read_text()
+        if path.suffix == ".ipynb":
+            text = "".join("".join(c.source) for c in nbformat.read(path, as_version=4).cells
+                           if c.cell_type == "markdown")
+        assert "solutions/" not in text and "and solutions" not in text, path
+
+
 def test_release_makefile_grades_the_exercises_and_refuses_to_overwrite(student_copy, capsys):
     text = (student_copy / "Makefile").read_text()
     assert "minikv.cli check" in text and "-m pytest" not in text
@@ -331,17 +343,60 @@ def test_release_leaves_out_instructor_and_solution_material_of_any_course(tmp_p
 # ---- the GitHub Classroom workflow ---------------------------------------------------------------
 
 def test_the_classroom_workflow_template_is_the_courses_own():
+    """One test per check, worth the check's points: Classroom's total is `minikv grade`'s partial credit."""
     committed = (ROOT / "classroom" / "autograding.yml").read_text()
     assert committed == render_workflow(EXERCISES), (
         "classroom/autograding.yml is out of date with exercises/: regenerate it with "
         "`minikv release --workflow classroom/autograding.yml`")
     steps = yaml.safe_load(committed)["jobs"]["run-autograding-tests"]["steps"]
     tests = {s["with"]["test-name"]: s["with"] for s in steps if "autograding-command-grader" in s.get("uses", "")}
-    assert sorted(tests) == [p.stem for p in EXERCISES]
     for p in EXERCISES:
-        assert tests[p.stem]["command"].endswith(f"minikv check --timeout 540 exercises/{p.name}")
         checks = [c for c in nbformat.read(p, as_version=4).cells if "check" in _tags(c)]
-        assert tests[p.stem]["max-score"] == len(checks)
+        for k, c in enumerate(checks, start=1):
+            test = tests.pop(f"{p.stem} check {k}")
+            assert test["command"].endswith(f"--check {k} exercises/{p.name}"), test["command"]
+            assert test["max-score"] == c.metadata.get("minikv", {}).get("points", 1)
+    assert not tests, f"tests for no check: {sorted(tests)}"
+
+
+def test_one_check_at_a_time_grades_the_notebook_once(tmp_path, capsys):
+    """`check --results DIR --check K`: the first call grades, the next reads that grade (the notebook may be gone)."""
+    wrong = "def square(x):\n    return x + x\n"  # check 1 fails, check 2 (square(2) == 4) passes
+    nb = exercise(tmp_path / "sq.ipynb", wrong, check2="assert square(2) == 4\nprint('square(2) is 4')")
+    results = tmp_path / "results"
+    code, out, _ = cli(capsys, "check", "--reference", str(nb), "--results", str(results), "--check", "1", str(nb))
+    assert code == 1 and "check 1 of 1" in out and "square(1): expected 1, got 2" in out
+    nb.unlink()
+    code, out, _ = cli(capsys, "check", "--json", "--results", str(results), "--check", "2", str(nb))
+    assert code == 0 and json.loads(out)["points"] == 2, out
+
+
+def test_a_week_released_alone_with_its_workflow_and_hints_withheld(tmp_path):
+    out = tmp_path / "week4"
+    assert main(["release", "--student", str(out), "--week", "4", "--hints", "2"]) == 0
+    shipped = sorted(p.name for p in (out / "exercises").glob("*.ipynb"))
+    assert shipped == sorted(p.name for p in EXERCISES if p.name.startswith("04"))
+    names = {s["with"]["test-name"].split()[0] for s in yaml.safe_load(
+        (out / ".github" / "workflows" / "classroom.yml").read_text())["jobs"]["run-autograding-tests"]["steps"]
+        if "with" in s and "test-name" in s["with"]}
+    assert names == {Path(n).stem for n in shipped}
+    for name in shipped:
+        text = (out / "exercises" / name).read_text()
+        assert "Hint 2" in text and "Hint 3" not in text, name
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / ".venv").mkdir()
+    assert main(["release", "--student", str(out), "--exercises", "06b", "--force"]) == 0
+    assert (out / ".git" / "HEAD").is_file() and (out / ".venv").is_dir(), "--force keeps a template's .git, .venv"
+    assert [p.name for p in (out / "exercises").glob("*.ipynb")] == ["06b_radix_match.ipynb"]
+
+
+def test_the_graders_copy_of_the_course_is_the_courses_own():
+    """The checks the grader trusts (inside the package) are exercises/' own: one entry per exercise."""
+    from minikv.classroom.registry import COURSE_FILE, render
+
+    assert COURSE_FILE.read_text(encoding="utf-8") == render(ROOT / "exercises"), (
+        "minikv/classroom/course.json is out of date with exercises/: regenerate it with `minikv release --registry`")
 
 
 # ---- --help of each verb -------------------------------------------------------------------------
@@ -362,7 +417,7 @@ def test_each_classroom_verb_explains_itself(verb, says, capsys):
 def course_grades() -> dict[tuple[str, str], object]:
     """`minikv check` of every solution and every untouched exercise, two notebooks at a time."""
     paths = [ROOT / "solutions" / p.name for p in SOLVED] + EXERCISES
-    grades = grade_notebooks(paths, jobs=2)
+    grades = grade_notebooks(paths, jobs=2, run_untouched=True)  # the stubs run too: each check calls them
     return {(p.parent.name, p.name): g for p, g in zip(paths, grades)}
 
 
@@ -412,14 +467,15 @@ def test_grade_a_class_of_a_solver_and_an_untouched_copy(course_grades, tmp_path
     pa, pb = (course_grades["exercises", n].max_points for n in (one, two))
     full = pa + pb
     rows = list(csv.reader(out.open()))
-    assert rows[0] == ["student", a, b, "points", "max_points"]
-    assert rows[1] == ["alice", str(int(pa)), str(int(pb)), str(int(full)), str(int(full))]
-    assert rows[2] == ["bob", "0", "0", "0", str(int(full))]
+    assert rows[0][:5] == ["student", a, b, "points", "max_points"]
+    assert rows[1][:7] == ["alice", str(int(pa)), str(int(pb)), str(int(full)), str(int(full)), "passed", "passed"]
+    assert rows[2][:7] == ["bob", "0", "0", "0", str(int(full)), "not attempted", "missing"]
+    assert rows[3][0] == "total"
     suites = {s.get("name"): s for s in ET.parse(junit).getroot()}
     assert sorted(suites) == ["alice", "bob"]
     assert suites["alice"].get("failures") == "0" and suites["bob"].get("failures") == "2"
     bob = {c.get("name"): c for c in suites["bob"].iter("testcase")}
-    assert "is still a stub" in bob[a].find("failure").text or "NotImplementedError" in bob[a].find("failure").text
+    assert "not attempted" in bob[a].find("failure").text
     assert bob[b].find("failure").text == f"missing: no {two} in bob/"
     assert "alice: " in run.stdout and "bob: 0 of" in run.stdout
 
@@ -435,14 +491,21 @@ def test_the_checkers_work_in_the_student_copy(course_grades, student_copy, tmp_
     env.pop("TRITON_INTERPRET", None)
 
     def check(path: Path):
-        return subprocess.run([sys.executable, "-S", "-m", "minikv.cli", "check", "--json",
-                               "--reference", str(student_copy / "exercises"), str(path)],
+        return subprocess.run([sys.executable, "-S", "-m", "minikv.cli", "check", "--json", str(path)],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
     untouched = check(student_copy / "exercises" / name)
     assert untouched.returncode == 1, untouched.stdout + untouched.stderr
     result = json.loads(untouched.stdout)
-    assert result["points"] == 0 and result["message"], result
-    solved = check(mine)
+    assert result["points"] == 0 and result["status"] == "not attempted", result
+    printed = tmp_path / "printed" / name  # the solution with its check cells replaced by a print
+    printed.parent.mkdir()
+    nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
+    for c in nb.cells:
+        if "check" in _tags(c):
+            c.source = "print('all cases passed')"
+    nbformat.write(nb, printed)
+    assert json.loads(check(printed).stdout)["points"] == json.loads(check(mine).stdout)["points"]
+    solved = check(mine)  # graded by the checks inside the package: no checkout, no --reference
     assert solved.returncode == 0, solved.stdout + solved.stderr
     assert json.loads(solved.stdout)["passed"] is True

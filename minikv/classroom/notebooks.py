@@ -31,6 +31,7 @@ class Cell:
     source: str
     tags: frozenset[str]
     points: float = 0.0  # check cells only
+    id: str = ""        # the notebook's cell id (nbformat 4.5), kept when a learner edits the cell
 
     @property
     def role(self) -> str:
@@ -76,8 +77,13 @@ def code_cells(nb: dict) -> list[Cell]:
         tags = tags_of(c)
         if c.get("cell_type") != "code" or tags & NEVER_RUN:
             continue
-        cells.append(Cell(i, source_of(c), tags, points_of(c) if "check" in tags else 0.0))
+        cells.append(Cell(i, source_of(c), tags, points_of(c) if "check" in tags else 0.0, str(c.get("id") or "")))
     return cells
+
+
+def normalised(source: str) -> str:
+    """A cell's code as the grader compares it: blank lines and trailing spaces do not count."""
+    return "\n".join(line.rstrip() for line in source.strip().splitlines() if line.strip())
 
 
 def course_root() -> Path | None:
@@ -101,57 +107,9 @@ def max_points(path: Path) -> float:
 
 
 def find_reference(path: Path, reference: Path | None = None) -> Path | None:
-    """The course's own copy of this exercise, whose check cells the grader trusts over the learner's.
-
-    reference: a notebook, or a folder holding one of the same name; by default the course's
-    exercises/ folder when minikv runs from a checkout. None when there is none, or it is `path` itself."""
-    if reference is None:
-        root = course_root()
-        reference = root / "exercises" if root else None
+    """The teacher's copy of this exercise named by `reference`: a notebook, or a folder holding one of the
+    same name (None when there is none). Without it the grader trusts the package's copy of the course."""
     if reference is None:
         return None
     found = reference / path.name if reference.is_dir() else reference
-    if not found.is_file():
-        return None
-    try:
-        if found.resolve() == path.resolve():
-            return None
-    except OSError:
-        return None
-    return found
-
-
-def plan(path: Path, reference: Path | None = None) -> tuple[list[Cell], list[str]]:
-    """The cells to run for grading `path`, and notes on what the grader changed.
-
-    The learner's code cells run as saved, except the check cells: those are the course's (from the
-    reference copy), matched in order, so an edited or deleted check cannot pass. Missing ones run
-    at the end; extra ones run as plain cells worth nothing."""
-    nb = read_notebook(path)
-    cells = code_cells(nb)
-    ref = find_reference(path, reference)
-    if ref is None:
-        if not any(c.role == "check" for c in cells):
-            raise NotGradable(f"{path} is not an exercise notebook: no code cell is tagged `check` "
-                              "(an exercise's check cells run its checker)")
-        return cells, []
-    want = [c for c in code_cells(read_notebook(ref)) if c.role == "check"]
-    if not want:
-        raise NotGradable(f"{ref} (the course's copy of {path.name}) has no check cell")
-    notes, k, out = [], 0, []
-    for c in cells:
-        if c.role != "check":
-            out.append(c)
-        elif k < len(want):
-            w = want[k]
-            if c.source.strip() != w.source.strip():
-                notes.append(f"cell {c.index}: your check cell differs from the course's; the course's ran")
-            out.append(Cell(c.index, w.source, c.tags, w.points))
-            k += 1
-        else:
-            notes.append(f"cell {c.index}: a check cell the course does not have; it ran as a plain cell")
-            out.append(Cell(c.index, c.source, c.tags - {"check"}))
-    for w in want[k:]:
-        notes.append(f"the course's check cell {w.index} is missing from your notebook; it ran at the end")
-        out.append(Cell(w.index, w.source, w.tags, w.points))
-    return out, notes
+    return found if found.is_file() else None

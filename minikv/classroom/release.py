@@ -9,10 +9,11 @@ What the student copy holds (everything else of the checkout stays out):
     exercises/          the stubs, every output cleared: an exercise opens clean, with no stored run
     benchmarks/         the recorded runs the notebooks read
     tests/<module>.py   only a module a notebook imports (the beam-search oracle of notebook 07)
-    .github/workflows/classroom.yml     autograding: one `minikv check` per exercise, its points
+    .github/workflows/classroom.yml     autograding: one test per check of each exercise, its points
 
 Never: solutions/, instructor/ (the instructor key), the rest of tests/, and no cell tagged
-`solution` or `instructor` in any notebook.
+`solution` or `instructor` in any notebook, nor a mention of solutions/. A teacher may release one
+week's exercises (`week=4`: 04a, 04b) or a list of them, and withhold hints past a level (`hints=2`).
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ import subprocess
 from pathlib import Path
 
 from minikv.classroom.check import number
-from minikv.classroom.notebooks import NEVER_RUN, course_root, max_points, tags_of
+from minikv.classroom.notebooks import NEVER_RUN, course_root, tags_of
+from minikv.classroom.registry import entry_of_notebook
 
 MARKER = ".minikv-student-release"
+KEPT_ON_FORCE = {".git", ".venv", "venv", ".env"}  # a template repository's history and environment
+HINT = re.compile(r"^#### Hint (\d+)\b")
 TOP_FILES = ["README.md", "GLOSSARY.md", "pyproject.toml", "Makefile", ".gitignore", "LICENSE", "LICENSE.md", "NOTICE"]
 FOLDERS = ["minikv", "notebooks", "exercises", "benchmarks", "lab"]  # lab/: make lab's JupyterLab settings
 NEVER_SHIPPED = {"solutions", "instructor", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
@@ -52,10 +56,29 @@ def _shipped(path: Path, root: Path) -> bool:
                 or path.suffix in (".pyc", ".pyo") or any(fnmatch.fnmatch(rel.as_posix(), g) for g in HELD_BACK))
 
 
-def student_notebook(nb: dict, clear_outputs: bool) -> dict:
-    """The notebook without its solution/instructor cells; with clear_outputs, without any stored run."""
+def without_solutions(text: str) -> str:
+    """Prose less its mentions of solutions/ (the student copy has none)."""
+    text = re.sub(r" ?\([^()]*`solutions/`[^()]*\)", "", text)  # "(with their completed twins in `solutions/`)"
+    text = re.sub(r",? and (?:a|their) completed twins? in `solutions/`", "", text)
+    return text.replace("exercises and solutions", "exercises")
+
+
+def _hint_level(cell: dict) -> int | None:
+    m = HINT.match("".join(cell.get("source", "")) if cell.get("cell_type") == "markdown" else "")
+    return int(m.group(1)) if m else None
+
+
+def student_notebook(nb: dict, clear_outputs: bool, hints: int | None = None) -> dict:
+    """The notebook without its solution/instructor cells (nor hints past level `hints`); with clear_outputs,
+    without any stored run."""
     nb = dict(nb)
-    nb["cells"] = [c for c in nb["cells"] if not tags_of(c) & NEVER_RUN]
+    nb["cells"] = [c for c in nb["cells"] if not tags_of(c) & NEVER_RUN
+                   and not (hints is not None and (_hint_level(c) or 0) > hints)]
+    for c in nb["cells"]:
+        if c.get("cell_type") == "markdown":
+            src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            if "solutions" in src:
+                c["source"] = without_solutions(src)
     if clear_outputs:
         for c in nb["cells"]:
             if c.get("cell_type") == "code":
@@ -96,7 +119,7 @@ def student_readme(text: str) -> str:
     """The README less its "For teachers" section and its mentions of solutions/, with a note saying what
     this copy is."""
     text = re.sub(r"(?ms)^## For teachers\b.*?(?=^## |\Z)", "", text)
-    text = re.sub(r" ?\([^()]*`solutions/`[^()]*\)", "", text)  # "(with their completed twins in `solutions/`)"
+    text = without_solutions(text)
     lines = text.splitlines()
     at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
     return "\n".join(lines[:at] + ["", STUDENT_NOTE] + lines[at:]).rstrip() + "\n"
@@ -122,26 +145,35 @@ def imported_test_modules(root: Path) -> list[Path]:
     return sorted(p for n in names if (p := root / "tests" / f"{n}.py").is_file())
 
 
+RESULTS = "/tmp/minikv-results"  # outside the repository: a committed file cannot pose as this run's result
+
+
 def render_workflow(exercises: list[Path]) -> str:
-    """GitHub Classroom autograding: install once, then one `minikv check` step per exercise, its points."""
+    """GitHub Classroom autograding: install once, then one test per check of each exercise, worth its points.
+
+    The first test of an exercise grades the notebook (`minikv check --results`); the others read that
+    grade, so each notebook runs once and the Classroom total equals `minikv grade`'s partial credit."""
     steps, runners = [], []
     for nb in exercises:
-        step_id = "ex" + re.sub(r"[^a-z0-9]", "", nb.stem.lower())  # letters and digits: the reporter's own rule
-        runners.append(step_id)
-        steps.append(f"""      - name: {nb.stem}
+        entry = entry_of_notebook(nb)
+        for k, chk in enumerate(entry.checks, start=1):
+            step_id = "ex" + re.sub(r"[^a-z0-9]", "", nb.stem.lower()) + f"c{k}"  # the reporter's own rule
+            runners.append(step_id)
+            steps.append(f"""      - name: {nb.stem} check {k}
         id: {step_id}
         uses: classroom-resources/autograding-command-grader@v1
         with:
-          test-name: {nb.stem}
-          command: minikv check --timeout 540 exercises/{nb.name}
+          test-name: {nb.stem} check {k}
+          command: minikv check --timeout 540 --results {RESULTS} --check {k} exercises/{nb.name}
           timeout: 10
-          max-score: {number(max_points(nb))}
+          max-score: {number(chk.points)}
 """)
     env = "".join(f"          {r.upper()}_RESULTS: \"${{{{ steps.{r}.outputs.result }}}}\"\n" for r in runners)
-    return f"""# GitHub Classroom autograding for minikv: one test per exercise, worth its check cells' points.
+    return f"""# GitHub Classroom autograding for minikv: one test per check of each exercise, worth its points.
 # Written by `minikv release` (the student copy has it as .github/workflows/classroom.yml): regenerate it
-# with `minikv release --workflow FILE` after adding or renaming an exercise. A test passes when every
-# check cell of the exercise passes (`minikv check` exits 0); its output is each check's diagnosis.
+# with `minikv release --workflow FILE` after adding or renaming an exercise. The first test of an exercise
+# grades its notebook once (`minikv check`); each test passes when its check passes, its output the diagnosis.
+# The student owns this repository, this file included: these scores are feedback; grade with `minikv grade`.
 name: Autograding Tests
 "on":
   - push
@@ -171,12 +203,27 @@ jobs:
           python -m pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.7,<2.14"
           python -m pip install -e .
           minikv prepare
+          rm -rf {RESULTS}
 {"".join(steps)}      - name: Autograding Reporter
         uses: classroom-resources/autograding-grading-reporter@v1
         env:
 {env}        with:
           runners: {",".join(runners)}
 """
+
+
+def select_exercises(root: Path, week: int | None = None, names: list[str] | None = None) -> list[Path]:
+    """The exercises to release: all, one week's (week 4: 04a_*, 04b_*), or those named (04a, 06b_radix_match)."""
+    every = sorted((root / "exercises").glob("*.ipynb"))
+    if week is None and not names:
+        return every
+    chosen = [p for p in every if (week is not None and re.match(rf"0*{week}[a-z]?_", p.stem))
+              or any(p.stem == n or p.stem.startswith(f"{n}_") for n in names or [])]
+    if not chosen:
+        known = ", ".join(p.stem for p in every)
+        raise ReleaseError(f"no exercise matches {'week ' + str(week) if week is not None else ', '.join(names)}; "
+                           f"the exercises: {known}")
+    return chosen
 
 
 def _git_commit(root: Path) -> str | None:
@@ -187,8 +234,12 @@ def _git_commit(root: Path) -> str | None:
     return out.stdout.strip() or None
 
 
-def release_student(out: Path, force: bool = False, root: Path | None = None) -> list[Path]:
-    """Write the student copy into `out` (new, or a previous release with force); the files written."""
+def release_student(out: Path, force: bool = False, root: Path | None = None, exercises: list[Path] | None = None,
+                    hints: int | None = None) -> list[Path]:
+    """Write the student copy into `out` (new, or a previous release with force); the files written.
+
+    exercises: those to ship (default all; see select_exercises). hints: the highest hint level shipped.
+    force keeps a template repository's .git and .venv."""
     root = root or course_root()
     if root is None:
         raise ReleaseError("minikv release needs the course checkout (with exercises/ and pyproject.toml); "
@@ -205,7 +256,13 @@ def release_student(out: Path, force: bool = False, root: Path | None = None) ->
                                "replace a previous student copy")
         if not (out / MARKER).is_file():
             raise ReleaseError(f"{out} is not a previous student copy (no {MARKER}); --force replaces only those")
-        shutil.rmtree(out)
+        for child in out.iterdir():
+            if child.name in KEPT_ON_FORCE:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
@@ -223,17 +280,24 @@ def release_student(out: Path, force: bool = False, root: Path | None = None) ->
             continue
         if name == "README.md":
             put(out / name, student_readme(src.read_text(encoding="utf-8")))
+        elif name == "pyproject.toml":
+            put(out / name, "".join(line for line in src.read_text(encoding="utf-8").splitlines(True)
+                                    if "solutions/" not in line))
         elif name == "Makefile":
             put(out / name, student_makefile(src.read_text(encoding="utf-8")))
         else:
             put(out / name, src=src)
+    chosen = sorted(exercises) if exercises is not None else sorted((root / "exercises").glob("*.ipynb"))
     for folder in FOLDERS:
         for src in sorted((root / folder).rglob("*")):
             if not src.is_file() or not _shipped(src, root):
                 continue
+            if folder == "exercises" and src.suffix == ".ipynb" and src not in chosen:
+                continue
             dst = out / src.relative_to(root)
             if src.suffix == ".ipynb":
-                nb = student_notebook(json.loads(src.read_text(encoding="utf-8")), clear_outputs=folder == "exercises")
+                nb = student_notebook(json.loads(src.read_text(encoding="utf-8")), clear_outputs=folder == "exercises",
+                                      hints=hints if folder == "exercises" else None)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 _write_notebook(dst, nb)
                 written.append(dst)
@@ -241,7 +305,8 @@ def release_student(out: Path, force: bool = False, root: Path | None = None) ->
                 put(dst, src=src)
     for src in imported_test_modules(root):
         put(out / src.relative_to(root), src=src)
-    put(out / ".github" / "workflows" / "classroom.yml", render_workflow(sorted((root / "exercises").glob("*.ipynb"))))
-    put(out / MARKER, json.dumps({"from_commit": _git_commit(root)}) + "\n")
+    put(out / ".github" / "workflows" / "classroom.yml", render_workflow(chosen))
+    put(out / MARKER, json.dumps({"from_commit": _git_commit(root), "exercises": [p.stem for p in chosen],
+                                  "hints": hints}) + "\n")
     return written
 

@@ -1,21 +1,25 @@
-"""Run a notebook's cells in this fresh process, in order, as a kernel would; record what each did.
+"""Run a learner's notebook, then the course's checks on what it defined, in this fresh process.
 
-    python minikv/classroom/runner.py PLAN.json RESULT.json
+    python runner.py FD  < PLAN.json       (started by minikv.classroom.check, by its path, not `-m`)
 
-Started by minikv.classroom.check, by its path (not `-m`): nothing of minikv is imported before the
-notebook's own cells import it, so a first cell that sets TRITON_INTERPRET still comes first.
+PLAN.json    {"cwd", "env", "memory", "threads", "cells": [{"index", "source", "role"}], "course": {...}}
+FD           a pipe to the grader: one JSON line per event, written as it happens:
+             {"running": "cell 4"}, {"cell": {...}}, {"answer": {...}}, {"check": {...}}, {"done": true}
 
-PLAN.json    {"cwd": folder, "cells": [{"index": i, "source": "...", "role": "check" | "exercise" | "code"}]}
-RESULT.json  rewritten after each cell: {"running": i or null, "cells": [{"index", "role", "error",
-             "output", "seconds"}], "finished": bool}; a parent that finds "running" set after the
-             process ended knows which cell hung or ended the process.
-
+Two phases:
+1. the learner's cells, in order, as a kernel runs them (never their check cells: those are the course's);
+2. the course's cells (minikv/classroom/registry.py) in a new namespace, with the checkers imported
+   afresh (minikv.checks is dropped from sys.modules first): its setup cells, the learner's objects where
+   the course has an exercise cell, its check cells. Around each check the grader compares the
+   checkers, the engine, torch and builtins with what they were (minikv/classroom/guard.py).
+The process ends with os._exit right after its last event: an atexit hook of the learner never runs.
 A cell's exception, SystemExit (exit(), sys.exit()) included, is recorded and the next cell runs.
 """
 from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
 import contextlib
 import inspect
 import io
@@ -29,11 +33,22 @@ import traceback
 OUTPUT_KEPT = 2000  # characters of a cell's printed output kept for the report (the end of it)
 
 
-def _write(path: str, state: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)
+class Tail(io.TextIOBase):
+    """A stream that keeps only the last `keep` characters written to it (a cell printing 200 MB costs nothing)."""
+
+    def __init__(self, keep: int = OUTPUT_KEPT):
+        self.keep, self.text = keep, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s) -> int:
+        s = str(s)
+        self.text = (self.text + s)[-self.keep:]
+        return len(s)
+
+    def getvalue(self) -> str:
+        return self.text
 
 
 def _explain(exc: BaseException) -> str:
@@ -41,8 +56,10 @@ def _explain(exc: BaseException) -> str:
         return f"the cell called exit() or sys.exit({'' if exc.code is None else repr(exc.code)})"
     report = sys.modules.get("minikv.checks.report")
     if report is not None:  # the notebook ran a checker: it knows its failures and the stubs
-        return report.explain(exc)
-    # no checker imported (so no check failure to recognise): the error and the learner's line it came from
+        try:
+            return report.explain(exc)
+        except Exception:  # noqa: BLE001  a broken explanation must not lose the error
+            pass
     text = f"{type(exc).__name__}: {exc}"
     mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<cell ")]
     if mine:
@@ -64,37 +81,128 @@ def _shell():
     return shell
 
 
-def main(plan_path: str, result_path: str) -> int:
-    with open(plan_path, encoding="utf-8") as f:
-        plan = json.load(f)
-    os.chdir(plan["cwd"])
-    sys.path[0] = plan["cwd"]  # as a kernel started in the notebook's folder (not this script's folder)
-    shell = _shell()
-    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
-    results: list[dict] = []
-    for cell in plan["cells"]:
-        _write(result_path, {"running": cell["index"], "cells": results, "finished": False})
-        name, source = f"<cell {cell['index']}>", cell["source"]
-        linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # tracebacks show the line
-        out, error, start = io.StringIO(), None, time.perf_counter()
+def _run(source: str, name: str, namespace: dict, shell) -> tuple[str | None, str, float]:
+    """Run one cell's source: (its error explained or None, the end of its output, seconds)."""
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # tracebacks show the line
+    out, error, start = Tail(), None, time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = shell.transform_cell(source) if shell is not None else source
+            compiled = compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+            ran = eval(compiled, namespace)  # noqa: S307  the learner's notebook, as a kernel runs it
+            if inspect.iscoroutine(ran):
+                asyncio.run(ran)
+    except BaseException as e:  # noqa: BLE001  SystemExit and KeyboardInterrupt too: recorded, never fatal
+        error = _explain(e)
+    if shell is not None and shell.exit_now:  # exit() in IPython asks the shell to end after the cell
+        shell.exit_now = False
+        error = error or "the cell called exit()"
+    return error, out.getvalue(), round(time.perf_counter() - start, 3)
+
+
+def _limit(plan: dict) -> None:
+    """Memory (address space) and threads, before any of the notebook's imports."""
+    if plan.get("memory"):
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                code = shell.transform_cell(source) if shell is not None else source
-                compiled = compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
-                ran = eval(compiled, namespace)  # noqa: S307  the learner's notebook, as a kernel runs it
-                if inspect.iscoroutine(ran):
-                    asyncio.run(ran)
-        except BaseException as e:  # noqa: BLE001  SystemExit and KeyboardInterrupt too: recorded, never fatal
-            error = _explain(e)
-        if shell is not None and shell.exit_now:  # exit() in IPython asks the shell to end after the cell
-            shell.exit_now = False
-            error = error or "the cell called exit()"
-        text = out.getvalue()
-        results.append({"index": cell["index"], "role": cell["role"], "error": error,
-                        "output": text[-OUTPUT_KEPT:], "seconds": round(time.perf_counter() - start, 3)})
-    _write(result_path, {"running": None, "cells": results, "finished": True})
-    return 0
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (int(plan["memory"]), int(plan["memory"])))
+        except (ImportError, ValueError, OSError):
+            pass
+    os.environ.update(plan.get("env", {}))
+    threads = plan.get("threads")
+    if threads:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
+def _sanitize_path(cwd: str) -> None:
+    """sys.path as a kernel started in the notebook's folder, less any folder holding another minikv checkout."""
+    keep = [p for p in sys.path[1:] if p and not os.path.isfile(os.path.join(p, "pyproject.toml"))]
+    sys.path[:] = [cwd, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p], *keep]
+    sys.path[:] = list(dict.fromkeys(sys.path))
+
+
+def main(fd: int) -> int:
+    plan = json.loads(sys.stdin.read())
+    channel = os.fdopen(fd, "w", buffering=1, encoding="utf-8")
+
+    def send(event: dict) -> None:
+        channel.write(json.dumps(event) + "\n")
+        channel.flush()
+
+    _limit(plan)
+    os.chdir(plan["cwd"])
+    _sanitize_path(plan["cwd"])
+    try:  # torch and the engine before the learner's code: the guard's picture of them is the untouched one
+        import torch
+
+        if plan.get("threads"):
+            torch.set_num_threads(int(plan["threads"]))
+        import minikv  # noqa: F401
+        from minikv.classroom import guard
+    except Exception as e:  # noqa: BLE001  every check will say so
+        send({"fatal": f"the grader could not import minikv: {type(e).__name__}: {e}"})
+        os._exit(0)
+    shell = _shell()
+    untouched = guard.snapshot(skip_checks=True)
+    package_path = list(sys.modules["minikv"].__path__)
+
+    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
+    for cell in plan["cells"]:
+        send({"running": f"cell {cell['index']}"})
+        error, output, seconds = _run(cell["source"], f"<cell {cell['index']}>", namespace, shell)
+        send({"cell": {"index": cell["index"], "role": cell["role"], "error": error, "output": output,
+                       "seconds": seconds}})
+
+    # ---- phase 2: the course's cells, the checkers imported afresh ----
+    for name in [n for n in sys.modules if n == "minikv.checks" or n.startswith("minikv.checks.")]:
+        del sys.modules[name]
+    vars(sys.modules["minikv"]).pop("checks", None)
+    sys.modules["minikv"].__path__ = list(package_path)  # the checkers come from the package, nowhere else
+    course = plan["course"]
+    course_ns: dict = {"__name__": "__main__", "__builtins__": builtins}
+    answers = {n: m for c in course["cells"] if c["role"] == "exercise" for n, m in c.get("names", {}).items()}
+    broken_setup = None
+    number = 0
+    baselines = [untouched]  # the untouched picture, then one before each check: a change to any stays found
+    tampered: set[str] = set()
+    for k, cell in enumerate(course["cells"]):
+        if cell["role"] == "setup":
+            send({"running": f"the course's setup cell {k}"})
+            error, _, _ = _run(cell["source"], f"<course cell {k}>", course_ns, None)
+            if error is not None and broken_setup is None:
+                broken_setup = f"the course's setup cell {k} failed: {error}"
+        elif cell["role"] == "exercise":
+            allowed = {id(v) for v in course_ns.values()}
+            for name in cell.get("names", {}):
+                if name not in namespace:
+                    send({"answer": {"name": name, "missing": True}})
+                    course_ns.pop(name, None)
+                    continue
+                obj = namespace[name]
+                course_ns[name] = obj
+                try:
+                    engine = guard.engine_use(obj, answers, course.get("engine_answers", []), allowed)
+                except Exception:  # noqa: BLE001  an object that breaks the inspection is the learner's own
+                    engine = None
+                send({"answer": {"name": name, "engine": engine}})
+        else:
+            number += 1
+            send({"running": f"check {number}"})
+            baselines.append(guard.snapshot())
+            error, output, seconds = _run(cell["source"], f"<course check {number}>", course_ns, None)
+            if error is not None and broken_setup is not None:
+                error = f"{error}\n({broken_setup})"
+            for snap in baselines:
+                tampered.update(guard.changed(snap))
+            send({"check": {"number": number, "error": error, "output": output, "seconds": seconds,
+                            "tampered": sorted(tampered)}})
+    send({"done": True})
+    channel.close()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(int(sys.argv[1])))
