@@ -40,6 +40,10 @@ T_b >= T; its rows hold every sequence the bucket can take (min(T_b, max_num_seq
 
 The prefill kernel's grid is frozen at capture (every row, cdiv(T_b, BLOCK_M) query tiles); a program
 past its sequence's queries returns at once, so a real sequence of any length up to T_b is covered.
+Buckets of at most 32 tokens (the backend's query_rows_max) read their context through the split-K
+decode kernel instead, one row per token with its own causal length (minikv/attention/triton_backend.py):
+a short suffix over a long cached prefix then spreads over the GPU, where the prefill kernel would give
+each (sequence, head) one program walking the whole context alone.
 Larger steps (long prompts, big chunks) stay eager: their launches are a small part of their time.
 """
 from __future__ import annotations
