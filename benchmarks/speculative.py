@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/speculative.py --cpu --out benchmarks/speculative_cpu.json
     python benchmarks/speculative.py --gpu --out benchmarks/speculative_gpu.json      # on a CUDA machine
     python benchmarks/speculative.py --gpu --cpu-smoke                                # the GPU mode, tiny, on a CPU
+    python benchmarks/speculative.py --gpu --random-shape qwen2.5-0.5b --out ...      # a GPU without the course's model
 
 CPU mode: SmolLM2-135M-Instruct float32, one request at a time, greedy, on prompts whose answer repeats
 its input (repeating a passage, renaming a variable in code) and on one whose answer does not (a
@@ -105,6 +106,9 @@ def main() -> None:
     mode.add_argument("--gpu", action="store_true", help="batch 1, 8, 64, 256 on a CUDA device")
     ap.add_argument("--cpu-smoke", action="store_true", help="the GPU mode with tiny sizes on a CPU (a check)")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--random-shape", choices=["qwen2.5-0.5b", "llama-3.1-8b"], default=None,
+                    help="a random-weight checkpoint of these shapes instead of --model (a GPU machine that cannot "
+                         "hold the course's model); prompts are then repeating token ids, and the record says so")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
@@ -116,6 +120,14 @@ def main() -> None:
     device = "cuda" if args.gpu and not args.cpu_smoke else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
     model = "tiny-random" if args.cpu_smoke else args.model
+    if args.random_shape:
+        import tempfile
+
+        from minikv.bench.throughput import LLAMA31_8B_SHAPE, QWEN25_05B_SHAPE, make_random_checkpoint
+
+        shape = {"qwen2.5-0.5b": QWEN25_05B_SHAPE, "llama-3.1-8b": LLAMA31_8B_SHAPE}[args.random_shape]
+        model = str(make_random_checkpoint(shape, Path(tempfile.mkdtemp()) / args.random_shape,
+                                           dtype=getattr(torch, dtype), device=device))
     new_tokens = args.new_tokens or (8 if args.cpu_smoke else 64 if args.cpu else 128)
     repeats = args.repeats or (1 if args.cpu_smoke else 2 if args.cpu else 3)
     common = dict(device=device, dtype=dtype, kv_backend="paged")
@@ -159,7 +171,8 @@ def main() -> None:
     if args.gpu:
         print(f"crossover (first batch size where n-gram speculation is slower): {crossover}")
     record = {"benchmark": "speculative decoding, n-gram, with and without", **environment(device),
-              "model": model, "dtype": dtype, "num_speculative_tokens": args.k, "new_tokens": new_tokens,
+              "model": f"random weights, {args.random_shape} shapes" if args.random_shape else model,
+              "dtype": dtype, "num_speculative_tokens": args.k, "new_tokens": new_tokens,
               "repeats": repeats, "mode": "cpu single stream" if args.cpu else "gpu batches", "rows": rows,
               "crossover_batch": crossover}
     if args.out:
