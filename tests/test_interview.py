@@ -925,8 +925,8 @@ def test_a_quiz_asks_at_most_one_question_of_a_group_of_near_duplicates(tmp_path
 
 def test_the_quiz_path_imports_no_torch():
     """`minikv quiz` needs only the bank: its modules import no torch, so the quiz can start in well under a
-    second. (The package's own __init__ still imports torch to set Triton's interpreter switch; this test
-    loads the package without it, to pin what the quiz itself imports.)"""
+    second. (The package's own __init__ imports torch only where a CUDA device may exist, to set Triton's
+    interpreter switch; this test loads the package without it, to pin what the quiz itself imports.)"""
     import subprocess
 
     code = ("import sys, types, io, contextlib\n"
@@ -939,3 +939,20 @@ def test_the_quiz_path_imports_no_torch():
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.strip()
     assert "'torch'" not in loaded and "minikv.checks" not in loaded, loaded
+
+
+def test_importing_minikv_on_a_machine_without_cuda_loads_no_torch_and_switches_the_interpreter_on():
+    """The package's __init__ decides Triton's interpreter switch without torch where no CUDA device can
+    exist, and loads the engine's names on first use: `minikv quiz` then starts at once."""
+    import subprocess
+
+    import minikv
+
+    if minikv._cuda_may_be_here():
+        pytest.skip("a CUDA driver is present: torch decides the interpreter switch here, as it should")
+    code = ("import os, sys\nos.environ.pop('TRITON_INTERPRET', None)\nimport minikv\n"
+            "print('torch' in sys.modules, os.environ.get('TRITON_INTERPRET'))\n"
+            "from minikv import LLM\nprint(LLM.__name__, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "1", "LLM", "True"], out.stdout
