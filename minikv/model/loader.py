@@ -32,7 +32,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer, or None (prompts are then token ids)
     source: str
-    # the engines built on these weights (weakly): the last one open releases them on close()
+    # the engines built on these weights (weakly): the one that loaded them releases them on close()
+    # when no other open engine shares them (LLM.close)
     engines: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
