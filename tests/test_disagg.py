@@ -90,8 +90,9 @@ def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_pr
     import httpx
 
     from minikv.serve import Server
+    from minikv.serve.app_thread import AppThread
     from minikv.serve.disagg import DecodeSide, build_prefill_app
-    from minikv.serve.router import AppThread, Router
+    from minikv.serve.router import Router
 
     a, b = KVChannel.pair()
     decode = prefill.derive(kv_offload_store=Inbox())
@@ -117,8 +118,9 @@ def test_smollm2_through_the_router_and_a_prefill_decode_pair_answers_as_one_eng
     import httpx
 
     from minikv.serve import Server
+    from minikv.serve.app_thread import AppThread
     from minikv.serve.disagg import DecodeSide, build_prefill_app
-    from minikv.serve.router import AppThread, Router
+    from minikv.serve.router import Router
 
     one = LLM(str(smollm2_dir), kv_backend="paged", block_size=16, num_blocks=128, max_model_len=512,
               prefix_caching="hash", dtype="float32", device="cpu")

@@ -181,7 +181,8 @@ def replicas():
 @pytest.fixture
 def router(replicas, request):
     policy = getattr(request, "param", "cache_aware")
-    with Router([s.url for s in replicas[0]], policy, probe_interval=0.2, probe_timeout=1.0) as r:
+    # a generous probe timeout: no replica here is silent, and a busy machine must not take a healthy one out
+    with Router([s.url for s in replicas[0]], policy, probe_interval=0.2, probe_timeout=HANG_S) as r:
         yield r
 
 
@@ -261,7 +262,9 @@ def test_a_replica_that_refuses_or_never_answers_is_taken_out_and_the_request_se
     closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
     dead = [f"http://127.0.0.1:{silent.getsockname()[1]}", f"http://127.0.0.1:{closed.getsockname()[1]}"]
     try:
-        with Router([*dead, replicas[0][0].url], "round_robin", probe_interval=0.1, probe_timeout=0.5) as r:
+        # the silent replica is found by its probe timing out; 5 s leaves the healthy one, answering from a
+        # thread of this process, room to answer its own probes on a busy machine
+        with Router([*dead, replicas[0][0].url], "round_robin", probe_interval=0.1, probe_timeout=5.0) as r:
             want = reference.generate(ids_of(90), SamplingParams(max_tokens=6, temperature=0))[0].token_ids
             for _ in range(3):
                 out = post(r.url, {"prompt": ids_of(90), "max_tokens": 6, "temperature": 0, "return_token_ids": True})

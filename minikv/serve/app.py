@@ -32,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import sys
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -45,6 +43,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minikv.engine.llm import LLM
+from minikv.serve.app_thread import AppThread
 from minikv.serve.engine_loop import EngineLoop, Event, ProcessEngineLoop
 from minikv.serve.metrics import ServerMetrics
 from minikv.serve.protocol import ApiError, Parsed, choice, envelope, new_id, now, parse_request, usage
@@ -383,10 +382,12 @@ def engine_loop_for(engine, metrics) -> EngineLoop:
     return EngineLoop(engine, metrics)
 
 
-class Server:
+class Server(AppThread):
     """The server on a thread of this process, on a free loopback port by default (tests, notebooks,
     benchmarks). `minikv serve` runs the same app in the foreground. Should the engine loop end
     (a bug), the HTTP server stops too: clients are refused, not left hanging."""
+
+    label = "HTTP server"  # what the start error calls it
 
     def __init__(self, llm: LLM, host: str = "127.0.0.1", port: int = 0, served_name: str | None = None,
                  isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -399,18 +400,8 @@ class Server:
         self.tenants = Tenants(tenant_key, isolate=isolate_tenants)
         self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant,
                              max_body_bytes, self.tenants, before_submit)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.host, self.port = host, self._sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=2))
+        super().__init__(self.app, host, port, log_level, "minikv-http")
         self.engine.on_death.append(lambda error: setattr(self._uvicorn, "should_exit", True))
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve(sockets=[self._sock])),
-                                        name="minikv-http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def tenant_id(self, api_key: str) -> str:
         """The tenant id (engine, /metrics) of requests sent with this API key."""
@@ -418,27 +409,12 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> "Server":
         self.engine.start()
-        self._thread.start()
-        waited = 0.0
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or waited > timeout:
-                raise RuntimeError(f"the HTTP server did not start on {self.url} within {timeout} s")
-            threading.Event().wait(0.02)
-            waited += 0.02
-        return self
+        return super().start(timeout)
 
     def stop(self) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(10)
+        super().stop()
         self.engine.stop()
-        self._sock.close()
         self.app.state.deps.release()  # no handler runs any more: a stopped server keeps no engine alive
-
-    def __enter__(self) -> "Server":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool = False,
