@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from router import commit, device_name, pct, versions  # noqa: E402
 
-from minikv.serve.router import Router, free_port  # noqa: E402
+from minikv.serve.router import Router, free_port, wait_healthy  # noqa: E402
 
 
 def start(cmd: list[str], gpu: int | None, url: str) -> subprocess.Popen:
@@ -46,19 +46,7 @@ def start(cmd: list[str], gpu: int | None, url: str) -> subprocess.Popen:
 
 
 def wait_up(procs: list[subprocess.Popen], urls: list[str], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    for p, url in zip(procs, urls):
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"{url} exited with status {p.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not start")
-            time.sleep(0.5)
+    wait_healthy(procs, urls, timeout, poll_s=0.5)
 
 
 def load(args) -> list[dict]:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minikv.serve.metrics import parse_metrics  # noqa: E402
-from minikv.serve.router import POLICIES, Router, free_port  # noqa: E402
+from minikv.serve.router import POLICIES, Router, free_port, wait_healthy  # noqa: E402
 
 
 def conversations(users: int, turns: int, system_len: int, first_len: int, turn_len: int, vocab: int,
@@ -102,19 +102,7 @@ def start_replicas(n: int, model: str, device: str, num_blocks: int | None) -> t
             cmd += ["--num-blocks", str(num_blocks)]
         procs.append(subprocess.Popen(cmd, env={**env, "PYTHONPATH": str(ROOT)}))
         urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 900
-    for p, url in zip(procs, urls):
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"replica {url} exited with status {p.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replica {url} did not start")
-            time.sleep(0.5)
+    wait_healthy(procs, urls, 900, poll_s=0.5)
     return procs, urls
 
 

@@ -661,6 +661,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(procs: Sequence, urls: Sequence[str], timeout: float, poll_s: float = 0.1) -> None:
+    """Wait until the server of each process answers /health with 200. RuntimeError, naming the server,
+    when its process exits first or it does not answer within `timeout` s (for all of them)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for proc, url in zip(procs, urls):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with status {proc.returncode} before it served")
+            try:
+                if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer /health within {timeout:.0f} s")
+            time.sleep(poll_s)
+
+
 def serve_data_parallel(argv: Sequence[str], size: int, host: str, port: int, policy: str = "cache_aware",
                         log_level: str = "info", start_timeout: float = 600.0) -> int:
     """Start `size` replicas (`minikv serve` processes on loopback ports; one GPU each when there are
@@ -670,7 +690,6 @@ def serve_data_parallel(argv: Sequence[str], size: int, host: str, port: int, po
     import signal
     import subprocess
     import sys
-    import time
 
     if size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
@@ -691,23 +710,11 @@ def serve_data_parallel(argv: Sequence[str], size: int, host: str, port: int, po
                                            "--host", "127.0.0.1", "--port", str(p)], env=env))
             urls.append(f"http://127.0.0.1:{p}")
             print(f"minikv: replica {i} (pid {procs[-1].pid}) at {urls[-1]}", flush=True)
-        deadline = time.monotonic() + start_timeout
-        for proc, url in zip(procs, urls):
-            while True:
-                if proc.poll() is not None:
-                    print(f"error: replica {url} exited with status {proc.returncode} before it served",
-                          file=sys.stderr, flush=True)
-                    return 1
-                try:
-                    if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    print(f"error: replica {url} did not answer /health within {start_timeout:.0f} s",
-                          file=sys.stderr, flush=True)
-                    return 1
-                time.sleep(0.1)
+        try:
+            wait_healthy(procs, urls, start_timeout)
+        except RuntimeError as e:
+            print(f"error: replica {e}", file=sys.stderr, flush=True)
+            return 1
         print(f"minikv: routing ({policy}) at http://{host}:{port}/v1 over {size} replicas: {', '.join(urls)}",
               flush=True)
         # uvicorn re-raises the SIGTERM it caught once it has shut down: end with an exception, so that the
