@@ -48,6 +48,8 @@ Larger steps (long prompts, big chunks) stay eager: their launches are a small p
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from minikv.attention.metadata import BatchInputs
@@ -149,17 +151,22 @@ class DecodeGraphs:
                 self.graphs[bs] = self._capture(bs)
 
     def _capture(self, bs: int) -> torch.cuda.CUDAGraph:
-        """Record bucket bs. The warm-up run (it compiles the Triton kernels and sets up cuBLAS) computes
-        the step the buffers hold, so any K/V it stores are the ones a replay stores again."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(bs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self._forward(bs)
-        return graph
+        return capture_graph(lambda: self._forward(bs), self.device, self.memory_pool)
+
+
+def capture_graph(forward: Callable[[], None], device: torch.device, memory_pool) -> torch.cuda.CUDAGraph:
+    """Record `forward` (one step on static buffers) as a CUDA graph in `memory_pool`. The warm-up run on a
+    side stream (it compiles the Triton kernels and sets up cuBLAS) computes the step the buffers hold, so
+    any K/V it stores are the ones a replay stores again."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory_pool):
+        forward()
+    return graph
 
 
 def token_buckets(max_tokens: int, max_model_len: int) -> list[int]:
@@ -297,12 +304,4 @@ class StepGraphs:
                 self.graphs[t_b] = self._capture(t_b)
 
     def _capture(self, t_b: int) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._forward(t_b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self._forward(t_b)
-        return graph
+        return capture_graph(lambda: self._forward(t_b), self.device, self.memory_pool)
