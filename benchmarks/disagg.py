@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from router import commit, device_name, pct, versions  # noqa: E402
+from router import commit, device_name, pct, python_path, resolve_model, versions  # noqa: E402
 
 from minikv.serve.router import Router, free_port, wait_healthy  # noqa: E402
 
 
 def start(cmd: list[str], gpu: int | None, url: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return subprocess.Popen([sys.executable, "-m", "minikv.cli", "serve", *cmd], env=env)
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 8, 32, 8
         args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 2, 384, 4, 8.0, 512, 500
     gpu = args.device.startswith("cuda")
+    args.model = resolve_model(args.model, args.device)
     common = ["--model", args.model, "--device", args.device.split(":")[0], "--max-model-len", str(args.max_model_len),
               "--no-engine-process", "--log-level", "warning"]
     reqs = load(args)

@@ -87,6 +87,31 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def python_path() -> str:
+    """This checkout first, then whatever PYTHONPATH the caller set (packages installed beside it)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def resolve_model(name: str, device: str) -> str:
+    """`random-<shape>` (random-qwen2.5-0.5b, random-llama-3.1-8b): a checkpoint of that shape with seeded
+    random weights, written once to a temporary folder (bf16 on a GPU); any other name is served as given."""
+    if not name.startswith("random-"):
+        return name
+    import tempfile
+
+    import torch
+
+    from minikv.bench.throughput import LLAMA31_8B_SHAPE, QWEN25_05B_SHAPE, make_random_checkpoint
+    shapes = {"qwen2.5-0.5b": QWEN25_05B_SHAPE, "llama-3.1-8b": LLAMA31_8B_SHAPE}
+    shape = name.removeprefix("random-")
+    if shape not in shapes:
+        raise SystemExit(f"unknown random shape {shape!r}: use one of {', '.join('random-' + s for s in shapes)}")
+    cuda = device.startswith("cuda")
+    path = make_random_checkpoint(shapes[shape], Path(tempfile.mkdtemp()) / shape,
+                                  dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu")
+    return str(path)
+
+
 def start_replicas(n: int, model: str, device: str, num_blocks: int | None) -> tuple[list, list[str]]:
     procs, urls = [], []
     for i in range(n):
@@ -100,7 +125,7 @@ def start_replicas(n: int, model: str, device: str, num_blocks: int | None) -> t
             cmd += ["--no-engine-process", "--dtype", "float32"]
         if num_blocks:
             cmd += ["--num-blocks", str(num_blocks)]
-        procs.append(subprocess.Popen(cmd, env={**env, "PYTHONPATH": str(ROOT)}))
+        procs.append(subprocess.Popen(cmd, env={**env, "PYTHONPATH": python_path()}))
         urls.append(f"http://127.0.0.1:{port}")
     wait_healthy(procs, urls, 900, poll_s=0.5)
     return procs, urls
@@ -165,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
     system, msgs = conversations(args.users, args.turns, args.system_len, args.first_len, args.turn_len, args.vocab,
                                  args.seed)
+    args.model = resolve_model(args.model, args.device)
     procs, urls = start_replicas(args.replicas, args.model, args.device, args.num_blocks)
     results = {}
     try:

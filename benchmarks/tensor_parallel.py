@@ -135,6 +135,7 @@ def main() -> None:
     record = {"benchmark": "tensor_parallel", "env": environment(device), "workload": {
         "requests": len(requests), "prompt_tokens": sum(len(p) for p, _ in requests),
         "output_tokens": sum(n for _, n in requests)}, "runs": {}}
+    out = Path(args.out) if args.out else Path(__file__).parent / f"tensor_parallel_{device}.json"
     for shape in shapes:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = make_random_checkpoint(SHAPES[shape], Path(tmp) / shape, dtype=dtype, device=device)
@@ -149,9 +150,8 @@ def main() -> None:
             print(f"{r['tp']:>3} {r['throughput_tok_s']:>9,.0f} {r['throughput_tok_s'] / base:>7.2f}x "
                   f"{r['kv_blocks'][0]:>15,} {r['kv_bytes_per_token'][0]:>16,} "
                   f"{r.get('allreduce_us_per_step', 0):>19,.0f} {r.get('step_ms', 0):>8.1f}")
-    out = Path(args.out) if args.out else Path(__file__).parent / f"tensor_parallel_{device}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {out}")
+        out.write_text(json.dumps(record, indent=1) + "\n")  # after each shape: a run cut short keeps what it did
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
