@@ -194,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     procs, urls = start_replicas(args.replicas, args.model, args.device, args.num_blocks)
     results = {}
     try:
+        # warm every replica first (kernels compiled, graphs captured), under a salt no policy uses:
+        # otherwise the first policy's first turns pay it and its p99 says nothing about routing
+        wsys, wmsgs = conversations(2 * args.replicas, 2, args.system_len, args.first_len, args.turn_len, args.vocab,
+                                    args.seed + 1)
+        with Router(urls, "round_robin") as router:
+            asyncio.run(run_policy(router.url, args.model, wsys, wmsgs, args.max_tokens, "warm-up",
+                                   args.concurrency))
         for policy in policies:
             with Router(urls, policy) as router:
                 t0 = time.perf_counter()

@@ -118,7 +118,17 @@ def test_block_key_is_a_stable_sha256_not_pythons_salted_hash():
     key = hash_block(None, (1, 2, 3, 4))
     assert key == hash_block(None, [1, 2, 3, 4]) and isinstance(key, bytes) and len(key) == 32
     # pinned: the same digest in every process and on every machine (PYTHONHASHSEED plays no part)
-    assert key.hex()[:16] == "23c23c1fad4e0ac3"
+    assert key.hex()[:16] == "5a325ff5a219758e"
+
+
+def test_block_key_frames_its_parts_so_no_two_inputs_hash_the_same_bytes():
+    parent = hash_block(None, (1, 2))
+    # a parent's bytes could pass for tokens, and the extra keys for more tokens, without the header
+    assert hash_block(parent, (3,)) != hash_block(None, tuple(int.from_bytes(parent[i:i + 8], "little", signed=True)
+                                                              for i in range(0, 32, 8)) + (3,))
+    assert hash_block(None, (1, 2), (("cache_salt", "a"),)) != hash_block(None, (1, 2))
+    with pytest.raises(TypeError):
+        hash_block(None, (1.5, 2))  # a token id is an integer; a float is refused, never truncated
 
 
 def test_block_key_chains_its_parent_so_one_early_token_changes_every_later_key():
