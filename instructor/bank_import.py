@@ -56,9 +56,12 @@ def default_topic(source: str) -> str:
 
 def sections(path: Path) -> list[tuple[str, str]]:
     """(heading, the text under it up to the next heading) for every markdown heading of a notebook;
-    code cells count as text of their section."""
+    code cells count as text of their section; the answer cells under written questions (the learner's
+    text, tagged written-answer) do not."""
     out: list[tuple[str, list[str]]] = []
     for cell in json.loads(path.read_text())["cells"]:
+        if "written-answer" in cell.get("metadata", {}).get("tags", []):
+            continue
         src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
         for line in src.splitlines():
             if cell["cell_type"] == "markdown" and re.match(r"^#{1,4} ", line):

@@ -51,22 +51,43 @@ def all_questions(root: Path = ROOT) -> list[Question]:
     return out
 
 
-def key_entries(path: Path) -> dict[str, str]:
-    """{normalised question: answer} from a key file: each entry is a '## Q<n>. <question>' heading
-    followed by its answer."""
+RUBRIC = "**Rubric**"  # a line starting so ends an answer and starts its rubric (exercises' keys)
+
+
+def _key_blocks(path: Path) -> dict[str, str]:
+    """{normalised question: everything under its '## Q<n>. <question>' heading}."""
     entries: dict[str, str] = {}
     if not path.exists():
         return entries
-    question, answer = None, []
+    question, body = None, []
     for line in path.read_text().splitlines() + ["## end"]:
         heading = re.match(r"^## Q\d+\.\s+(.*)$", line)
         if heading or line.startswith("## "):
             if question is not None:
-                entries[question] = "\n".join(answer).strip()
-            question, answer = (normalise(heading.group(1)), []) if heading else (None, [])
+                entries[question] = "\n".join(body).strip()
+            question, body = (normalise(heading.group(1)), []) if heading else (None, [])
         elif question is not None:
-            answer.append(line)
+            body.append(line)
     return entries
+
+
+def _rubric_at(body: str) -> int:
+    """Where the rubric starts: a line starting with '**Rubric**' (-1: none)."""
+    m = re.search(r"^" + re.escape(RUBRIC), body, re.M)
+    return m.start() if m else -1
+
+
+def key_entries(path: Path) -> dict[str, str]:
+    """{normalised question: answer} from a key file: each entry is a '## Q<n>. <question>' heading
+    followed by its answer (and, in an exercise's key, its rubric, which is not part of the answer)."""
+    return {q: body[:_rubric_at(body)].strip() if _rubric_at(body) >= 0 else body
+            for q, body in _key_blocks(path).items()}
+
+
+def key_rubrics(path: Path) -> dict[str, str]:
+    """{normalised question: rubric} for each answer followed by a '**Rubric**' paragraph: how a teacher
+    grades the written answer (the points expected, the levels)."""
+    return {q: body[_rubric_at(body):].strip() for q, body in _key_blocks(path).items() if _rubric_at(body) >= 0}
 
 
 if __name__ == "__main__":

@@ -311,9 +311,10 @@ GRADE_HELP = """Grade a class. FOLDER holds one sub-folder per student with thei
 any depth: a clone of their repository works); folders starting with _ or . are skipped. The
 exercises are the course's (or --exercises); a student missing one gets 0 for it. Every notebook runs
 in a process of its own, --jobs at a time. Writes a CSV as each student finishes (student, one column
-per exercise, points, max_points, a status per exercise, flags, review, commit, late; a last row with
-the class's means) and, with --junit, JUnit XML (a testsuite per student, a testcase per exercise
-with its diagnosis); --feedback DIR a report per student."""
+per exercise, points, max_points, a status per exercise, flags, review, commit, late, written answers
+to review; a last row with the class's means) and, with --junit, JUnit XML (a testsuite per student, a
+testcase per exercise with its diagnosis); --feedback DIR a report per student, with their written
+answers (never auto-scored: grade them with the instructor key's rubric)."""
 
 RELEASE_HELP = """Write the student copy of the course: notebooks/ (with their outputs), exercises/ (the stubs,
 every output cleared), README, the package (pyproject.toml, Makefile, minikv/), the

@@ -509,3 +509,60 @@ def test_the_checkers_work_in_the_student_copy(course_grades, student_copy, tmp_
     solved = check(mine)  # graded by the checks inside the package: no checkout, no --reference
     assert solved.returncode == 0, solved.stdout + solved.stderr
     assert json.loads(solved.stdout)["passed"] is True
+
+
+# ---- written answers: collected for the teacher, never scored, shipped blank ----------------------
+
+def _with_answer_cell(path: Path, answer: str = "") -> Path:
+    """The small exercise with one written question under it and its answer cell."""
+    from minikv.classroom.notebooks import WRITTEN, written_cell
+
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_markdown_cell("## Questions an interviewer might ask\n\n1. Why x * x?"))
+    cell = nbformat.v4.new_markdown_cell(written_cell(1, "Why x * x?", answer))
+    cell.id, cell.metadata["tags"], cell.metadata["minikv"] = "written-q1", [WRITTEN], {"question": 1}
+    nb.cells.append(cell)
+    nbformat.write(nb, path)
+    return path
+
+
+def test_grade_collects_a_students_written_answer_for_the_teacher_and_scores_nothing_for_it(tmp_path):
+    from minikv.classroom.grade import WRITTEN_COLUMN
+
+    course = _with_answer_cell(exercise(tmp_path / "course" / "sq.ipynb"))
+    cls = tmp_path / "class"
+    _with_answer_cell(exercise(cls / "ann" / "sq.ipynb", SQUARE), "Because squaring is *x times x*.")
+    _with_answer_cell(exercise(cls / "bob" / "sq.ipynb", SQUARE))  # solved, the question left blank
+    out, feedback = tmp_path / "grades.csv", tmp_path / "feedback"
+    run = minikv("grade", str(cls), "--out", str(out), "--feedback", str(feedback), "--exercises",
+                 str(course.parent))
+    assert run.returncode == 0, run.stderr
+    by = {r["student"]: r for r in csv.DictReader(out.open())}
+    assert by["ann"][WRITTEN_COLUMN] == "sq Q1" and by["bob"][WRITTEN_COLUMN] == ""
+    assert by["ann"]["points"] == by["bob"]["points"] == "3", "a written answer adds no points"
+    ann = (feedback / "ann.md").read_text()
+    assert "not auto-scored" in ann and "**Q1.** Why x * x?" in ann and "Because squaring is *x times x*." in ann
+    assert "_(no answer)_" in (feedback / "bob.md").read_text()
+
+
+def test_release_ships_answer_cells_blank_whatever_the_released_copy_holds():
+    from minikv.classroom.notebooks import ANSWER_PROMPT, WRITTEN, written_answers, written_cell
+    from minikv.classroom.release import student_notebook
+
+    filled = {"cell_type": "markdown", "id": "written-q1", "metadata": {"tags": [WRITTEN]},
+              "source": written_cell(1, "Why x * x?", "a model answer", prompt="**Model answer:**")}
+    shipped = student_notebook({"cells": [filled], "metadata": {}}, clear_outputs=True)["cells"][0]
+    assert shipped["source"] == f"> **Q1.** Why x * x?\n\n{ANSWER_PROMPT}" and shipped["id"] == "written-q1"
+    assert WRITTEN in shipped["metadata"]["tags"] and "model answer" in filled["source"], "the original is kept"
+    assert [(w.question, w.answer) for w in written_answers({"cells": [shipped]})] == [("Why x * x?", "")]
+
+
+def test_the_student_copy_keeps_every_answer_cell_and_each_is_blank(student_copy):
+    from minikv.classroom.notebooks import written_answers
+
+    for path in EXERCISES:
+        ours = written_answers(json.loads(path.read_text()))
+        theirs = written_answers(json.loads((student_copy / "exercises" / path.name).read_text()))
+        assert ours, f"{path.name}: no answer cell"
+        assert [(w.id, w.question) for w in theirs] == [(w.id, w.question) for w in ours], path.name
+        assert all(w.answer == "" for w in theirs), f"{path.name}: an answer cell of the student copy is filled"

@@ -15,10 +15,13 @@ by glob, so a new exercise is covered the day it is added.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from minikv.classroom.notebooks import split_written
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
@@ -77,11 +80,38 @@ def test_exercise_and_solution_do_not_drift(name):
             assert "NotImplementedError" not in b.source, f"{where}: the solution still raises NotImplementedError"
             assert defined_names(a.source) == defined_names(b.source), (
                 f"{where}: stub and solution define different names")
+        elif "written-answer" in ta:  # the learner's prose answer: blank in the exercise, the model answer solved
+            assert a.cell_type == b.cell_type == "markdown" and a.id == b.id, f"{where}: answer cells differ in kind"
+            (qa, ans_a), (qb, ans_b) = split_written(a.source), split_written(b.source)
+            assert qa == qb and ans_a == "" and ans_b, (
+                f"{where}: the exercise's answer cell must be blank, the solution's hold the model answer")
         else:
             assert a.source == b.source, f"{where}: not an exercise cell, but its source differs"
         if "check" in ta:
             assert "raises-exception" in ta, f"{where}: a check cell of the exercise needs the raises-exception tag"
     assert {"exercise", "check"} <= kinds, f"{name}: needs at least one exercise cell and one check cell"
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_every_written_question_of_an_exercise_has_an_answer_cell_under_it(name):
+    """One markdown cell per question the exercise asks, after the cell that asks them, in order, quoting the
+    question, tagged written-answer with the id written-q<n>: what `minikv grade` collects for the teacher."""
+    from minikv.classroom.notebooks import ANSWER_PROMPT, written_answers
+    from minikv.interview.asked import questions_in_markdown
+
+    nb = json.loads((ROOT / "exercises" / name).read_text())
+    cells = nb["cells"]
+    asking = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+              and questions_in_markdown("".join(c["source"]))]
+    asked = [q for i in asking for q in questions_in_markdown("".join(cells[i]["source"]))]
+    assert asked, f"{name} asks no written question"
+    written = written_answers(nb)
+    assert [(w.id, w.number, w.question) for w in written] == [
+        (f"written-q{n}", n, q) for n, q in enumerate(asked, 1)], f"{name}: run python instructor/answer_cells.py"
+    first = next(i for i, c in enumerate(cells) if "written-answer" in c["metadata"].get("tags", []))
+    assert first == asking[-1] + 1, f"{name}: the answer cells must follow the cell that asks the questions"
+    for c in cells[first:first + len(written)]:
+        assert "".join(c["source"]).rstrip().endswith(ANSWER_PROMPT), f"{name}: an answer cell not left blank"
 
 
 def used_names(source: str) -> set[str]:

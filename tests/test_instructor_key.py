@@ -98,3 +98,42 @@ def test_key_entries_read_headings_and_answers(tmp_path):
                    "## Q2. Second?\n\nAnother.\n")
     assert questions.key_entries(key) == {"First, on one line?": "The answer.\nIts second line.",
                                           "Second?": "Another."}
+
+
+EXERCISE_QUESTIONS = [q for q in ALL if q.source.startswith("exercises/")]
+
+
+@pytest.mark.parametrize("source", sorted({q.source for q in EXERCISE_QUESTIONS}))
+def test_every_written_question_of_an_exercise_has_a_rubric_with_points_and_levels(source):
+    asked = [q for q in EXERCISE_QUESTIONS if q.source == source]
+    rubrics = questions.key_rubrics(asked[0].key_file)
+    for q in asked:
+        rubric = rubrics.get(q.text)
+        assert rubric, f"{q.key_file.name} Q{q.number}: no '**Rubric**' under the model answer"
+        points = [line for line in rubric.splitlines() if line.startswith("- ")]
+        assert len(points) >= 2, f"{q.key_file.name} Q{q.number}: name at least two points the answer must make"
+        for level in ("2,", "1,", "0,"):
+            assert f" {level}" in " ".join(rubric.split()), f"{q.key_file.name} Q{q.number}: level {level[0]} missing"
+
+
+def test_a_rubric_is_not_part_of_the_model_answer(tmp_path):
+    key = tmp_path / "k.md"
+    key.write_text("## Q1. First?\n\nThe answer.\n\n**Rubric** (2 points). The points expected:\n\n- one\n- two\n\n"
+                   "Levels: 2, both; 1, one; 0, none.\n\n## Q2. Second?\n\nAnother.\n")
+    assert questions.key_entries(key) == {"First?": "The answer.", "Second?": "Another."}
+    assert list(questions.key_rubrics(key)) == ["First?"]
+    assert questions.key_rubrics(key)["First?"].startswith("**Rubric**")
+
+
+def test_the_solutions_answer_cells_hold_the_keys_model_answers():
+    import json
+
+    from minikv.classroom.notebooks import written_answers
+
+    for source in sorted({q.source for q in EXERCISE_QUESTIONS}):
+        asked = [q for q in EXERCISE_QUESTIONS if q.source == source]
+        key = questions.key_entries(asked[0].key_file)
+        solved = written_answers(json.loads((ROOT / "solutions" / source.split("/")[1]).read_text()))
+        assert [(w.question, " ".join(w.answer.split())) for w in solved] == [
+            (q.text, " ".join(key[q.text].split())) for q in asked], (
+            f"{source}: run python instructor/answer_cells.py")

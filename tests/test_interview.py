@@ -956,3 +956,73 @@ def test_importing_minikv_on_a_machine_without_cuda_loads_no_torch_and_switches_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "1", "LLM", "True"], out.stdout
+
+
+# Pairs whose question texts overlap but ask different things, on purpose. Each says why.
+RELATED = {
+    ("12_design_worksheet-q3", "iv-allreduce-cost"): "a decode step's memory bytes, against its all-reduce traffic",
+    ("beyond-step-time-estimate", "iv-allreduce-cost"): "a decode step's memory bytes, against its all-reduce traffic",
+    ("14a_shard_heads-q2", "iv-tp-degree"): "what each GPU holds at TP 8 and TP 16, against choosing one TP-8 "
+                                            "replica or two TP-4 ones by the pool each leaves",
+    ("iv-mbu", "iv-mfu"): "bandwidth utilisation of a decode step, against FLOPs utilisation of a prefill",
+    ("beyond-kv-size-formula", "iv-mla-kv"): "the GQA formula, against MLA's latent (which the formula does not cover)",
+    ("beyond-sliding-window-sinks", "iv-sliding-window-serving"): "attention sinks for streaming, against a "
+                                                                  "hybrid model's two kinds of layers in one pool",
+}
+_STOP = set("the a an of to and in is it its what why how does do did for on with that this which you your be are "
+            "as by or at from when would one each not no if than then there their them they can could should must "
+            "will so but into only all any more most".split())
+
+
+def _content_words(text: str) -> list[str]:
+    """The question's words without the ones every question shares, plurals folded: 'K/V heads' = 'KV head'."""
+    import re
+
+    out = []
+    for w in re.findall(r"[a-z0-9]+", text.lower().replace("k/v", "kv")):
+        if w in _STOP:
+            continue
+        out.append(w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w)
+    return out
+
+
+def near_duplicates(questions, threshold: float = 0.45) -> list[tuple[float, str, str]]:
+    """(overlap, id, id) for each pair whose question texts overlap at `threshold` or more: the larger of the
+    Jaccard index of their content words and difflib's ratio over the word sequences (word order counts)."""
+    import difflib
+    import itertools
+
+    words = {q.id: _content_words(q.question) for q in questions}
+    found = []
+    for a, b in itertools.combinations(questions, 2):
+        wa, wb = words[a.id], words[b.id]
+        jaccard = len(set(wa) & set(wb)) / len(set(wa) | set(wb))
+        score = max(jaccard, difflib.SequenceMatcher(None, wa, wb).ratio())
+        if score >= threshold:
+            found.append((round(score, 2), a.id, b.id))
+    return sorted(found, reverse=True)
+
+
+def test_no_two_questions_of_the_bank_ask_the_same_thing_unless_grouped_or_related_on_purpose():
+    """A near-duplicate is either one group of duplicates.json (a quiz or a mock asks one of them: a notebook's
+    question and its exercise's, say) or a pair of RELATED, which asks different things in similar words."""
+    grouped = {frozenset((a, b)) for g in bank.duplicate_groups() for a in g for b in g if a != b}
+    related = {frozenset(pair) for pair in RELATED}
+    ids = {q.id for q in QUESTIONS}
+    assert all(set(pair) <= ids for pair in RELATED), "RELATED names a question the bank no longer has"
+    loose = [f"{score:.2f} {a} | {b}" for score, a, b in near_duplicates(QUESTIONS)
+             if frozenset((a, b)) not in grouped | related]
+    assert not loose, ("near-duplicate questions: rewrite one to ask something else, remove the weaker, group them in "
+                       "minikv/interview/data/duplicates.json, or add the pair to RELATED with the reason:\n"
+                       + "\n".join(loose))
+
+
+def test_the_near_duplicate_detector_flags_a_reworded_question_and_passes_a_different_one():
+    def q(qid, text):
+        return bank.Question(qid, text, "", "standard", "kv-size", None, bank.BEYOND)
+
+    same = [q("a", "Llama-3-70B has 8 K/V heads. How much KV cache does each GPU hold at TP = 8, and at TP = 16?"),
+            q("b", "Llama-3-70B has 8 KV heads. What does each GPU hold at TP = 8, and at TP = 16?")]
+    other = [same[0], q("c", "Why does a block's key include its parent's key?")]
+    assert [pair[1:] for pair in near_duplicates(same)] == [("a", "b")]
+    assert near_duplicates(other) == []

@@ -4,10 +4,14 @@
       alice/01_causal_attention.ipynb ...            the notebooks as the student handed them in
       bob/exercises/01_causal_attention.ipynb ...    or a clone of their repository (found at any depth)
 
-    grades.csv   student, <exercise>..., points, max_points, <exercise> status..., flags, review, [commit, late]
-                 one row per student, rewritten as each student finishes
+    grades.csv   student, <exercise>..., points, max_points, <exercise> status..., flags, review, commit, late,
+                 written answers to review; one row per student, rewritten as each student finishes
     grades.xml   one <testsuite> per student, one <testcase> per exercise, the diagnosis in <failure>
-    feedback/    <student>.md: every exercise's report, what the student reads
+    feedback/    <student>.md: every exercise's report, what the student reads, and their written answers
+
+Written answers (the prose under each exercise's questions, cells tagged written-answer) are not
+auto-scored and add no points: the grader reads them from the notebook's JSON, never runs them, and lists
+them for the teacher, who grades them with the rubric of the instructor key (instructor/exercises/).
 
 The exercises are the course's (the package's copy, the names of exercises/ of the checkout minikv runs
 from, or --exercises); a student missing one gets 0 of its points. Every notebook runs in its own process.
@@ -19,12 +23,12 @@ import csv
 import re
 import subprocess
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from minikv.classroom.check import DEFAULT_MEMORY_GB, DEFAULT_TIMEOUT, Grade, grade_notebooks, number
-from minikv.classroom.notebooks import NotGradable, course_exercises
+from minikv.classroom.notebooks import NotGradable, Written, course_exercises, read_notebook, written_answers
 from minikv.classroom.registry import course, entry_of_notebook
 
 SKIP_DIRS = {".ipynb_checkpoints", ".git", "__pycache__", "solutions", "instructor"}
@@ -36,6 +40,7 @@ class StudentGrades:
     grades: dict[str, Grade]  # exercise -> its grade
     commit: str | None = None  # the date of the last commit of their repository (ISO 8601), when a git clone
     late: bool | None = None   # committed after --deadline (None: no deadline or no commit date)
+    written: dict[str, list[Written]] = field(default_factory=dict)  # exercise -> its answer cells, as handed in
 
     @property
     def points(self) -> float:
@@ -52,6 +57,20 @@ class StudentGrades:
     @property
     def review(self) -> list[str]:
         return [f"{e} {r}" for e, g in self.grades.items() for r in g.review]
+
+    @property
+    def written_to_review(self) -> list[str]:
+        """'06a_block_hash_chain Q1, Q3' for each exercise with an answered written question (not scored)."""
+        return [f"{e} " + ", ".join(f"Q{w.number}" for w in ws if w.answer)
+                for e, ws in self.written.items() if any(w.answer for w in ws)]
+
+
+def read_written(path: Path) -> list[Written]:
+    """The answer cells of a handed-in notebook (read as JSON, never run); none when it cannot be read."""
+    try:
+        return written_answers(read_notebook(path))
+    except (NotGradable, OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def students_in(folder: Path) -> tuple[list[Path], list[str]]:
@@ -138,6 +157,7 @@ def grade_class(folder: Path, exercises: Path | None = None, jobs: int = 1, time
                 row.grades[g.exercise] = g
             else:
                 wanted.append((row, name, path))
+                row.written[Path(name).stem] = read_written(path)
     stems = [Path(n).stem for n in names]
     left = {r.student: sum(w[0] is r for w in wanted) for r in result}
 
@@ -177,17 +197,19 @@ def _max_points(name: str, reference: Path | None, entries) -> float:
 
 
 HEADER_TAIL = ["points", "max_points"]
+WRITTEN_COLUMN = "written answers to review"  # not auto-scored: the questions answered, read in feedback/
 
 
 def csv_header(exercises: list[str]) -> list[str]:
     return ["student", *exercises, *HEADER_TAIL, *(f"{e} status" for e in exercises), "flags", "review",
-            "commit", "late"]
+            "commit", "late", WRITTEN_COLUMN]
 
 
 def csv_row(exercises: list[str], r: StudentGrades) -> list:
     late = "" if r.late is None else "yes" if r.late else "no"
     return [r.student, *(number(r.grades[e].points) for e in exercises), number(r.points), number(r.max_points),
-            *(r.grades[e].status for e in exercises), "; ".join(r.flags), "; ".join(r.review), r.commit or "", late]
+            *(r.grades[e].status for e in exercises), "; ".join(r.flags), "; ".join(r.review), r.commit or "", late,
+            "; ".join(r.written_to_review)]
 
 
 def check_writable(path: Path) -> None:
@@ -264,6 +286,19 @@ def write_junit(path: Path, exercises: list[str], rows: list[StudentGrades]) -> 
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def written_section(exercises: list[str], r: StudentGrades) -> list[str]:
+    """The student's written answers, question by question, for the teacher to grade (no points here)."""
+    answered = [(e, r.written[e]) for e in exercises if r.written.get(e)]
+    if not answered:
+        return []
+    out = ["", "# Written answers (not auto-scored: the teacher grades them with the instructor key's rubric)"]
+    for e, ws in answered:
+        out += ["", f"## {e}"]
+        for w in ws:
+            out += ["", f"**Q{w.number}.** {w.question}", "", w.answer if w.answer else "_(no answer)_"]
+    return out
+
+
 def write_feedback(folder: Path, exercises: list[str], r: StudentGrades) -> Path:
     """<student>.md: the points, then every exercise's report as `minikv check` prints it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -274,6 +309,7 @@ def write_feedback(folder: Path, exercises: list[str], r: StudentGrades) -> Path
               for e in exercises]
     for e in exercises:
         lines += ["", f"## {e}", "", "```", r.grades[e].report(), "```"]
+    lines += written_section(exercises, r)
     path = folder / f"{r.student}.md"
     path.write_text(clean("\n".join(lines)) + "\n", encoding="utf-8")
     return path

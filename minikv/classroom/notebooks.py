@@ -7,18 +7,27 @@ An exercise notebook (exercises/NN_name.ipynb) tags its cells:
                "metadata": {"tags": ["check"], "minikv": {"points": 2}}
     solution, instructor
                never run by the grader and never shipped in a student copy
+    written-answer
+               a markdown cell under a written (prose) question, the learner's answer to it: the question
+               quoted, then "**Your answer:**" and the learner's text (cell id "written-q<n>"); the
+               solution's twin holds the model answer. Never auto-scored: the grader collects the text for
+               the teacher, who reads it against the instructor key's rubric.
 
 Every other code cell (imports, building an LLM) runs as written, in order, as a kernel runs them.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import minikv
 
 NEVER_RUN = {"solution", "instructor"}
+WRITTEN = "written-answer"
+ANSWER_PROMPT = "**Your answer:**"  # the exercise's cell; the solution's says "**Model answer:**"
+_PROMPT = re.compile(r"^\*\*(?:Your|Model) answer:\*\*\s*")
 
 
 class NotGradable(Exception):
@@ -113,3 +122,54 @@ def find_reference(path: Path, reference: Path | None = None) -> Path | None:
         return None
     found = reference / path.name if reference.is_dir() else reference
     return found if found.is_file() else None
+
+
+@dataclass
+class Written:
+    """One written answer: the question it answers and the text under its prompt ("" when left blank)."""
+    id: str        # "written-q2", the cell's id
+    number: int    # the question's number in the exercise's list of questions
+    question: str
+    answer: str
+
+
+def written_cell(number: int, question: str, answer: str = "", prompt: str = ANSWER_PROMPT) -> str:
+    """The source of an answer cell: the question quoted, then the prompt and the answer (empty in an exercise).
+
+        > **Q2.** What breaks if a key hashes only the block's own tokens?
+
+        **Your answer:**
+    """
+    return f"> **Q{number}.** {question}\n\n{prompt}" + (f" {answer}" if answer else "")
+
+
+def split_written(source: str) -> tuple[str, str]:
+    """(the quoted question, the answer): the answer is whatever is not the quote, less the prompt."""
+    quote, rest = [], []
+    for line in source.strip().splitlines():
+        (quote if line.startswith(">") and not rest else rest).append(line)
+    answer = _PROMPT.sub("", "\n".join(rest).strip(), count=1).strip()
+    question = re.sub(r"^\*\*Q\d+\.\*\*\s*", "", " ".join(q.lstrip("> ").strip() for q in quote).strip())
+    return question, answer
+
+
+def written_answers(nb: dict) -> list[Written]:
+    """The notebook's answer cells (tagged written-answer), in order, with what each holds."""
+    out = []
+    for c in nb["cells"]:
+        if c.get("cell_type") != "markdown" or WRITTEN not in tags_of(c):
+            continue
+        question, answer = split_written(source_of(c))
+        number = (c.get("metadata", {}).get("minikv") or {}).get("question", len(out) + 1)
+        out.append(Written(str(c.get("id") or f"written-q{number}"), int(number), question, answer))
+    return out
+
+
+def blank_written(source: str) -> str:
+    """An answer cell as the student receives it: the question quoted and the prompt, nothing under it."""
+    quote = []
+    for line in source.strip().splitlines():
+        if not line.startswith(">"):
+            break
+        quote.append(line)
+    return "\n".join(quote) + f"\n\n{ANSWER_PROMPT}" if quote else ANSWER_PROMPT

@@ -12,8 +12,10 @@ What the student copy holds (everything else of the checkout stays out):
     .github/workflows/classroom.yml     autograding: one test per check of each exercise, its points
 
 Never: solutions/, instructor/ (the instructor key), the rest of tests/, and no cell tagged
-`solution` or `instructor` in any notebook, nor a mention of solutions/. A teacher may release one
-week's exercises (`week=4`: 04a, 04b) or a list of them, and withhold hints past a level (`hints=2`).
+`solution` or `instructor` in any notebook, nor a mention of solutions/. An answer cell under a written
+question (tagged `written-answer`) ships with its question and its prompt only, never an answer. A
+teacher may release one week's exercises (`week=4`: 04a, 04b) or a list of them, and withhold hints past
+a level (`hints=2`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import subprocess
 from pathlib import Path
 
 from minikv.classroom.check import number
-from minikv.classroom.notebooks import NEVER_RUN, course_root, tags_of
+from minikv.classroom.notebooks import NEVER_RUN, WRITTEN, blank_written, course_root, tags_of
 from minikv.classroom.registry import entry_of_notebook
 
 MARKER = ".minikv-student-release"
@@ -69,15 +71,18 @@ def _hint_level(cell: dict) -> int | None:
 
 
 def student_notebook(nb: dict, clear_outputs: bool, hints: int | None = None) -> dict:
-    """The notebook without its solution/instructor cells (nor hints past level `hints`); with clear_outputs,
-    without any stored run."""
+    """The notebook without its solution/instructor cells (nor hints past level `hints`), its answer cells
+    (written-answer) blank under their questions; with clear_outputs, without any stored run."""
     nb = dict(nb)
     nb["cells"] = [c for c in nb["cells"] if not tags_of(c) & NEVER_RUN
                    and not (hints is not None and (_hint_level(c) or 0) > hints)]
+    nb["cells"] = [dict(c) for c in nb["cells"]]
     for c in nb["cells"]:
         if c.get("cell_type") == "markdown":
             src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-            if "solutions" in src:
+            if WRITTEN in tags_of(c):  # an answer cell ships blank, whatever the copy released holds
+                c["source"] = blank_written(src)
+            elif "solutions" in src:
                 c["source"] = without_solutions(src)
     if clear_outputs:
         for c in nb["cells"]:
