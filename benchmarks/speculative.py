@@ -133,6 +133,8 @@ def main() -> None:
     common = dict(device=device, dtype=dtype, kv_backend="paged")
     if args.cpu_smoke:
         common.update(num_blocks=256, block_size=8)
+    elif device == "cuda":  # up to three engines share the card: a pool fitted to the whole of it leaves none
+        common.update(kv_cache_memory=8 * 2**30)
     plain = LLM(model, **common)
     spec = LLM(plain.loaded, **common, speculative="ngram", num_speculative_tokens=args.k)
     engines = {"plain": plain, "ngram": spec}

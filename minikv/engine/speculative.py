@@ -290,8 +290,9 @@ def accept_sampled(drafts: list[int], p: torch.Tensor, u: list[float], draw: Cal
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[R, V] logits of one request -> its sampling distribution per row (temperature, top-k, top-p)."""
     R = logits.shape[0]
-    scaled, order = allowed_logits(logits.float(), torch.full((R,), params.temperature),
-                                   torch.full((R,), params.top_k), torch.full((R,), params.top_p))
+    at = logits.device  # the sampling parameters go where the logits are (a GPU's, in a GPU engine)
+    scaled, order = allowed_logits(logits.float(), torch.full((R,), params.temperature, device=at),
+                                   torch.full((R,), params.top_k, device=at), torch.full((R,), params.top_p, device=at))
     probs = torch.softmax(scaled, dim=-1)
     if order is not None:  # back to vocab order
         probs = torch.zeros_like(probs).scatter_(1, order, probs)
