@@ -11,7 +11,9 @@
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
 tokens in one chunk. Requests and events cross the boundary as they are (plain dataclasses,
-pickled); the text deltas are the core's own, detokenized once, there.
+pickled). The core sends token ids and the server's engine thread makes the text from them (a
+`TextStream` per sample, minikv/engine/detokenizer.py), except for requests with stop strings, whose
+text decides where they end: the core makes theirs (the detokenizer's docstring says why).
 
 What the server reads of the engine (queues for 429/503, pool usage for /metrics) comes as a
 `ViewSnapshot` (minikv/engine/view.py) with every step's events, and with every answer to a command.
@@ -46,22 +48,22 @@ class CoreInfo:
     source: str
 
 
-def _core_main(model, options: dict, commands, results) -> None:
+def _core_main(model, options: dict, commands, results, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
     MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop."""
     path = os.environ.get("MINIKV_CORE_PROFILE")
     if not path:
-        return _core_loop(model, options, commands, results)
+        return _core_loop(model, options, commands, results, detokenize)
     import cProfile
 
     profile = cProfile.Profile()
     try:
-        profile.runcall(_core_loop, model, options, commands, results)
+        profile.runcall(_core_loop, model, options, commands, results, detokenize)
     finally:
         profile.dump_stats(path)
 
 
-def _core_loop(model, options: dict, commands, results) -> None:
+def _core_loop(model, options: dict, commands, results, detokenize: bool) -> None:
     try:
         from minikv.engine.llm import LLM
 
@@ -69,6 +71,7 @@ def _core_loop(model, options: dict, commands, results) -> None:
         if not llm.is_paged:
             raise ValueError("the server runs the continuous-batching engine: build it with kv_backend='paged'")
         core, view = llm.core, llm.view
+        core.detokenize = detokenize  # off: the server makes the text of requests without stop strings
         results.cancel_join_thread()  # from now on a server gone mid-load must not keep this process alive
         results.put(("ready", CoreInfo(core.max_model_len, llm.config.vocab_size, view.num_blocks,
                                        view.block_size, str(llm.loaded.source)), view.snapshot()))
@@ -122,13 +125,17 @@ def _core_loop(model, options: dict, commands, results) -> None:
 
 class CoreProcess:
     """Start an EngineCore in a spawned process: `LLM(model, **options)` built there (the weights
-    load there, on its device). `client` then tokenizes and checks prompts here, as `LLM.request` does."""
+    load there, on its device). `client` then tokenizes and checks prompts here, as `LLM.request` does.
+    text_in_server: the core sends token ids and the server makes the text (see the top); False: the
+    core makes every request's text, as in one process."""
 
-    def __init__(self, model, timeout: float = START_TIMEOUT_S, **options):
+    def __init__(self, model, timeout: float = START_TIMEOUT_S, text_in_server: bool = True, **options):
         tokenizer = _tokenizer_of(model)  # a missing model fails here, at once, before a process starts
+        self.text_in_server = text_in_server
         ctx = mp.get_context("spawn")  # CUDA cannot live in a forked child
         self.commands, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, self.results),
+        self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, self.results,
+                                                            not text_in_server),
                                    name="minikv-core", daemon=True)
         self.process.start()
         deadline, msg = time.monotonic() + timeout, None

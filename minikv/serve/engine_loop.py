@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minikv.engine.core import EngineEvent, Usage
+from minikv.engine.detokenizer import TextStream, text_in_core
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class _Live:
     quiet: bool = False  # its handler is gone or already told: its last events only count in the metrics
     error: str | None = None  # a sample ended with finish_reason "error": why
     reason: str | None = None  # how its first sample ended
+    texts: dict[int, TextStream] | None = None  # its samples' text, made here from the token ids (the core
+    #   sends ids only: ProcessEngineLoop), or None: the core's text deltas
 
 
 @dataclass
@@ -275,13 +278,20 @@ class EngineLoop:
         """Hand every request what it got in these events; retire the ones that ended."""
         steps: dict[str, _StepOf] = {}
         for e in events:
-            if e.request_id not in self._live:
+            live = self._live.get(e.request_id)
+            if live is None:
                 continue  # a request this loop does not serve (or no longer)
             step = steps.setdefault(e.request_id, _StepOf())
             ids, text, end = step.samples.setdefault(e.index, ([], [], [None, None]))
             if e.token_id is not None:
                 ids.append(e.token_id)
-            text.append(e.text_delta)
+            if live.texts is None:
+                text.append(e.text_delta)
+            elif not live.quiet:  # nobody reads a quiet request's text
+                stream = live.texts.get(e.index)
+                if stream is None:
+                    stream = live.texts[e.index] = TextStream(self.llm.tokenizer)
+                text.append(stream.add(e.token_id, e.finish_reason))
             if e.finish_reason is not None:
                 end[:] = [e.finish_reason, e.error]
             if e.usage is not None:
@@ -347,14 +357,17 @@ class EngineLoop:
 class ProcessEngineLoop(EngineLoop):
     """The same loop with the EngineCore in its own process (minikv/serve/core_process.py): this
     thread forwards submits and aborts to it and hands each handler its events as they arrive; the
-    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step."""
+    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step.
+    Unless the core makes the text (CoreProcess(text_in_server=False)), this thread makes it from the
+    token ids, for every request without stop strings (minikv/engine/detokenizer.py says why)."""
 
     def __init__(self, proc, metrics=None, idle_wait: float = 0.05):
         self.proc = proc
         self.llm = proc  # what the handlers read: tokenizer, max_model_len, encode, loaded.source
         self.core = _RemoteCore(proc)
         self._snapshot: ViewSnapshot = proc.snapshot
-        self._submitted: dict[str, tuple[Callable[[Event], None], str]] = {}  # sent, not yet answered
+        self._submitted: dict[str, tuple[Callable[[Event], None], str, bool]] = {}  # sent, not yet answered:
+        #   (on_event, tenant, whether its text is made here)
         self._gone: set[str] = set()  # sent, then aborted before the core answered
         self._init_loop(metrics, idle_wait)
 
@@ -432,9 +445,11 @@ class ProcessEngineLoop(EngineLoop):
         try:
             request = self.proc.request(prompt, params, request_id, tenant)
         except ValueError as e:  # the request's fault: its handler answers 400
-            self._answered("rejected", request_id, str(e), (on_event, tenant))
+            self._answered("rejected", request_id, str(e), (on_event, tenant, False))
             return
-        self._submitted[request_id] = (on_event, tenant)
+        text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
+                     and not text_in_core(request.params))
+        self._submitted[request_id] = (on_event, tenant, text_here)
         self.proc.send("add", request)
 
     def _abort(self, request_id: str) -> None:
@@ -445,7 +460,7 @@ class ProcessEngineLoop(EngineLoop):
         super()._abort(request_id)
 
     def _answered(self, answer: str, rid: str, detail, sent=None) -> None:
-        on_event, tenant = sent if sent is not None else self._submitted.pop(rid)
+        on_event, tenant, text_here = sent if sent is not None else self._submitted.pop(rid)
         gone = rid in self._gone
         self._gone.discard(rid)
         with self._pending_lock:
@@ -460,12 +475,13 @@ class ProcessEngineLoop(EngineLoop):
                 f"the engine could not take this request ({detail})")
             _tell(on_event, Event("rejected" if answer == "rejected" else "failed", error=error))
             return
-        self._live[rid] = _Live(on_event, tenant, quiet=gone, reason="abort" if gone else None)
+        self._live[rid] = _Live(on_event, tenant, quiet=gone, reason="abort" if gone else None,
+                                texts={} if text_here else None)
         if not gone and not _tell(on_event, Event("accepted", prompt_tokens=detail)):
             self._abort(rid)
 
     def _close(self) -> None:
-        for on_event, _ in list(self._submitted.values()):
+        for on_event, *_ in list(self._submitted.values()):
             _tell(on_event, Event("failed", error=RuntimeError("the server is shutting down")))
         self._submitted.clear()
         super()._close()
