@@ -188,3 +188,26 @@ def test_a_core_that_sends_ids_only_leaves_the_text_to_its_client_but_still_ends
     assert plain.text == "" and all(e.text_delta == "" for e in events if e.request_id == plain.request_id)
     assert stopping.finish_reason == "stop" and stopping.text == full.text[:full.text.find(stop)]
     assert "".join(e.text_delta for e in events if e.request_id == "with-stop") == stopping.text
+
+
+def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
+    """Every submit and abort waiting when the engine thread drains goes as one message, in order: the core
+    takes all of it before its next step, so a burst is not split by a step begun mid-write."""
+    from types import SimpleNamespace
+
+    from minikv.engine.core import EngineRequest
+    from minikv.serve.engine_loop import ProcessEngineLoop
+
+    messages = []
+    proc = SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True,
+                           request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
+                                                                                     rid, tenant=tenant),
+                           send=lambda *command: messages.append([command]), send_many=messages.append)
+    loop = ProcessEngineLoop(proc)
+    for i in range(5):
+        loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
+    loop.abort("r2")
+    loop._drain()
+    assert len(messages) == 1
+    assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for c in messages[0]] == \
+        [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r2")]

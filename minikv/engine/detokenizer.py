@@ -148,6 +148,7 @@ class TextStream:
     core would have made: `add` is `EngineCore.append_token`'s detokenizing, and an abort's flush."""
 
     def __init__(self, tokenizer):
+        """tokenizer: the model's, or `fast_decoder(tokenizer)` (made once, shared by every stream)."""
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""  # streamed so far
@@ -165,3 +166,29 @@ class TextStream:
             return ""
         self.text += delta
         return delta
+
+
+class _BackendDecode:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` read straight from a fast tokenizer's own (Rust)
+    decoder: the Python wrapper's per-call conversions cost as much as decoding a few tokens."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def fast_decoder(tokenizer):
+    """What a `TextStream` decodes with: the tokenizer's backend when its wrapper adds nothing (no
+    clean-up of spaces, the same text on a probe of ids), else the tokenizer itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer
+    probe = list(range(min(len(tokenizer), 1024)))
+    try:
+        same = all(backend.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+                   for ids in (probe, probe[::-1], probe[1::7]))
+    except Exception:  # noqa: BLE001  a tokenizer this cannot read: the plain way
+        return tokenizer
+    return _BackendDecode(backend) if same else tokenizer

@@ -6,7 +6,13 @@
       submit  -> ("add", EngineRequest)   ---------->    core.add(request) -> ("accepted", id, n)
       abort   -> ("abort", request_id)    ---------->    core.abort(request_id)        or ("rejected", ...)
       stop    -> ("stop",)                ---------->    core.close()
+      ("batch", [command, ...]): the commands the engine thread collected, in order, as one message
       handlers' events  <---- ("events", [EngineEvent, ...], Snapshot) one message per step
+
+A burst of clients reaches the core as a few batches, not one message per request: the core takes
+every command that is waiting before it steps, and one message is all there or not at all, so a
+burst is not cut in two by a step that starts while the rest is still being written to the pipe
+(the requests left behind would wait a whole step for their first token).
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
@@ -89,21 +95,12 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
                 return
         answers = []
         while cmd is not None:
-            if cmd[0] == "stop":
-                core.close()
-                results.put(("stopped",))
-                return
-            if cmd[0] == "add":
-                request: EngineRequest = cmd[1]
-                try:
-                    core.add(request)
-                    answers.append(("accepted", request.request_id, len(request.prompt_token_ids)))
-                except ValueError as e:  # the request's fault
-                    answers.append(("rejected", request.request_id, str(e)))
-                except BaseException as e:  # noqa: BLE001  this request fails alone
-                    answers.append(("add_failed", request.request_id, f"{type(e).__name__}: {e}"))
-            elif cmd[0] == "abort":
-                core.abort(cmd[1])
+            for one in cmd[1] if cmd[0] == "batch" else (cmd,):
+                if one[0] == "stop":
+                    core.close()
+                    results.put(("stopped",))
+                    return
+                _apply(core, one, answers)
             try:
                 cmd = commands.get_nowait()
             except queue.Empty:
@@ -121,6 +118,21 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
             events = core.take_events()
         if events or failed:
             results.put(("events", events, view.snapshot(), failed))
+
+
+def _apply(core, cmd: tuple, answers: list) -> None:
+    """One "add" or "abort" command; an add's answer goes to `answers`."""
+    if cmd[0] == "add":
+        request: EngineRequest = cmd[1]
+        try:
+            core.add(request)
+            answers.append(("accepted", request.request_id, len(request.prompt_token_ids)))
+        except ValueError as e:  # the request's fault
+            answers.append(("rejected", request.request_id, str(e)))
+        except BaseException as e:  # noqa: BLE001  this request fails alone
+            answers.append(("add_failed", request.request_id, f"{type(e).__name__}: {e}"))
+    elif cmd[0] == "abort":
+        core.abort(cmd[1])
 
 
 class CoreProcess:
@@ -171,6 +183,11 @@ class CoreProcess:
 
     def send(self, *command) -> None:
         self.commands.put(command)
+
+    def send_many(self, commands: list[tuple]) -> None:
+        """Several commands as one message, taken by the core in order, all before its next step."""
+        if commands:
+            self.commands.put(commands[0] if len(commands) == 1 else ("batch", commands))
 
     def encode(self, prompt) -> tuple[list[int], str | None, str | None]:
         """(token ids, text or None, cache salt or None) of one prompt, checked here (the core checks again)."""

@@ -25,12 +25,13 @@ import logging
 import queue
 import threading
 import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 from minikv.engine.core import EngineEvent, Usage
-from minikv.engine.detokenizer import TextStream, text_in_core
+from minikv.engine.detokenizer import TextStream, fast_decoder, text_in_core
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
@@ -290,7 +291,7 @@ class EngineLoop:
             elif not live.quiet:  # nobody reads a quiet request's text
                 stream = live.texts.get(e.index)
                 if stream is None:
-                    stream = live.texts[e.index] = TextStream(self.llm.tokenizer)
+                    stream = live.texts[e.index] = TextStream(self._decoder)
                 text.append(stream.add(e.token_id, e.finish_reason))
             if e.finish_reason is not None:
                 end[:] = [e.finish_reason, e.error]
@@ -364,11 +365,13 @@ class ProcessEngineLoop(EngineLoop):
     def __init__(self, proc, metrics=None, idle_wait: float = 0.05):
         self.proc = proc
         self.llm = proc  # what the handlers read: tokenizer, max_model_len, encode, loaded.source
-        self.core = _RemoteCore(proc)
+        self.core = _RemoteCore(self)
         self._snapshot: ViewSnapshot = proc.snapshot
         self._submitted: dict[str, tuple[Callable[[Event], None], str, bool]] = {}  # sent, not yet answered:
         #   (on_event, tenant, whether its text is made here)
         self._gone: set[str] = set()  # sent, then aborted before the core answered
+        self._outgoing: list[tuple] | None = None  # commands collected by a drain, sent as one message
+        self._decoder = fast_decoder(proc.tokenizer) if proc.tokenizer is not None else None
         self._init_loop(metrics, idle_wait)
 
     def snapshot(self) -> ViewSnapshot:
@@ -412,6 +415,21 @@ class ProcessEngineLoop(EngineLoop):
                     msg = None
             self._handle_steps(steps)
 
+    def _drain(self) -> None:
+        """Every waiting submit and abort goes to the core in one message (see core_process.py's top)."""
+        self._outgoing = []
+        try:
+            super()._drain()
+        finally:
+            out, self._outgoing = self._outgoing, None
+            self.proc.send_many(out)
+
+    def _send(self, *command) -> None:
+        if self._outgoing is not None:
+            self._outgoing.append(command)
+        else:
+            self.proc.send(*command)
+
     def _handle_steps(self, steps: list[tuple]) -> None:
         """Several steps' messages as one: each request hears all its new tokens in one event."""
         if not steps:
@@ -450,7 +468,7 @@ class ProcessEngineLoop(EngineLoop):
         text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
                      and not text_in_core(request.params))
         self._submitted[request_id] = (on_event, tenant, text_here)
-        self.proc.send("add", request)
+        self._send("add", request)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._submitted:  # the core has it (or soon will): it stops it, in order
@@ -490,11 +508,13 @@ class ProcessEngineLoop(EngineLoop):
 class _RemoteCore:
     """What the loop asks of a core, sent to the core process."""
 
-    def __init__(self, proc):
-        self.proc = proc
+    def __init__(self, loop: ProcessEngineLoop):
+        self.loop = weakref.ref(loop)  # the loop owns its core, not the other way
 
     def abort(self, request_id: str) -> None:
-        self.proc.send("abort", request_id)
+        loop = self.loop()
+        if loop is not None:
+            loop._send("abort", request_id)
 
     def take_events(self) -> list:
         return []  # they come with the step messages

@@ -71,8 +71,8 @@ def lone_surrogate(body: Any) -> str | None:
                 if _SURROGATE.search(k):
                     return sub
                 stack.append((sub, v))
-        elif isinstance(x, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+        elif isinstance(x, list):  # (a prompt of token ids: one isinstance per id, no path made for them)
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x) if isinstance(v, (str, dict, list)))
     return None
 
 
