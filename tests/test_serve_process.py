@@ -4,6 +4,7 @@ refuses gets a 400, and an engine process that dies stops the server instead of 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -190,20 +191,27 @@ def test_a_core_that_sends_ids_only_leaves_the_text_to_its_client_but_still_ends
     assert "".join(e.text_delta for e in events if e.request_id == "with-stop") == stopping.text
 
 
-def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
-    """Every submit and abort waiting when the engine thread drains goes as one message, in order: the core
-    takes all of it before its next step, so a burst is not split by a step begun mid-write."""
+def fake_engine_process(messages: list):
+    """What ProcessEngineLoop reads of a CoreProcess, with no process: each message sent lands in `messages`."""
+    import multiprocessing as mp
     from types import SimpleNamespace
 
     from minikv.engine.core import EngineRequest
+
+    return SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True, alive=True, results=mp.Queue(),
+                           request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
+                                                                                     rid, tenant=tenant),
+                           send=lambda *command: messages.append([command]), send_many=messages.append,
+                           stop=lambda: None)
+
+
+def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
+    """Every submit and abort waiting when the engine thread drains goes as one message, in order: the core
+    takes all of it before its next step, so a burst is not split by a step begun mid-write."""
     from minikv.serve.engine_loop import ProcessEngineLoop
 
     messages = []
-    proc = SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True,
-                           request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
-                                                                                     rid, tenant=tenant),
-                           send=lambda *command: messages.append([command]), send_many=messages.append)
-    loop = ProcessEngineLoop(proc)
+    loop = ProcessEngineLoop(fake_engine_process(messages))
     for i in range(5):
         loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
     loop.abort("r2")
@@ -211,3 +219,21 @@ def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
     assert len(messages) == 1
     assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for c in messages[0]] == \
         [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r2")]
+
+
+def test_a_submit_to_an_idle_server_reaches_the_engine_process_at_once():
+    """The engine thread waits for the core's messages and for submits together: a submit is sent on at
+    once, not when the thread's wait for the core times out (here a minute) or the core's next step ends."""
+    from minikv.serve.engine_loop import ProcessEngineLoop
+
+    messages = []
+    loop = ProcessEngineLoop(fake_engine_process(messages), idle_wait=60.0).start()
+    try:
+        for i in range(2):  # the second comes while the thread waits for the core, idle
+            loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
+            deadline = time.monotonic() + 20.0  # far less than the minute the thread would otherwise wait
+            while len(messages) < i + 1:
+                assert time.monotonic() < deadline, "the submit waited for the engine thread's wait to time out"
+                time.sleep(0.002)
+    finally:
+        loop.stop()

@@ -22,6 +22,8 @@ at once, and `on_death` callbacks run (the server stops): no client is left wait
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import traceback
@@ -373,6 +375,7 @@ class ProcessEngineLoop(EngineLoop):
         self._outgoing: list[tuple] | None = None  # commands collected by a drain, sent as one message
         self._decoder = fast_decoder(proc.tokenizer) if proc.tokenizer is not None else None
         self._init_loop(metrics, idle_wait)
+        self._wake = _PipeWake()  # a submit wakes this thread at once, whether it waits for the core or not
 
     def snapshot(self) -> ViewSnapshot:
         return self._snapshot
@@ -393,11 +396,16 @@ class ProcessEngineLoop(EngineLoop):
         self.proc.stop()
 
     def _loop(self) -> None:
+        results = self.proc.results._reader  # the queue's pipe, waited on as concurrent.futures' process pool does
         while not self._stop.is_set():
             self._drain()
+            ready = mp_connection.wait([results, self._wake.reader], timeout=self.idle_wait)
+            self._wake.clear()  # (the commands it announced are drained at the top of the next turn)
             try:
-                msg = self.proc.results.get(timeout=self.idle_wait)
+                msg = self.proc.results.get_nowait() if results in ready else None
             except queue.Empty:
+                msg = None
+            if msg is None:
                 if not self.proc.alive:
                     raise RuntimeError(f"the engine process ended (exit code {self.proc.process.exitcode})") from None
                 continue
@@ -503,6 +511,31 @@ class ProcessEngineLoop(EngineLoop):
             _tell(on_event, Event("failed", error=RuntimeError("the server is shutting down")))
         self._submitted.clear()
         super()._close()
+
+
+class _PipeWake:
+    """threading.Event's set() and clear() for a thread that waits on pipes: the engine thread waits for
+    the core's messages and for submits at once (multiprocessing.connection.wait on both). A submit that
+    only set an Event would wait for the next message from the core: up to idle_wait when the core is
+    idle, a whole step when it is busy, before it even reached the core."""
+
+    def __init__(self):
+        self.reader, self._writer = mp.Pipe(duplex=False)
+        self._lock = threading.Lock()
+        self._set = False
+
+    def set(self) -> None:
+        with self._lock:
+            if not self._set:  # one byte in the pipe at most
+                self._set = True
+                self._writer.send_bytes(b"")
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._set:
+                self._set = False
+                while self.reader.poll():
+                    self.reader.recv_bytes()
 
 
 class _RemoteCore:
