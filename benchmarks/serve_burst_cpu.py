@@ -1,9 +1,14 @@
 """Time to first token of a burst: N streaming clients arriving at once at `minikv serve` (the engine in
 its own process) against offline `generate` on the same requests, in the same run, on the CPU.
 
-    PYTHONPATH=. python benchmarks/serve_burst_cpu.py                     -> benchmarks/serve_burst_cpu.json
-    PYTHONPATH=/tmp/base python benchmarks/serve_burst_cpu.py --out x.json  the same measure of another tree
+    PYTHONPATH=. python benchmarks/serve_burst_cpu.py --out x.json        this tree, --rounds times
+    PYTHONPATH=. python benchmarks/serve_burst_cpu.py --compare /tmp/base  this tree and another (`git archive
+        <commit> | tar -x -C /tmp/base`), round by round, taking turns -> benchmarks/serve_burst_cpu.json
     ... --profile DIR      cProfile of the HTTP thread, the engine thread and the core process, top lines printed
+
+On a shared machine the figures move with the load (each round records its own): compare trees on
+the same machine in alternating rounds, by the server/offline ratio of each round (both measured in
+that round) and by the server's own stages (send -> sent: admission), not by one round's seconds.
 
 Where a request's first token spends its time, each stage measured in the process where it happens (one
 clock: time.perf_counter is CLOCK_MONOTONIC in every process of a Linux machine):
@@ -29,6 +34,7 @@ import pstats
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -257,10 +263,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).with_name("serve_burst_cpu.json")))
     ap.add_argument("--label", default="")
     ap.add_argument("--profile", default=None, help="a directory for cProfile files (the figures then mean little)")
+    ap.add_argument("--compare", default=None, help="the root of another tree: both measured, taking turns")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
         return client_main()
+    if args.compare:
+        return compare(args)
     import minikv
     from minikv.bench import environment
 
@@ -297,6 +306,50 @@ def main() -> None:
             if (profile / name).exists():
                 print(f"==== {name}\n{top(profile / name)}")
         return
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print("wrote", args.out)
+
+
+def summary(rounds: list[dict]) -> dict:
+    """The medians over rounds of what one round compares: server/offline TTFT p50, and the server's stages."""
+    def med(xs):
+        return float(np.median(xs))
+    stages = {k: med([r["server"][0]["stages_after_send_s"][k]["p50"] for r in rounds]) for k in STAGES}
+    return {"ttft_p50_server_over_offline_median": med([r["ttft_p50_server_over_offline"] for r in rounds]),
+            "server_ttft_p50_median_s": med([r["server"][0]["ttft_p50_s"] for r in rounds]),
+            "server_ttft_p99_median_s": med([r["server"][0]["ttft_p99_s"] for r in rounds]),
+            "offline_ttft_p50_median_s": med([r["offline"][0]["ttft_p50_s"] for r in rounds]),
+            "stages_p50_median_s": stages}
+
+
+def compare(args) -> None:
+    """This tree ("after") and another ("before"), one round each in turn (the order swapped every round),
+    each round in a fresh process importing its tree."""
+    from minikv.bench import environment
+
+    here = Path(__file__).resolve().parents[1]
+    trees = {"after": here, "before": Path(args.compare).resolve()}
+    rounds: dict[str, list[dict]] = {k: [] for k in trees}
+    flags = ["--requests", str(args.requests), "--prompt-len", args.prompt_len, "--output-len", args.output_len,
+             "--clients", str(args.clients), "--rounds", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for name in (["before", "after"] if i % 2 == 0 else ["after", "before"]):
+                out = Path(tmp) / f"{name}{i}.json"
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                subprocess.run([sys.executable, __file__, *flags, "--label", name, "--out", str(out)], env=env,
+                               check=True, stdout=subprocess.DEVNULL)
+                rounds[name].append(json.loads(out.read_text()))
+                r = rounds[name][-1]
+                print(f"round {i} {name}: server {r['server'][0]['ttft_p50_s']:.3f} s, offline "
+                      f"{r['offline'][0]['ttft_p50_s']:.3f} s ({r['ttft_p50_server_over_offline']:.2f}x), "
+                      f"load {r['load_average_before'][0]:.1f}", flush=True)
+    record = {"benchmark": "serve_burst_cpu", "environment": environment("cpu"),
+              "workload": rounds["after"][0]["workload"], "label": args.label,
+              "trees": {k: str(v) for k, v in trees.items()},
+              "summary": {k: summary(v) for k, v in rounds.items()}, "rounds": rounds}
+    for k, v in record["summary"].items():
+        print(k, json.dumps(v))
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print("wrote", args.out)
 
