@@ -22,6 +22,9 @@ A request's life in a handler, before the engine sees it:
     -> chat template + tokenizer on a worker thread, length checked (400) -> engine.submit(token ids)
 
 so a huge or malformed request costs its own handler, never the engine thread nor the other streams.
+A prompt already in token ids skips the worker thread (its check is two C loops: a thread hop would
+cost more than the work), so a burst of such requests reaches the engine as fast as it is parsed;
+the engine's events come back through a `Mailbox`, one wake-up of the event loop per batch.
 
     server = Server(LLM("tiny-random", kv_backend="paged"), port=0).start()   # a thread, a free port
     openai.OpenAI(base_url=server.url + "/v1", api_key="alice").completions.create(...)
