@@ -38,6 +38,7 @@ from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.view import ViewSnapshot
+from minikv.serve.core_process import from_wire
 
 log = logging.getLogger("minikv.serve")
 
@@ -463,7 +464,7 @@ class ProcessEngineLoop(EngineLoop):
             if failed is not None:  # the core recovered; its live requests end, as in one process
                 log.error("engine step failed in the engine process: %s", failed)
                 self._fail_all(RuntimeError(failed))
-            self._publish(events)
+            self._publish(from_wire(events))
         elif kind == "stopped":
             raise RuntimeError("the engine process stopped")
 
