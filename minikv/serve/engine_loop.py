@@ -8,7 +8,9 @@
     on_event(Event)   <-------------------------   events of the step, grouped per sample
 
 The server is a client of the core's events (minikv/engine/core.py), as `LLM.generate` is: the token
-ids, text deltas and usage come from the core; nothing is worked out again here. Only the engine
+ids, text deltas and usage come from the core; nothing is worked out again here (behind an engine
+process, the text of requests without stop strings is made on this side by the detokenizer's own
+`TextStream` from the ids: see ProcessEngineLoop). Only the engine
 thread runs the core (scheduling, the model); handlers tokenize before they submit, so a long
 prompt never stalls the step loop. A handler never waits for a step: it puts a command on a queue
 and awaits its own events, so a slow step never blocks the HTTP server, and a client that goes away
