@@ -106,9 +106,10 @@ def test_the_core_checks_what_it_is_given_at_its_border(llm):
 
 
 def test_the_server_loop_has_no_token_or_text_bookkeeping_of_its_own():
-    """The deltas are the core's: the engine loop never reads a sequence's tokens or text."""
+    """The deltas are the core's, or the detokenizer's own TextStream's when the core sends ids only: the
+    engine loop never reads a sequence's tokens or text, nor decodes with logic of its own."""
     source = (Path(__file__).resolve().parent.parent / "minikv" / "serve" / "engine_loop.py").read_text()
-    for name in ("output_token_ids", ".text[", "samples_of", "detokenize"):
+    for name in ("output_token_ids", ".text[", "samples_of", "detokenize(", ".decode("):
         assert name not in source, name
 
 

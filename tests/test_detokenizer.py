@@ -7,7 +7,16 @@ import pytest
 from safetensors.torch import save_file
 
 from minikv import LLM, SamplingParams
-from minikv.engine.detokenizer import REPLACEMENT, DecodeState, detokenize, find_stop, flush, stop_prefix_len
+from minikv.engine.detokenizer import (
+    REPLACEMENT,
+    DecodeState,
+    TextStream,
+    detokenize,
+    fast_decoder,
+    find_stop,
+    flush,
+    stop_prefix_len,
+)
 from minikv.model.config import ModelConfig
 from minikv.model.llama import LlamaForCausalLM
 from minikv.model.loader import tiny_random_weights
@@ -255,3 +264,42 @@ def test_smollm2_tokenizer_loaded_without_autotokenizer_is_autotokenizers(smollm
             == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
     assert len(ours) == len(auto)
+
+
+def stream_text(decoder, ids: list[int], end: str | None) -> tuple[list[str], str]:
+    """A TextStream fed as the server feeds it: one event per token, the last with its finish reason
+    (end "abort": the abort's own event, without a token, comes after them)."""
+    stream = TextStream(decoder)
+    deltas = [stream.add(t, end if i == len(ids) - 1 and end != "abort" else None) for i, t in enumerate(ids)]
+    if end == "abort":
+        deltas.append(stream.add(None, "abort"))
+    return deltas, stream.text
+
+
+def test_a_text_stream_away_from_the_core_makes_the_cores_deltas():
+    """The server's TextStream, fed token ids, gives the very deltas the core's append_token gives."""
+    tok = ByteTokenizer()
+    rng = random.Random(5)
+    for _ in range(200):
+        ids = [rng.randrange(len(ByteTokenizer.PIECES)) for _ in range(rng.randint(1, 12))]
+        want, _, _ = run(tok, ids, [], finish_at_end=True, incremental=True)
+        deltas, text = stream_text(tok, ids, "length")
+        assert deltas == want and text == tok.decode(ids)
+        held, _, _ = run(tok, ids, [], finish_at_end=False, incremental=True)
+        deltas, text = stream_text(tok, ids, "abort")
+        assert deltas[:-1] == held and text == tok.decode(ids)  # the abort sends what was held back
+
+
+@pytest.mark.slow
+def test_fast_decoder_decodes_as_the_smollm2_tokenizer_does(smollm2_dir):
+    from minikv.model.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    fast = fast_decoder(tok)
+    assert fast is not tok  # the Rust decoder straight: no wrapper on the server's engine thread
+    rng = random.Random(3)  # random ids: odd byte pieces, special tokens, multi-byte characters cut in two
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
+        assert fast.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+        assert stream_text(fast, ids, "stop") == stream_text(tok, ids, "stop")
+        assert stream_text(fast, ids, "stop")[1] == tok.decode(ids, skip_special_tokens=True)

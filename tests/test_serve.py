@@ -450,8 +450,8 @@ def test_a_stopped_server_keeps_no_engine_alive():
     def serve_once():
         llm = engine()
         server = Server(llm).start()
-        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3},
-                       timeout=HANG_S)
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3},
+                       timeout=HANG_S)  # text: tokenized on the tokenizing threads
         assert r.status_code == 200
         threads = list(server.app.state.deps.tokenizer_pool._threads)  # this server's tokenizing threads
         server.stop()

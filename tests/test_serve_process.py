@@ -4,6 +4,7 @@ refuses gets a 400, and an engine process that dies stops the server instead of 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -111,3 +112,144 @@ def test_a_request_aborted_before_the_engine_process_answered_is_stopped_there(s
                         and m["minikv:num_requests_running"] == 0 and m["minikv:kv_cache_usage_perc"] == 0)(
         metrics(server.url)), "the engine process stopped the request and freed its blocks")
     assert all(e.kind in ("accepted", "tokens") for e in heard)
+
+
+def completions(url: str, body: dict) -> dict:
+    """One answer through the server, streamed or not, as {"texts", "ids", "reasons", "usage"} per sample."""
+    n = body.get("n", 1)
+    texts, ids, reasons, usage = [""] * n, [[] for _ in range(n)], [None] * n, None
+    body = {**body, "model": "tiny", "return_token_ids": True}
+    if not body.get("stream"):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            texts[c["index"]], ids[c["index"]], reasons[c["index"]] = c["text"], c["token_ids"], c["finish_reason"]
+        return dict(texts=texts, ids=ids, reasons=reasons, usage=r.json()["usage"]["completion_tokens"])
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}},
+                      timeout=HANG_S) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            for c in chunk["choices"]:
+                texts[c["index"]] += c["text"]
+                ids[c["index"]] += c.get("token_ids") or []
+                reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    return dict(texts=texts, ids=ids, reasons=reasons, usage=usage)
+
+
+def test_text_made_in_the_server_equals_generate_with_and_without_stop_strings(served):
+    """The core sends token ids and the server makes the text (stop-string requests keep theirs in the
+    core): text, tokens, finish reasons and usage are generate's, greedy and seeded, n = 1 and n = 3."""
+    server, proc = served
+    assert proc.text_in_server
+    llm = LLM(tiny_random_with_text(), **OPTIONS)
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    text = greedy.text
+    stop = next(text[i:i + 2] for i in range(8, len(text) - 2)
+                if text[i:i + 2].isprintable() and text.find(text[i:i + 2]) == i)  # first seen mid-way
+    sampled = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0.9, seed=11, n=3))[0]
+    first = sorted(sampled.outputs, key=lambda c: c.index)[0].text
+    stop_n = next(c for c in first[5:] if c.isprintable() and c != " ")  # ends sample 0 mid-way, maybe others
+    cases = [dict(max_tokens=40, ignore_eos=True, temperature=0),
+             dict(max_tokens=40, ignore_eos=True, temperature=0, stop=[stop]),
+             dict(max_tokens=30, temperature=0.9, seed=11, n=3),
+             dict(max_tokens=30, temperature=0.9, seed=11, n=3, stop=[stop_n]),
+             dict(max_tokens=30, temperature=1.0, seed=3, top_k=50)]
+    stopped = 0
+    for case in cases:
+        params = SamplingParams(**case)
+        want = llm.generate([PROMPTS[0]], params)[0]
+        samples = sorted(want.outputs, key=lambda c: c.index)
+        stopped += sum(c.finish_reason == "stop" for c in samples) if case.get("stop") else 0
+        for stream in (False, True):
+            got = completions(server.url, dict(prompt=PROMPTS[0], stream=stream, **case))
+            assert got["texts"] == [c.text for c in samples], (case, stream)
+            assert got["ids"] == [c.token_ids for c in samples], (case, stream)
+            assert got["reasons"] == [c.finish_reason for c in samples], (case, stream)
+            assert got["usage"] == sum(len(c.token_ids) for c in samples), (case, stream)
+    assert stopped >= 2  # the stop strings did end samples (the rule under test ran)
+    llm.close()
+
+
+def test_a_core_that_sends_ids_only_leaves_the_text_to_its_client_but_still_ends_on_stop_strings():
+    llm = LLM(tiny_random_with_text(), **OPTIONS)
+    llm.core.detokenize = False
+    plain = llm.core.add(llm.request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True)))
+    full = LLM(tiny_random_with_text(), **OPTIONS).generate([PROMPTS[0]], SamplingParams(max_tokens=20,
+                                                                                          ignore_eos=True))[0]
+    stop = next(full.text[i:i + 2] for i in range(4, len(full.text) - 2) if full.text.find(full.text[i:i + 2]) == i)
+    stopping = llm.core.add(llm.request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]),
+                                        request_id="with-stop"))
+    events = []
+    while llm.core.has_unfinished():
+        events += llm.core.step()
+    assert plain.text == "" and all(e.text_delta == "" for e in events if e.request_id == plain.request_id)
+    assert stopping.finish_reason == "stop" and stopping.text == full.text[:full.text.find(stop)]
+    assert "".join(e.text_delta for e in events if e.request_id == "with-stop") == stopping.text
+
+
+def fake_engine_process(messages: list):
+    """What ProcessEngineLoop reads of a CoreProcess, with no process: each message sent lands in `messages`."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from minikv.engine.core import EngineRequest
+
+    return SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True, alive=True, results=mp.Queue(),
+                           request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
+                                                                                     rid, tenant=tenant),
+                           send=lambda *command: messages.append([command]), send_many=messages.append,
+                           stop=lambda: None)
+
+
+def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
+    """Every submit and abort waiting when the engine thread drains goes as one message, in order: the core
+    takes all of it before its next step, so a burst is not split by a step begun mid-write."""
+    from minikv.serve.engine_loop import ProcessEngineLoop
+
+    messages = []
+    loop = ProcessEngineLoop(fake_engine_process(messages))
+    for i in range(5):
+        loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
+    loop.abort("r2")
+    loop._drain()
+    assert len(messages) == 1
+    assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for c in messages[0]] == \
+        [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r2")]
+
+
+def test_a_submit_to_an_idle_server_reaches_the_engine_process_at_once():
+    """The engine thread waits for the core's messages and for submits together: a submit is sent on at
+    once, not when the thread's wait for the core times out (here a minute) or the core's next step ends."""
+    from minikv.serve.engine_loop import ProcessEngineLoop
+
+    messages = []
+    loop = ProcessEngineLoop(fake_engine_process(messages), idle_wait=60.0).start()
+    try:
+        for i in range(2):  # the second comes while the thread waits for the core, idle
+            loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
+            deadline = time.monotonic() + 20.0  # far less than the minute the thread would otherwise wait
+            while len(messages) < i + 1:
+                assert time.monotonic() < deadline, "the submit waited for the engine thread's wait to time out"
+                time.sleep(0.002)
+    finally:
+        loop.stop()
+
+
+def test_events_cross_the_process_boundary_with_every_field():
+    """The core sends a step's events as plain tuples (a tenth of a dataclass's pickling time); read
+    back, each has every field of the EngineEvent it was, by name."""
+    import dataclasses
+    import pickle
+
+    from minikv.engine.core import EngineEvent, Usage
+    from minikv.serve.core_process import from_wire, to_wire
+
+    usage = Usage(3, 2, 0, 0, 1.0, (1.5, 2.0))
+    events = [EngineEvent("a", 0, 7, "x"), EngineEvent("b", 2, None, "", "error", "why", usage)]
+    for event, read in zip(events, from_wire(pickle.loads(pickle.dumps(to_wire(events))))):
+        names = [f.name for f in dataclasses.fields(EngineEvent)]
+        assert [getattr(read, n) for n in names] == [getattr(event, n) for n in names]

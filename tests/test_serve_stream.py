@@ -126,3 +126,33 @@ def test_the_openai_client_reads_every_chunk_as_applications_do(server, referenc
     with_usage = list(c.completions.create(model=MODEL, prompt="abc", max_tokens=4, stream=True,
                                            stream_options={"include_usage": True}))
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 4
+
+
+def test_a_burst_of_engine_events_wakes_the_event_loop_once_and_keeps_their_order():
+    """The engine thread's events reach the handlers through a Mailbox: one wake-up of the event loop
+    for all the events put before it runs (not one per event), each handler's in order; once the loop
+    is closed, put raises, so the engine loop knows nobody listens."""
+    import asyncio
+
+    from minikv.serve.app import Mailbox
+    from minikv.serve.engine_loop import Event
+
+    loop = asyncio.new_event_loop()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (wakeups.append(1), real(*a))[1]
+    box = Mailbox(loop)
+    queues = [asyncio.Queue(), asyncio.Queue()]
+    for i in range(100):
+        box.put(queues[i % 2], Event("tokens", token_ids=[i]))
+    assert len(wakeups) == 1
+    loop.run_until_complete(asyncio.sleep(0))
+    for k, q in enumerate(queues):
+        assert [q.get_nowait().token_ids[0] for _ in range(50)] == list(range(k, 100, 2)) and q.empty()
+    box.put(queues[0], Event("end"))  # a later batch: its own wake-up
+    assert len(wakeups) == 2
+    loop.run_until_complete(asyncio.sleep(0))
+    assert queues[0].get_nowait().kind == "end"
+    loop.close()
+    with pytest.raises(RuntimeError):
+        box.put(queues[0], Event("end"))

@@ -55,7 +55,7 @@ from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ScratchShape
 from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs
-from minikv.engine.detokenizer import DecodeState, detokenize, flush
+from minikv.engine.detokenizer import DecodeState, detokenize, flush, text_in_core
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
@@ -180,8 +180,12 @@ class EngineCore:
     """The engine's state and its step. Built from loaded weights and a config (fitted to them here
     unless it is already: see `fit_to_model`)."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, runner_cls: Callable[..., ModelRunner] = ModelRunner):
-        """runner_cls builds the runner (tensor parallelism passes one that also drives the other ranks)."""
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, runner_cls: Callable[..., ModelRunner] = ModelRunner,
+                 detokenize: bool = True):
+        """runner_cls builds the runner (tensor parallelism passes one that also drives the other ranks).
+        detokenize=False: events carry token ids and no text, except for requests whose text decides when
+        they end (stop strings: see `text_in_core`); a client in another process makes the text from the
+        ids (the server: minikv/serve/engine_loop.py). May be switched before the first request."""
         if not cfg.fitted:
             cfg = fit_to_model(cfg, loaded)
         self.loaded, self.engine_config = loaded, cfg
@@ -193,6 +197,7 @@ class EngineCore:
         self.is_paged = cfg.is_paged
         self.attention = cfg.attention if cfg.is_paged else None
         self.block_size = cfg.block_size if cfg.is_paged else None
+        self.detokenize = detokenize
         self.eos_token_ids = set(c.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -536,7 +541,7 @@ class EngineCore:
                         inflight.free_after.append(s)
                     else:
                         self.scheduler.abort(s)
-                    held = flush(self.tokenizer, s.output_token_ids, s.text, s.params.stop)
+                    held = flush(self._tokenizer_for(s), s.output_token_ids, s.text, s.params.stop)
                     s.text += held  # what the detokenizer held back is part of the text after all
                     self._publish(s, None, held)
                 elif s in self.scheduler.waiting:  # finished on its first token before it found a seat
@@ -861,7 +866,7 @@ class EngineCore:
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         delta = ""
-        if self.tokenizer is not None:  # finishing: what was held back goes out; a stop string: cut there
+        if self._tokenizer_for(seq) is not None:  # finishing: what was held back goes out; a stop string: cut there
             if seq.decode_state is None and seq.beam_search is None:  # beams rewrite outputs: decode them whole
                 seq.decode_state = DecodeState()
             update = detokenize(self.tokenizer, seq.output_token_ids, seq.text, p.stop, seq.finish_reason is not None,
@@ -873,6 +878,11 @@ class EngineCore:
             seq.status = SequenceStatus.FINISHED
         return delta
 
+    def _tokenizer_for(self, seq: Sequence):
+        """The tokenizer that makes seq's text here, or None (no tokenizer, or its client makes the text)."""
+        if self.detokenize or text_in_core(seq.params, seq.beam_search is not None):
+            return self.tokenizer
+        return None
 
     # ---- beam search (minikv/engine/beam.py) -----------------------------------------------------
     def run_beam_search(self, seqs: list[Sequence], searches: list[BeamSearch]) -> None:

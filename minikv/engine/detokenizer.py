@@ -29,6 +29,16 @@ a leading space at the start of a decode). While the newest text ends in a half-
 window just grows; once it is whole, the offsets move on. This keeps the text equal to
 `tokenizer.decode(output ids)` for any tokenizer whose decoding of a prefix is a prefix of the full
 decoding (byte-level BPE, SentencePiece); the tests check it on the course's model.
+
+Where the text is made. In one process the core detokenizes as it appends each token. Behind the
+server (minikv/serve/core_process.py) the core sends token ids only and the server's process makes
+each sample's text with a `TextStream` (the same code), as vLLM's front end does: the core's
+interpreter spends its time on steps, not on strings. One rule keeps the output exactly the
+in-process one: a request whose text decides when it ends (stop strings; beams, ranked on whole
+texts) keeps its text in the core (`text_in_core`). A stop string found one process away would
+come steps late: the core would have run, counted and cached tokens past it, and stopping one
+sample of n > 1 would need an abort per sample; found in the core, the sequence ends on the token
+that completes it, as in `generate`.
 """
 from __future__ import annotations
 
@@ -124,3 +134,61 @@ def flush(tokenizer, output_token_ids: list[int], sent: str, stop: list[str]) ->
     if tokenizer is None:
         return ""
     return detokenize(tokenizer, output_token_ids, sent, stop, finished=True).delta
+
+
+def text_in_core(params, beam: bool = False) -> bool:
+    """Whether a request's text must be made where its tokens are, in the core (see the top): its stop
+    strings end it, or it is a beam (beams rewrite their outputs)."""
+    return bool(params.stop) or beam
+
+
+class TextStream:
+    """One sample's text, made from its token ids as they arrive, away from the core (the server's
+    process, for requests without stop strings: `text_in_core`). The deltas join to exactly what the
+    core would have made: `add` is `EngineCore.append_token`'s detokenizing, and an abort's flush."""
+
+    def __init__(self, tokenizer):
+        """tokenizer: the model's, or `fast_decoder(tokenizer)` (made once, shared by every stream)."""
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # streamed so far
+        self.state = DecodeState()
+
+    def add(self, token_id: int | None, finish_reason: str | None) -> str:
+        """The text delta of one event of this sample: a new token (finish_reason set when it is the
+        last), or an end without a token ("abort": what was held back goes out; "error": nothing)."""
+        if token_id is not None:
+            self.ids.append(token_id)
+            delta = detokenize(self.tokenizer, self.ids, self.text, [], finish_reason is not None, self.state).delta
+        elif finish_reason == "abort":
+            delta = flush(self.tokenizer, self.ids, self.text, [])
+        else:
+            return ""
+        self.text += delta
+        return delta
+
+
+class _BackendDecode:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` read straight from a fast tokenizer's own (Rust)
+    decoder: the Python wrapper's per-call conversions cost as much as decoding a few tokens."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def fast_decoder(tokenizer):
+    """What a `TextStream` decodes with: the tokenizer's backend when its wrapper adds nothing (no
+    clean-up of spaces, the same text on a probe of ids), else the tokenizer itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer
+    probe = list(range(min(len(tokenizer), 1024)))
+    try:
+        same = all(backend.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+                   for ids in (probe, probe[::-1], probe[1::7]))
+    except Exception:  # noqa: BLE001  a tokenizer this cannot read: the plain way
+        return tokenizer
+    return _BackendDecode(backend) if same else tokenizer

@@ -22,6 +22,9 @@ A request's life in a handler, before the engine sees it:
     -> chat template + tokenizer on a worker thread, length checked (400) -> engine.submit(token ids)
 
 so a huge or malformed request costs its own handler, never the engine thread nor the other streams.
+A prompt already in token ids skips the worker thread (its check is two C loops: a thread hop would
+cost more than the work), so a burst of such requests reaches the engine as fast as it is parsed;
+the engine's events come back through a `Mailbox`, one wake-up of the event loop per batch.
 
     server = Server(LLM("tiny-random", kv_backend="paged"), port=0).start()   # a thread, a free port
     openai.OpenAI(base_url=server.url + "/v1", api_key="alice").completions.create(...)
@@ -33,6 +36,7 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -95,6 +99,34 @@ def max_token_bytes(tokenizer) -> int:
         return 0
 
 
+class Mailbox:
+    """Events from the engine thread to the server's event loop, handed over in batches: the first event
+    of a batch wakes the loop (call_soon_threadsafe writes to a pipe, tens of microseconds of the engine
+    thread's time), the events the engine thread puts while it is awake ride along. A step's events for
+    256 streams cost one wake-up, not 256."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Event]] = []
+
+    def put(self, events: asyncio.Queue, event: Event) -> None:
+        """(Any thread.) Raises RuntimeError once the loop is closed, as call_soon_threadsafe does."""
+        if self.loop.is_closed():
+            raise RuntimeError("the server's event loop is closed")
+        with self._lock:
+            self._items.append((events, event))
+            if len(self._items) > 1:  # a wake-up is on its way and will take this one too
+                return
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for events, event in items:
+            events.put_nowait(event)
+
+
 class AppDeps:
     """What the routes of one app reach: the engine loop (and through it the LLM or the engine process),
     the metrics, the tenants, the tokenizer threads. `release()` (when the server stops) lets go of them,
@@ -131,6 +163,16 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                                                                         thread_name_prefix="minikv-tokenize"))
     text_limit = 4 * max_token_bytes(deps.llm.tokenizer) * deps.llm.max_model_len  # bytes of text that surely overflow
     admitting: Counter[str] = Counter()  # past the queue limits, not yet submitted (tokenizing): they count
+    mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per event loop serving the app
+
+    def mailbox() -> Mailbox:
+        loop = asyncio.get_running_loop()
+        box = mailboxes.get(loop)
+        if box is None:
+            for closed in [old for old in mailboxes if old.is_closed()]:
+                del mailboxes[closed]
+            box = mailboxes[loop] = Mailbox(loop)
+        return box
 
     def num_waiting(tenant: str | None = None) -> int:
         """Requests that will wait for a seat: queued (or being admitted) beyond the free seats."""
@@ -201,18 +243,20 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                            headers={"Retry-After": "1"})
         if not deps.engine.alive:
             raise ApiError(503, "the engine has stopped; the server is shutting down", type="server_error")
-        rid, loop, events = new_id(chat), asyncio.get_running_loop(), asyncio.Queue()
+        rid, loop, events, box = new_id(chat), asyncio.get_running_loop(), asyncio.Queue(), mailbox()
         admitting[tenant] += 1
         try:
-            ids = await loop.run_in_executor(deps.tokenizer_pool, token_ids, parsed, chat)
+            if chat or isinstance(parsed.prompt, str):  # a tokenizer's work: never on the event loop
+                ids = await loop.run_in_executor(deps.tokenizer_pool, token_ids, parsed, chat)
+            else:  # token ids: checked at C speed (prompts.check_token_range), here: no thread hop
+                ids = token_ids(parsed, chat)
             prompt = {"prompt_token_ids": ids}
             salt = deps.tenants.cache_salt(tenant, parsed.cache_salt)
             if salt is not None:
                 prompt["cache_salt"] = salt
             if before_submit is not None:
                 await before_submit(request.headers, ids, salt)
-            deps.engine.submit(prompt, parsed.params, tenant, rid,
-                          lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            deps.engine.submit(prompt, parsed.params, tenant, rid, lambda ev: box.put(events, ev))
         except ApiError:
             deps.metrics.rejected_request("bad_request")
             raise

@@ -6,12 +6,20 @@
       submit  -> ("add", EngineRequest)   ---------->    core.add(request) -> ("accepted", id, n)
       abort   -> ("abort", request_id)    ---------->    core.abort(request_id)        or ("rejected", ...)
       stop    -> ("stop",)                ---------->    core.close()
-      handlers' events  <---- ("events", [EngineEvent, ...], Snapshot) one message per step
+      ("batch", [command, ...]): the commands the engine thread collected, in order, as one message
+      handlers' events  <---- ("events", [event tuple, ...], Snapshot) one message per step
+
+A burst of clients reaches the core as a few batches, not one message per request: the core takes
+every command that is waiting before it steps, and one message is all there or not at all, so a
+burst is not cut in two by a step that starts while the rest is still being written to the pipe
+(the requests left behind would wait a whole step for their first token).
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
 tokens in one chunk. Requests and events cross the boundary as they are (plain dataclasses,
-pickled); the text deltas are the core's own, detokenized once, there.
+pickled). The core sends token ids and the server's engine thread makes the text from them (a
+`TextStream` per sample, minikv/engine/detokenizer.py), except for requests with stop strings, whose
+text decides where they end: the core makes theirs (the detokenizer's docstring says why).
 
 What the server reads of the engine (queues for 429/503, pool usage for /metrics) comes as a
 `ViewSnapshot` (minikv/engine/view.py) with every step's events, and with every answer to a command.
@@ -23,10 +31,11 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
+from collections import namedtuple
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
-from minikv.engine.core import EngineRequest
+from minikv.engine.core import EngineEvent, EngineRequest
 from minikv.engine.prompts import parse_prompt
 from minikv.engine.sampling_params import SamplingParams
 
@@ -46,22 +55,22 @@ class CoreInfo:
     source: str
 
 
-def _core_main(model, options: dict, commands, results) -> None:
+def _core_main(model, options: dict, commands, results, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
     MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop."""
     path = os.environ.get("MINIKV_CORE_PROFILE")
     if not path:
-        return _core_loop(model, options, commands, results)
+        return _core_loop(model, options, commands, results, detokenize)
     import cProfile
 
     profile = cProfile.Profile()
     try:
-        profile.runcall(_core_loop, model, options, commands, results)
+        profile.runcall(_core_loop, model, options, commands, results, detokenize)
     finally:
         profile.dump_stats(path)
 
 
-def _core_loop(model, options: dict, commands, results) -> None:
+def _core_loop(model, options: dict, commands, results, detokenize: bool) -> None:
     try:
         from minikv.engine.llm import LLM
 
@@ -69,6 +78,7 @@ def _core_loop(model, options: dict, commands, results) -> None:
         if not llm.is_paged:
             raise ValueError("the server runs the continuous-batching engine: build it with kv_backend='paged'")
         core, view = llm.core, llm.view
+        core.detokenize = detokenize  # off: the server makes the text of requests without stop strings
         results.cancel_join_thread()  # from now on a server gone mid-load must not keep this process alive
         results.put(("ready", CoreInfo(core.max_model_len, llm.config.vocab_size, view.num_blocks,
                                        view.block_size, str(llm.loaded.source)), view.snapshot()))
@@ -86,21 +96,12 @@ def _core_loop(model, options: dict, commands, results) -> None:
                 return
         answers = []
         while cmd is not None:
-            if cmd[0] == "stop":
-                core.close()
-                results.put(("stopped",))
-                return
-            if cmd[0] == "add":
-                request: EngineRequest = cmd[1]
-                try:
-                    core.add(request)
-                    answers.append(("accepted", request.request_id, len(request.prompt_token_ids)))
-                except ValueError as e:  # the request's fault
-                    answers.append(("rejected", request.request_id, str(e)))
-                except BaseException as e:  # noqa: BLE001  this request fails alone
-                    answers.append(("add_failed", request.request_id, f"{type(e).__name__}: {e}"))
-            elif cmd[0] == "abort":
-                core.abort(cmd[1])
+            for one in cmd[1] if cmd[0] == "batch" else (cmd,):
+                if one[0] == "stop":
+                    core.close()
+                    results.put(("stopped",))
+                    return
+                _apply(core, one, answers)
             try:
                 cmd = commands.get_nowait()
             except queue.Empty:
@@ -117,18 +118,50 @@ def _core_loop(model, options: dict, commands, results) -> None:
         else:
             events = core.take_events()
         if events or failed:
-            results.put(("events", events, view.snapshot(), failed))
+            results.put(("events", to_wire(events), view.snapshot(), failed))
+
+
+WireEvent = namedtuple("WireEvent", [f.name for f in fields(EngineEvent)])  # an EngineEvent's fields, read alike
+
+
+def to_wire(events: list[EngineEvent]) -> list[tuple]:
+    """A step's events as plain tuples (WireEvent's order): pickled in a tenth of a dataclass's time,
+    on the core's side of the pipe; `from_wire` reads them back."""
+    return [(e.request_id, e.index, e.token_id, e.text_delta, e.finish_reason, e.error, e.usage) for e in events]
+
+
+def from_wire(events: list[tuple]) -> list[WireEvent]:
+    return [WireEvent._make(e) for e in events]
+
+
+def _apply(core, cmd: tuple, answers: list) -> None:
+    """One "add" or "abort" command; an add's answer goes to `answers`."""
+    if cmd[0] == "add":
+        request: EngineRequest = cmd[1]
+        try:
+            core.add(request)
+            answers.append(("accepted", request.request_id, len(request.prompt_token_ids)))
+        except ValueError as e:  # the request's fault
+            answers.append(("rejected", request.request_id, str(e)))
+        except BaseException as e:  # noqa: BLE001  this request fails alone
+            answers.append(("add_failed", request.request_id, f"{type(e).__name__}: {e}"))
+    elif cmd[0] == "abort":
+        core.abort(cmd[1])
 
 
 class CoreProcess:
     """Start an EngineCore in a spawned process: `LLM(model, **options)` built there (the weights
-    load there, on its device). `client` then tokenizes and checks prompts here, as `LLM.request` does."""
+    load there, on its device). `client` then tokenizes and checks prompts here, as `LLM.request` does.
+    text_in_server: the core sends token ids and the server makes the text (see the top); False: the
+    core makes every request's text, as in one process."""
 
-    def __init__(self, model, timeout: float = START_TIMEOUT_S, **options):
+    def __init__(self, model, timeout: float = START_TIMEOUT_S, text_in_server: bool = True, **options):
         tokenizer = _tokenizer_of(model)  # a missing model fails here, at once, before a process starts
+        self.text_in_server = text_in_server
         ctx = mp.get_context("spawn")  # CUDA cannot live in a forked child
         self.commands, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, self.results),
+        self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, self.results,
+                                                            not text_in_server),
                                    name="minikv-core", daemon=True)
         self.process.start()
         deadline, msg = time.monotonic() + timeout, None
@@ -164,6 +197,11 @@ class CoreProcess:
 
     def send(self, *command) -> None:
         self.commands.put(command)
+
+    def send_many(self, commands: list[tuple]) -> None:
+        """Several commands as one message, taken by the core in order, all before its next step."""
+        if commands:
+            self.commands.put(commands[0] if len(commands) == 1 else ("batch", commands))
 
     def encode(self, prompt) -> tuple[list[int], str | None, str | None]:
         """(token ids, text or None, cache salt or None) of one prompt, checked here (the core checks again)."""

@@ -8,7 +8,9 @@
     on_event(Event)   <-------------------------   events of the step, grouped per sample
 
 The server is a client of the core's events (minikv/engine/core.py), as `LLM.generate` is: the token
-ids, text deltas and usage come from the core; nothing is worked out again here. Only the engine
+ids, text deltas and usage come from the core; nothing is worked out again here (behind an engine
+process, the text of requests without stop strings is made on this side by the detokenizer's own
+`TextStream` from the ids: see ProcessEngineLoop). Only the engine
 thread runs the core (scheduling, the model); handlers tokenize before they submit, so a long
 prompt never stalls the step loop. A handler never waits for a step: it puts a command on a queue
 and awaits its own events, so a slow step never blocks the HTTP server, and a client that goes away
@@ -22,18 +24,23 @@ at once, and `on_death` callbacks run (the server stops): no client is left wait
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 from minikv.engine.core import EngineEvent, Usage
+from minikv.engine.detokenizer import TextStream, fast_decoder, text_in_core
 from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.view import ViewSnapshot
+from minikv.serve.core_process import from_wire
 
 log = logging.getLogger("minikv.serve")
 
@@ -67,6 +74,8 @@ class _Live:
     quiet: bool = False  # its handler is gone or already told: its last events only count in the metrics
     error: str | None = None  # a sample ended with finish_reason "error": why
     reason: str | None = None  # how its first sample ended
+    texts: dict[int, TextStream] | None = None  # its samples' text, made here from the token ids (the core
+    #   sends ids only: ProcessEngineLoop), or None: the core's text deltas
 
 
 @dataclass
@@ -275,13 +284,20 @@ class EngineLoop:
         """Hand every request what it got in these events; retire the ones that ended."""
         steps: dict[str, _StepOf] = {}
         for e in events:
-            if e.request_id not in self._live:
+            live = self._live.get(e.request_id)
+            if live is None:
                 continue  # a request this loop does not serve (or no longer)
             step = steps.setdefault(e.request_id, _StepOf())
             ids, text, end = step.samples.setdefault(e.index, ([], [], [None, None]))
             if e.token_id is not None:
                 ids.append(e.token_id)
-            text.append(e.text_delta)
+            if live.texts is None:
+                text.append(e.text_delta)
+            elif not live.quiet:  # nobody reads a quiet request's text
+                stream = live.texts.get(e.index)
+                if stream is None:
+                    stream = live.texts[e.index] = TextStream(self._decoder)
+                text.append(stream.add(e.token_id, e.finish_reason))
             if e.finish_reason is not None:
                 end[:] = [e.finish_reason, e.error]
             if e.usage is not None:
@@ -347,16 +363,22 @@ class EngineLoop:
 class ProcessEngineLoop(EngineLoop):
     """The same loop with the EngineCore in its own process (minikv/serve/core_process.py): this
     thread forwards submits and aborts to it and hands each handler its events as they arrive; the
-    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step."""
+    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step.
+    Unless the core makes the text (CoreProcess(text_in_server=False)), this thread makes it from the
+    token ids, for every request without stop strings (minikv/engine/detokenizer.py says why)."""
 
     def __init__(self, proc, metrics=None, idle_wait: float = 0.05):
         self.proc = proc
         self.llm = proc  # what the handlers read: tokenizer, max_model_len, encode, loaded.source
-        self.core = _RemoteCore(proc)
+        self.core = _RemoteCore(self)
         self._snapshot: ViewSnapshot = proc.snapshot
-        self._submitted: dict[str, tuple[Callable[[Event], None], str]] = {}  # sent, not yet answered
+        self._submitted: dict[str, tuple[Callable[[Event], None], str, bool]] = {}  # sent, not yet answered:
+        #   (on_event, tenant, whether its text is made here)
         self._gone: set[str] = set()  # sent, then aborted before the core answered
+        self._outgoing: list[tuple] | None = None  # commands collected by a drain, sent as one message
+        self._decoder = fast_decoder(proc.tokenizer) if proc.tokenizer is not None else None
         self._init_loop(metrics, idle_wait)
+        self._wake = _PipeWake()  # a submit wakes this thread at once, whether it waits for the core or not
 
     def snapshot(self) -> ViewSnapshot:
         return self._snapshot
@@ -377,11 +399,16 @@ class ProcessEngineLoop(EngineLoop):
         self.proc.stop()
 
     def _loop(self) -> None:
+        results = self.proc.results._reader  # the queue's pipe, waited on as concurrent.futures' process pool does
         while not self._stop.is_set():
             self._drain()
+            ready = mp_connection.wait([results, self._wake.reader], timeout=self.idle_wait)
+            self._wake.clear()  # (the commands it announced are drained at the top of the next turn)
             try:
-                msg = self.proc.results.get(timeout=self.idle_wait)
+                msg = self.proc.results.get_nowait() if results in ready else None
             except queue.Empty:
+                msg = None
+            if msg is None:
                 if not self.proc.alive:
                     raise RuntimeError(f"the engine process ended (exit code {self.proc.process.exitcode})") from None
                 continue
@@ -398,6 +425,21 @@ class ProcessEngineLoop(EngineLoop):
                 except queue.Empty:
                     msg = None
             self._handle_steps(steps)
+
+    def _drain(self) -> None:
+        """Every waiting submit and abort goes to the core in one message (see core_process.py's top)."""
+        self._outgoing = []
+        try:
+            super()._drain()
+        finally:
+            out, self._outgoing = self._outgoing, None
+            self.proc.send_many(out)
+
+    def _send(self, *command) -> None:
+        if self._outgoing is not None:
+            self._outgoing.append(command)
+        else:
+            self.proc.send(*command)
 
     def _handle_steps(self, steps: list[tuple]) -> None:
         """Several steps' messages as one: each request hears all its new tokens in one event."""
@@ -424,7 +466,7 @@ class ProcessEngineLoop(EngineLoop):
             if failed is not None:  # the core recovered; its live requests end, as in one process
                 log.error("engine step failed in the engine process: %s", failed)
                 self._fail_all(RuntimeError(failed))
-            self._publish(events)
+            self._publish(from_wire(events))
         elif kind == "stopped":
             raise RuntimeError("the engine process stopped")
 
@@ -432,10 +474,12 @@ class ProcessEngineLoop(EngineLoop):
         try:
             request = self.proc.request(prompt, params, request_id, tenant)
         except ValueError as e:  # the request's fault: its handler answers 400
-            self._answered("rejected", request_id, str(e), (on_event, tenant))
+            self._answered("rejected", request_id, str(e), (on_event, tenant, False))
             return
-        self._submitted[request_id] = (on_event, tenant)
-        self.proc.send("add", request)
+        text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
+                     and not text_in_core(request.params))
+        self._submitted[request_id] = (on_event, tenant, text_here)
+        self._send("add", request)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._submitted:  # the core has it (or soon will): it stops it, in order
@@ -445,7 +489,7 @@ class ProcessEngineLoop(EngineLoop):
         super()._abort(request_id)
 
     def _answered(self, answer: str, rid: str, detail, sent=None) -> None:
-        on_event, tenant = sent if sent is not None else self._submitted.pop(rid)
+        on_event, tenant, text_here = sent if sent is not None else self._submitted.pop(rid)
         gone = rid in self._gone
         self._gone.discard(rid)
         with self._pending_lock:
@@ -460,25 +504,53 @@ class ProcessEngineLoop(EngineLoop):
                 f"the engine could not take this request ({detail})")
             _tell(on_event, Event("rejected" if answer == "rejected" else "failed", error=error))
             return
-        self._live[rid] = _Live(on_event, tenant, quiet=gone, reason="abort" if gone else None)
+        self._live[rid] = _Live(on_event, tenant, quiet=gone, reason="abort" if gone else None,
+                                texts={} if text_here else None)
         if not gone and not _tell(on_event, Event("accepted", prompt_tokens=detail)):
             self._abort(rid)
 
     def _close(self) -> None:
-        for on_event, _ in list(self._submitted.values()):
+        for on_event, *_ in list(self._submitted.values()):
             _tell(on_event, Event("failed", error=RuntimeError("the server is shutting down")))
         self._submitted.clear()
         super()._close()
 
 
+class _PipeWake:
+    """threading.Event's set() and clear() for a thread that waits on pipes: the engine thread waits for
+    the core's messages and for submits at once (multiprocessing.connection.wait on both). A submit that
+    only set an Event would wait for the next message from the core: up to idle_wait when the core is
+    idle, a whole step when it is busy, before it even reached the core."""
+
+    def __init__(self):
+        self.reader, self._writer = mp.Pipe(duplex=False)
+        self._lock = threading.Lock()
+        self._set = False
+
+    def set(self) -> None:
+        with self._lock:
+            if not self._set:  # one byte in the pipe at most
+                self._set = True
+                self._writer.send_bytes(b"")
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._set:
+                self._set = False
+                while self.reader.poll():
+                    self.reader.recv_bytes()
+
+
 class _RemoteCore:
     """What the loop asks of a core, sent to the core process."""
 
-    def __init__(self, proc):
-        self.proc = proc
+    def __init__(self, loop: ProcessEngineLoop):
+        self.loop = weakref.ref(loop)  # the loop owns its core, not the other way
 
     def abort(self, request_id: str) -> None:
-        self.proc.send("abort", request_id)
+        loop = self.loop()
+        if loop is not None:
+            loop._send("abort", request_id)
 
     def take_events(self) -> list:
         return []  # they come with the step messages

@@ -54,6 +54,7 @@ class Parsed:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = {int, float, bool, type(None)}  # what JSON gives besides strings, lists and objects
 
 
 def lone_surrogate(body: Any) -> str | None:
@@ -71,8 +72,8 @@ def lone_surrogate(body: Any) -> str | None:
                 if _SURROGATE.search(k):
                     return sub
                 stack.append((sub, v))
-        elif isinstance(x, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+        elif isinstance(x, list) and not set(map(type, x)) <= _SCALARS:  # (a prompt of token ids: one C pass)
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x) if isinstance(v, (str, dict, list)))
     return None
 
 
@@ -104,7 +105,9 @@ def _prompt(body: dict) -> str | list[int]:
         if not p:
             raise ApiError(400, "'prompt' is empty; give at least one token", param="prompt")
         return p
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+    if isinstance(p, list) and p and set(map(type, p)) <= {int}:  # token ids, checked at C speed
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):  # ints of another type (a subclass)
         return [int(t) for t in p]
     if isinstance(p, list) and p and all(isinstance(t, (str, list)) for t in p):
         raise ApiError(400, f"'prompt' holds {len(p)} prompts; this server takes one prompt per request "
