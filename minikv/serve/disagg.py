@@ -534,3 +534,23 @@ class DecodeSide:
             received = 0
         self.received_blocks += received
         self.transfers += 1
+
+
+def serve_role(role: str, llm, kv_address: str, host: str, port: int, served_name: str, log_level: str = "info",
+               timeout_s: float = 600.0, **serve_options) -> None:
+    """`minikv serve --role prefill|decode --kv-address HOST:PORT`: join the pair (the prefill server is
+    rank 0 and listens at HOST:PORT; each waits up to `timeout_s` for the other), then serve in the
+    foreground: the prefill server its /kv/prefill route, the decode server the OpenAI API."""
+    import uvicorn
+
+    from minikv.serve.app import run
+
+    print(f"minikv: {role} server waiting for its pair at {kv_address}", flush=True)
+    channel = KVChannel.connect(kv_address, 0 if role == "prefill" else 1, timeout_s, llm.core.device)
+    if role == "prefill":
+        print(f"minikv: prefill server at http://{host}:{port}{PREFILL_ROUTE}", flush=True)
+        uvicorn.Server(uvicorn.Config(build_prefill_app(llm, channel), host=host, port=port, log_level=log_level,
+                                      timeout_graceful_shutdown=2)).run()
+        return
+    print(f"minikv: decode server {served_name!r} at http://{host}:{port}/v1", flush=True)
+    run(llm, host, port, served_name, log_level=log_level, before_submit=DecodeSide(llm, channel), **serve_options)
