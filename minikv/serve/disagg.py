@@ -458,6 +458,7 @@ class DecodeSide:
         self.cond = threading.Condition()
         self.received_blocks = self.transfers = 0
         self.asks: set = set()  # HTTP calls in flight (kept referenced)
+        self.client = None  # one HTTP client, its connections kept open (a client per call costs a TLS context)
         self.receiver = threading.Thread(target=self._receive_loop, name="minikv-kv-receive", daemon=True)
         self.receiver.start()
 
@@ -503,10 +504,12 @@ class DecodeSide:
     async def _ask(self, url: str, ids: list[int], salt: str | None, tid: int) -> None:
         import httpx
 
+        if self.client is None:
+            self.client = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s,
+                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         try:
-            async with httpx.AsyncClient(trust_env=False, timeout=self.timeout_s) as client:
-                r = await client.post(url.rstrip("/") + PREFILL_ROUTE,
-                                      json={"prompt_token_ids": ids, "cache_salt": salt, "transfer_id": tid})
+            r = await self.client.post(url.rstrip("/") + PREFILL_ROUTE,
+                                       json={"prompt_token_ids": ids, "cache_salt": salt, "transfer_id": tid})
             if r.status_code == 200:
                 return
             log.warning("prefill server %s answered %d (%s): computing the prompt here", url, r.status_code, r.text)
