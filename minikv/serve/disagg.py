@@ -9,28 +9,31 @@ A request's life (the router names the prefill server in the x-minikv-prefill he
 
     decode server (kv_offload_store=Inbox())          prefill server
     ----------------------------------------          --------------
-    expect transfer t: (ids, salt)
-    POST /kv/prefill {ids, salt, transfer_id: t} -->  queue; the batcher drains the queue each round and
-                                                      runs every waiting prompt in ONE engine call
+    expect transfer id t: (ids, salt)
+    POST /kv/prefill {ids, salt, transfer_id: t} -->  queued. The batcher thread drains the queue each round
+                                                      and runs every waiting prompt in ONE engine call
                                                       (max_tokens=1), as a continuous-batching engine would;
                                                       each prompt, as it finishes, is exported (its full
-                                                      blocks, read from the prefix cache) and queued to
-                                                      the sender, while the next round prefills
-    receiver thread (one transfer at a time)  <------ head: t, n, identity, plane formats    (one message)
-                                              <------ keys of the n full blocks             (one message)
+                                                      blocks, read from the prefix cache) and handed to the
+                                                      sender thread, while the next round prefills. The
+                                                      sender sends all it was handed since its last transfer
+                                                      as ONE transfer (k requests):
+    receiver thread, one transfer at a time   <------ head: k, identity, plane formats       (one message)
+                                              <------ index: (t, n) per request, every key   (one message)
     another identity? REFUSED. t forgotten? n.
-    else held: leading blocks in the pool or inbox
-                                              ------> held                                  (the only answer)
-    inbox[key] = block                        <------ planes of blocks [held, n), one tensor (one message)
-    submit the request as usual: the prefix cache hits what it held, the offload seam finds the rest in
-    the inbox and copies it into the pool (rung 9), and only the tail (at least the last token) runs
+    else held_t: leading blocks in pool or inbox
+                                              ------> held per request                       (the one answer)
+    inbox[key] = block                        <------ blocks [held_t, n_t) of each request   (one message)
+    the request waiting on t is released:
+    submitted as usual, the prefix cache hits what it held, the offload seam finds the rest in the inbox
+    and copies it into the pool (rung 9), and only the tail (at least the last token) runs
 
-Why this keeps up with its load: prompts that arrive while the prefill engine is busy are batched into
-its next round (the engine shares each step among them), and a transfer costs one round trip (the
-answer) instead of one per message; the transfers of one round overlap the prefill of the next. Both
-sides see the transfers in the order the prefill server sends them; the transfer id in the head says
-which request each one is, so the decode server needs no lock around the HTTP call: it may have many
-transfers expected at once and its receiver matches each head to its request.
+Why this keeps up with its load: prompts that arrive while the prefill engine is busy share its next
+round, and the prompts that finish while a transfer is on the wire share the next transfer, which costs
+one round trip (the answer) whatever its size. Both sides see the transfers in the order the prefill
+server sends them; the transfer ids in the index say which request each block belongs to, so the decode
+server needs no lock around its HTTP call: many transfers may be expected at once, and its receiver
+hands each request its own.
 
 A key is identity.store_key(engine identity, hash chain key): the chain key covers every token before
 and the cache salt, the identity the weights, dtype and pool format. So a block never lands in the
@@ -38,12 +41,13 @@ wrong tenant's or the wrong model's cache: it would never be looked up there. Th
 torch.distributed point-to-point (gloo between CPUs, NCCL between GPUs) on a process group of two
 ranks of its own (the default group stays free for tensor parallelism).
 
-What can fail, and what then: a prompt the prefill engine refuses or fails sends a head with n = 0
+What can fail, and what then: a prompt the prefill engine refuses or fails is sent with n = 0 blocks
 (that request alone is computed on the decode engine; the others of its round are sent). A transfer
 that fails or times out (a peer gone, a message lost) leaves the channel out of step: it is marked
 broken, every transfer expected then resolves to 0 blocks, and the decode engine computes those
 prompts and all later ones itself. A request whose transfer does not arrive within the decode side's
-timeout is computed there; its late head is answered n ("nothing wanted") so the stream stays in step.
+timeout is computed there; when its blocks come late they are answered n ("nothing wanted") and the
+stream stays in step.
 
     prefill, decode = LLM(...), LLM(..., kv_offload_store=Inbox())
     a, b = KVChannel.pair()                        # two ranks in one process (tests); connect() across processes
@@ -172,94 +176,119 @@ class KVChannel:
         return t.cpu()
 
 
-# ---- the wire format of one transfer ---------------------------------------------------------------
-#   head    int64[HEAD_INTS]  [0] transfer id  [1] n full blocks  [2:6] identity (32 bytes)  [6] planes P,
-#                             then per plane: dtype code, ndim, shape (shape[1] = n); zeros after
-#   keys    uint8[n, 32]      only when n > 0
-#   answer  int64[1]          held: blocks [0, held) stay on the decode side; REFUSED; n: nothing wanted
-#   planes  uint8[bytes]      each plane's blocks [held, n) flattened, one plane after another
+# ---- the wire format of one transfer: the blocks of k requests, one round trip ----------------------
+#   head    int64[HEAD_INTS]   [0] k requests  [1] N keys in all  [2:6] identity (32 bytes)  [6] planes P,
+#                              then per plane: dtype code, ndim, the shape of one block's slice; zeros after
+#   index   uint8[16k + 32N]   (tid, n) of each request as int64, then the keys of its n full blocks
+#   answer  int64[k]           held_i: blocks [0, held_i) stay on the decode side; REFUSED; n_i: nothing wanted
+#                              (N > 0 only: a request with n = 0, one the prefill engine failed, gets no answer)
+#   planes  uint8[bytes]       for each request, each plane's blocks [held_i, n_i) flattened   (any wanted)
 
-def _head(tid: int, identity: str, keys: list[bytes], planes: tuple) -> torch.Tensor:
-    ints = [tid, len(keys), *torch.frombuffer(bytearray(bytes.fromhex(identity)), dtype=torch.int64).tolist(),
-            len(planes)]
+Prepared = tuple[int, list[bytes], tuple]  # (transfer id, keys of the full blocks, planes [layers, n, ...])
+
+
+def _head(identity: str, requests: list[Prepared]) -> torch.Tensor:
+    planes = next((p for _, keys, p in requests if keys), ())
+    ints = [len(requests), sum(len(keys) for _, keys, _ in requests),
+            *torch.frombuffer(bytearray(bytes.fromhex(identity)), dtype=torch.int64).tolist(), len(planes)]
     for p in planes:
-        ints += [DTYPES.index(p.dtype), p.dim(), *p.shape]
+        ints += [DTYPES.index(p.dtype), p.dim(), p.shape[0], 1, *p.shape[2:]]
     if len(ints) > HEAD_INTS:
         raise ValueError(f"a transfer head holds {HEAD_INTS} ints but this pool's planes need {len(ints)}; "
                          "raise HEAD_INTS in minikv/serve/disagg.py")
     return torch.tensor(ints + [0] * (HEAD_INTS - len(ints)), dtype=torch.int64)
 
 
-def _plane_formats(head: list[int]) -> list[tuple[torch.dtype, list[int]]]:
+def _plane_formats(head: list[int]) -> list[tuple[torch.dtype, list[int], int]]:
+    """(dtype, shape of one block's slice, bytes per element) of each plane."""
     formats, at = [], 7
     for _ in range(head[6]):
         ndim = head[at + 1]
-        formats.append((DTYPES[head[at]], head[at + 2:at + 2 + ndim]))
+        formats.append((DTYPES[head[at]], head[at + 2:at + 2 + ndim], torch.empty((), dtype=DTYPES[head[at]])
+                        .element_size()))
         at += 2 + ndim
     return formats
 
 
-def _send_blocks(channel: KVChannel, identity: str, tid: int, keys: list[bytes], planes: tuple) -> int:
-    """(Prefill side.) One transfer: head and keys, the answer, the planes the decode side lacks.
-    Returns the number of blocks sent. A failure marks the channel broken and raises."""
+def _send_blocks(channel: KVChannel, identity: str, requests: list[Prepared]) -> list[int]:
+    """(Prefill side.) One transfer for these requests: head, index and keys, the answer, then the planes
+    the decode side lacks. Returns the blocks sent per request. A failure marks the channel broken and raises."""
     if channel.broken:
         raise RuntimeError("this KV channel failed before and is out of step; connect a new one")
     try:
-        works = [channel.post(_head(tid, identity, keys, planes))]
-        if not keys:
-            works[0].wait()
-            return 0
-        works.append(channel.post(torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8)))
-        (held,) = channel.recv((1,), torch.int64).tolist()
+        index = torch.tensor([x for tid, keys, _ in requests for x in (tid, len(keys))], dtype=torch.int64)
+        joined = b"".join(key for _, keys, _ in requests for key in keys)
+        parts = [index.view(torch.uint8)] + ([torch.frombuffer(bytearray(joined), dtype=torch.uint8)] if joined else [])
+        works = [channel.post(_head(identity, requests)), channel.post(torch.cat(parts))]
+        if not any(keys for _, keys, _ in requests):
+            for w in works:
+                w.wait()
+            return [0] * len(requests)
+        held = channel.recv((len(requests),), torch.int64).tolist()
         for w in works:
             w.wait()
-        if held == REFUSED or held >= len(keys):
-            return 0
-        channel.send(torch.cat([p[:, held:].contiguous().view(torch.uint8).reshape(-1) for p in planes]))
-        return len(keys) - held
+        sent = [max(0, len(keys) - h) if h != REFUSED else 0 for (_, keys, _), h in zip(requests, held)]
+        chunks = [p[:, h:].contiguous().view(torch.uint8).reshape(-1)
+                  for (_, keys, planes), h, s in zip(requests, held, sent) if s for p in planes]
+        if chunks:
+            channel.send(torch.cat(chunks))
+        return sent
     except Exception:
         channel.broken = True
         raise
 
 
-def _receive_blocks(llm, channel: KVChannel, wanted) -> tuple[int, int]:
-    """(Decode side.) One transfer, whichever comes next: `wanted(tid)` gives its (ids, salt), or None when
-    nobody waits for it any more. Returns (transfer id, blocks put in the inbox). Raises on a failure."""
+def _receive_blocks(llm, channel: KVChannel, wanted) -> list[tuple[int, int]]:
+    """(Decode side.) The next transfer, whichever requests it carries: `wanted(tid)` gives a request's
+    (ids, salt), or None when nobody waits for it any more. Returns (transfer id, blocks put in the inbox)
+    per request. Raises on a failure."""
     inbox = llm.engine_config.kv_offload_store
     head = channel.recv((HEAD_INTS,), torch.int64).tolist()
-    tid, n = head[0], head[1]
-    if n == 0:
-        return tid, 0
-    identity = torch.tensor(head[2:6], dtype=torch.int64).numpy().tobytes().hex()
-    raw = channel.recv((n * KEY_BYTES,), torch.uint8).numpy().tobytes()
-    keys = [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
-    request = wanted(tid)
-    if identity != llm.core.kv_identity():
-        channel.send(torch.tensor([REFUSED], dtype=torch.int64))
-        log.warning("refused %d KV blocks from an engine of another identity (model, dtype or pool format)", n)
-        return tid, 0
-    held = n
-    if request is not None:
-        held = llm.core.held_prefix_blocks(*request)
-        while held < n and keys[held] in inbox:
-            held += 1
-    channel.send(torch.tensor([held], dtype=torch.int64))
-    if held >= n:
-        return tid, 0
-    formats = [(dtype, [shape[0], n - held, *shape[2:]], torch.empty((), dtype=dtype).element_size())
-               for dtype, shape in _plane_formats(head)]
-    sizes = [math.prod(shape) * itemsize for _, shape, itemsize in formats]
-    data, planes, at = channel.recv((sum(sizes),), torch.uint8), [], 0
-    for (dtype, shape, itemsize), size in zip(formats, sizes):
-        chunk = data[at:at + size]
-        if at % itemsize:
-            chunk = chunk.clone()  # a view as `dtype` needs an aligned start
-        planes.append(chunk.view(dtype).reshape(shape))
-        at += size
-    for j, key in enumerate(keys[held:]):
-        inbox.put(key, tuple(p[:, j] for p in planes))
-    inbox.received += n - held
-    return tid, n - held
+    k, total = head[0], head[1]
+    data = channel.recv((16 * k + KEY_BYTES * total,), torch.uint8)
+    index = data[:16 * k].view(torch.int64).tolist()
+    raw = data[16 * k:].numpy().tobytes()
+    requests, at = [], 0
+    for tid, n in zip(index[0::2], index[1::2]):
+        requests.append((tid, [raw[(at + j) * KEY_BYTES:(at + j + 1) * KEY_BYTES] for j in range(n)]))
+        at += n
+    if total == 0:
+        return [(tid, 0) for tid, _ in requests]
+    if torch.tensor(head[2:6], dtype=torch.int64).numpy().tobytes().hex() != llm.core.kv_identity():
+        channel.send(torch.tensor([REFUSED] * k, dtype=torch.int64))
+        log.warning("refused %d KV blocks from an engine of another identity (model, dtype or pool format)", total)
+        return [(tid, 0) for tid, _ in requests]
+    held = []
+    for tid, keys in requests:
+        request, h = wanted(tid), len(keys)
+        if request is not None and keys:
+            h = llm.core.held_prefix_blocks(*request)
+            while h < len(keys) and keys[h] in inbox:
+                h += 1
+        held.append(h)
+    channel.send(torch.tensor(held, dtype=torch.int64))
+    formats = _plane_formats(head)
+    want = [len(keys) - h for (_, keys), h in zip(requests, held)]
+    sizes = [w * math.prod(shape) * itemsize for w in want for _, shape, itemsize in formats]
+    data = channel.recv((sum(sizes),), torch.uint8) if sum(sizes) else None
+    out, at = [], 0
+    for (tid, keys), h, w in zip(requests, held, want):
+        if w <= 0:
+            out.append((tid, 0))
+            continue
+        planes = []
+        for dtype, shape, itemsize in formats:
+            size = w * math.prod(shape) * itemsize
+            chunk = data[at:at + size]
+            if at % itemsize:
+                chunk = chunk.clone()  # a view as `dtype` needs an aligned start
+            planes.append(chunk.view(dtype).reshape(shape[0], w, *shape[2:]))
+            at += size
+        for j, key in enumerate(keys[h:]):
+            inbox.put(key, tuple(p[:, j] for p in planes))
+        inbox.received += w
+        out.append((tid, w))
+    return out
 
 
 def _need_inbox(llm) -> None:
@@ -277,7 +306,7 @@ def send_prefill(llm, channel: KVChannel, ids: list[int], salt: str | None = Non
     llm.generate([{"prompt_token_ids": ids, "cache_salt": salt} if salt is not None else ids],
                  SamplingParams(max_tokens=1), use_tqdm=False)
     keys, planes = llm.core.export_prefix(ids, salt)
-    return _send_blocks(channel, llm.core.kv_identity(), 0, keys, planes)
+    return _send_blocks(channel, llm.core.kv_identity(), [(0, keys, planes)])[0]
 
 
 def receive_prefill(llm, channel: KVChannel, ids: list[int], salt: str | None = None) -> int:
@@ -288,7 +317,7 @@ def receive_prefill(llm, channel: KVChannel, ids: list[int], salt: str | None = 
     if channel.broken:
         return 0
     try:
-        return _receive_blocks(llm, channel, lambda tid: (ids, salt))[1]
+        return sum(got for _, got in _receive_blocks(llm, channel, lambda tid: (ids, salt)))
     except Exception as e:  # noqa: BLE001  a timeout, a peer gone: the prompt is computed here instead
         channel.broken = True
         log.warning("KV transfer failed (%s: %s); the decode engine computes the prompt", type(e).__name__, e)
@@ -313,9 +342,10 @@ class _Prefill:
 class PrefillBatcher:
     """The prefill server's two threads. The batcher drains the queue of waiting prompts each round and
     runs them in one engine call; each prompt, as it finishes, is exported and handed to the sender,
-    which transfers one request after another while the batcher runs the next round:
+    which sends what it holds as one transfer while the batcher runs the next round:
 
-        POST ──> waiting ──> [batcher: one engine call per round] ──> to_send ──> [sender: channel] ──> done
+        POST ──> waiting ──> [batcher: one engine call per round] ──> to_send ──> [sender: one transfer
+                                                                                   per drain] ──> done
     """
 
     def __init__(self, llm, channel: KVChannel):
@@ -324,7 +354,7 @@ class PrefillBatcher:
         self.to_send: deque[tuple[_Prefill, list[bytes], tuple]] = deque()
         self.cond = threading.Condition()
         self.closed = False
-        self.rounds = self.prefilled = self.sent_blocks = self.failed = 0
+        self.rounds = self.prefilled = self.transfers = self.sent_blocks = self.failed = 0
         self.threads = [threading.Thread(target=self._prefill_loop, name="minikv-prefill", daemon=True),
                         threading.Thread(target=self._send_loop, name="minikv-kv-send", daemon=True)]
         for t in self.threads:
@@ -385,20 +415,20 @@ class PrefillBatcher:
             self.cond.notify_all()
 
     def _send_loop(self) -> None:
-        while items := self._take(self.to_send):
-            for item, keys, planes in items:
-                try:
-                    sent = _send_blocks(self.channel, self.identity, item.tid, keys, planes)
-                except Exception as e:  # noqa: BLE001  the channel is broken: the decode side computes the prompt
+        while items := self._take(self.to_send):  # every prompt exported since the last transfer: one transfer
+            try:
+                sent = _send_blocks(self.channel, self.identity, [(it.tid, keys, planes) for it, keys, planes in items])
+            except Exception as e:  # noqa: BLE001  the channel is broken: the decode side computes these prompts
+                sent = [e] * len(items)
+            self.transfers += 1
+            for (item, _, _), n in zip(items, sent):
+                error = n if isinstance(n, Exception) else item.error
+                if error is not None:
                     self.failed += 1
-                    item.done.set_exception(e)
-                    continue
-                self.sent_blocks += sent
-                if item.error is not None:
-                    self.failed += 1
-                    item.done.set_exception(item.error)
+                    item.done.set_exception(error)
                 else:
-                    item.done.set_result(sent)
+                    self.sent_blocks += n
+                    item.done.set_result(n)
 
 
 def build_prefill_app(llm, channel: KVChannel):
@@ -420,7 +450,7 @@ def build_prefill_app(llm, channel: KVChannel):
     @app.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok" if not channel.broken else "KV channel failed",
-                             "rounds": batcher.rounds, "prefilled": batcher.prefilled,
+                             "rounds": batcher.rounds, "prefilled": batcher.prefilled, "transfers": batcher.transfers,
                              "sent_blocks": batcher.sent_blocks, "failed": batcher.failed},
                             status_code=200 if not channel.broken else 503)
 
@@ -487,7 +517,7 @@ class DecodeSide:
                 while not self.expected:  # a receive waits only while a transfer is expected
                     self.cond.wait()
             try:
-                tid, got = _receive_blocks(self.llm, self.channel, self._wanted)
+                received = _receive_blocks(self.llm, self.channel, self._wanted)
             except Exception as e:  # noqa: BLE001  a timeout, a peer gone: these prompts are computed here
                 self.channel.broken = True
                 log.warning("KV transfer failed (%s: %s); the decode engine computes the prompts", type(e).__name__, e)
@@ -496,10 +526,11 @@ class DecodeSide:
                 for _, _, done in entries:
                     done.set_result(0)
                 return
-            with self.cond:
-                entry = self.expected.pop(tid, None)
-            if entry is not None:
-                entry[2].set_result(got)
+            for tid, got in received:
+                with self.cond:
+                    entry = self.expected.pop(tid, None)
+                if entry is not None:
+                    entry[2].set_result(got)
 
     async def _ask(self, url: str, ids: list[int], salt: str | None, tid: int) -> None:
         import httpx
