@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 8, 32, 8
         args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 2, 384, 4, 8.0, 512, 500
     elif args.cpu:
-        args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 300, 128, 16
-        args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 4, 1536, 4, 60.0, 2048, 500
+        args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 200, 128, 16
+        args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 4, 1536, 4, 30.0, 2048, 500
     gpu = args.device.startswith("cuda")
     args.model = resolve_model(args.model, args.device)
     common = ["--model", args.model, "--device", args.device.split(":")[0], "--max-model-len", str(args.max_model_len),
