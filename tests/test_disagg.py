@@ -77,6 +77,28 @@ def test_blocks_never_cross_into_another_models_or_another_tenants_cache(prefill
     assert decode.stats()["requests"][0]["num_cached_tokens"] == 0  # tenant b never reads tenant a's blocks
 
 
+def test_one_transfer_carries_many_requests_and_a_block_they_share_crosses_once(prefill):
+    from minikv.serve.disagg import _receive_blocks, _send_blocks
+
+    shared = ids_of(8, 32)
+    prompts = {7: shared + ids_of(9, 20), 9: shared + ids_of(10, 36), 11: ids_of(11, 10)}  # transfer id: prompt
+    prefill.generate(list(prompts.values()), SamplingParams(max_tokens=1))
+    requests = [(tid, *prefill.core.export_prefix(ids)) for tid, ids in prompts.items()]
+    decode = prefill.derive(kv_offload_store=Inbox())
+    a, b = KVChannel.pair()
+    sent: list[list[int]] = []
+    t = threading.Thread(target=lambda: sent.append(_send_blocks(a, prefill.core.kv_identity(), requests)))
+    t.start()
+    got = _receive_blocks(decode, b, lambda tid: (prompts[tid], None))
+    t.join()
+    assert got == [(7, 3), (9, 2), (11, 0)] and sent == [[3, 2, 0]]  # 9's first two blocks come with 7's
+    params, tokens, cached = SamplingParams(max_tokens=6, temperature=0, seed=1), [], []
+    for ids in prompts.values():
+        tokens.append(decode.generate(ids, params)[0].token_ids)
+        cached.append(decode.stats()["requests"][0]["num_cached_tokens"])
+    assert tokens == one_engine(prefill.derive(), list(prompts.values())) and cached == [48, 64, 0]
+
+
 def test_a_transfer_that_times_out_falls_back_to_computing_the_prompt(prefill):
     decode = prefill.derive(kv_offload_store=Inbox())
     a, b = KVChannel.pair(timeout_s=0.5)  # nobody sends on `a`: the decode side's wait ends
@@ -166,13 +188,15 @@ def one_engine(llm: LLM, prompts: list[list[int]], max_tokens: int = 6) -> list[
 
 
 def test_a_burst_is_prefilled_in_fewer_engine_calls_than_requests_and_answers_as_one_engine(prefill):
-    prompts = [ids_of(20 + i, 40 + 9 * i) for i in range(8)]
+    shared = ids_of(19, 32)  # two blocks every prompt starts with
+    prompts = [shared + ids_of(20 + i, 8 + 9 * i) for i in range(8)]
     outs, health, side = burst(prefill, prefill.derive(kv_offload_store=Inbox()), prompts, *KVChannel.pair())
     assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
     full = [len(ids) // 16 * 16 for ids in prompts]
-    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == full  # every block sent
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == full  # no block computed twice
     assert (health["prefilled"], health["rounds"]) == (8, 2)  # the first prompt alone, then the 7 behind it
-    assert side.transfers == 8 and side.received_blocks == health["sent_blocks"] == sum(full) // 16
+    unique = 2 + sum(n // 16 - 2 for n in full)  # the shared blocks crossed once, whatever the transfers held
+    assert side.transfers == 8 and side.received_blocks == health["sent_blocks"] == unique
 
 
 class LinkDownAt(KVChannel):

@@ -258,13 +258,14 @@ def _receive_blocks(llm, channel: KVChannel, wanted) -> list[tuple[int, int]]:
         channel.send(torch.tensor([REFUSED] * k, dtype=torch.int64))
         log.warning("refused %d KV blocks from an engine of another identity (model, dtype or pool format)", total)
         return [(tid, 0) for tid, _ in requests]
-    held = []
+    held, asked = [], set()  # asked: keys an earlier request of this transfer asks for (in the inbox by then)
     for tid, keys in requests:
         request, h = wanted(tid), len(keys)
         if request is not None and keys:
             h = llm.core.held_prefix_blocks(*request)
-            while h < len(keys) and keys[h] in inbox:
+            while h < len(keys) and (keys[h] in inbox or keys[h] in asked):
                 h += 1
+            asked.update(keys[h:])
         held.append(h)
     channel.send(torch.tensor(held, dtype=torch.int64))
     formats = _plane_formats(head)
