@@ -4,6 +4,13 @@ steps); what it costs is the long prompts' time to first token (a transfer, one 
 
     python benchmarks/disagg.py --device cuda --model random-qwen2.5-0.5b     # 2 GPUs: 1 prefill + 1 decode
     python benchmarks/disagg.py --smoke                                       # CPU, tiny-random: the plumbing
+    python benchmarks/disagg.py --cpu --base /tmp/disagg_base                 # CPU: this tree's pair against another's
+
+--cpu: tiny-random (float32) on the CPU, short chats arriving faster than a prefill server that runs one
+prompt at a time and sends ~8 blocking messages per transfer can serve (its queue grows without bound);
+the question is whether the prefill side keeps up with its load, not what a model's FLOPs cost. --base DIR
+runs the disaggregated pair a second time with the servers of the tree at DIR (`git archive main | tar -x
+-C DIR`), in the same run; the colocated engine and the router in front are this tree's.
 
 Colocated: one `minikv serve` on GPU 0 (chunked prefill, its default token budget). Disaggregated:
 `minikv serve --role prefill` on GPU 0 and `--role decode` on GPU 1 (KV blocks over NCCL; gloo on CPUs),
@@ -38,11 +45,14 @@ from router import commit, device_name, pct, python_path, resolve_model, version
 from minikv.serve.router import Router, free_port, wait_healthy  # noqa: E402
 
 
-def start(cmd: list[str], gpu: int | None, url: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": python_path()}
+def start(cmd: list[str], gpu: int | None, url: str, tree: Path = ROOT) -> subprocess.Popen:
+    """`minikv serve` from the tree at `tree` (its folder first on the path, and the working directory)."""
+    path = python_path() if tree == ROOT else os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH"))
+                                                              if p)
+    env = {**os.environ, "PYTHONPATH": path}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    return subprocess.Popen([sys.executable, "-m", "minikv.cli", "serve", *cmd], env=env)
+    return subprocess.Popen([sys.executable, "-m", "minikv.cli", "serve", *cmd], env=env, cwd=tree)
 
 
 def wait_up(procs: list[subprocess.Popen], urls: list[str], timeout: float = 900) -> None:
@@ -88,15 +98,46 @@ async def replay(url: str, model: str, reqs: list[dict]) -> list[dict]:
     return out
 
 
-def summary(results: list[dict]) -> dict:
+def summary(results: list[dict], wall_s: float) -> dict:
     short = [r for r in results if r["kind"] == "short"]
     long = [r for r in results if r["kind"] == "long"]
     itls = [x for r in short for x in r["itls"]]
     return {"short_itl_p50_s": statistics.median(itls), "short_itl_p99_s": pct(itls, 0.99),
             "short_ttft_p50_s": statistics.median(r["ttft_s"] for r in short),
+            "short_ttft_p99_s": pct([r["ttft_s"] for r in short], 0.99),
             "long_ttft_p50_s": statistics.median(r["ttft_s"] for r in long) if long else None,
             "long_ttft_max_s": max(r["ttft_s"] for r in long) if long else None,
-            "requests": len(results), "tokens": sum(r["tokens"] for r in results)}
+            "requests": len(results), "tokens": sum(r["tokens"] for r in results), "wall_s": wall_s}
+
+
+def measure(url: str, model: str, reqs: list[dict]) -> dict:
+    asyncio.run(replay(url, model, reqs[:2]))  # warm up
+    t0 = time.perf_counter()
+    results = asyncio.run(replay(url, model, reqs))
+    return summary(results, time.perf_counter() - t0)
+
+
+def disaggregated(args, common: list[str], reqs: list[dict], gpu: bool, tree: Path) -> dict:
+    """The prefill/decode pair from `tree`, a router in front; the prefill server's counters when it has them."""
+    ports = [free_port() for _ in range(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    kv = f"127.0.0.1:{free_port()}"
+    procs = [start([*common, "--port", str(ports[0]), "--role", "prefill", "--kv-address", kv], 0 if gpu else None,
+                   urls[0], tree),
+             start([*common, "--port", str(ports[1]), "--role", "decode", "--kv-address", kv], 1 if gpu else None,
+                   urls[1], tree)]
+    try:
+        wait_up(procs, urls)
+        with Router([urls[1]], prefill=[urls[0]]) as router:
+            result = measure(router.url, args.model, reqs)
+        health = httpx.get(urls[0] + "/health", timeout=30, trust_env=False).json()
+        result["prefill_server"] = {k: v for k, v in health.items() if k != "status"} or None
+        return result
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,53 +155,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-random, a dozen requests")
+    ap.add_argument("--cpu", action="store_true", help="CPU, tiny-random, short chats faster than one prompt at a time")
+    ap.add_argument("--base", type=Path, default=None, help="also run the pair from the tree at this folder")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each disaggregated pair, taking turns")
+    ap.add_argument("--base-commit", default=None, help="the commit that tree was archived from, for the record")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 8, 32, 8
         args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 2, 384, 4, 8.0, 512, 500
+    elif args.cpu:
+        args.model, args.device, args.short, args.short_len, args.short_out = "tiny-random", "cpu", 200, 128, 16
+        args.long, args.long_len, args.long_out, args.rate, args.max_model_len, args.vocab = 4, 1536, 4, 30.0, 2048, 500
     gpu = args.device.startswith("cuda")
     args.model = resolve_model(args.model, args.device)
     common = ["--model", args.model, "--device", args.device.split(":")[0], "--max-model-len", str(args.max_model_len),
               "--no-engine-process", "--log-level", "warning"]
     reqs = load(args)
     results = {}
-    ports = [free_port() for _ in range(3)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    kv = f"127.0.0.1:{free_port()}"
-
-    procs = [start([*common, "--port", str(ports[0])], 0 if gpu else None, urls[0])]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [start([*common, "--port", str(port)], 0 if gpu else None, url)]
     try:
-        wait_up(procs, urls[:1])
-        with Router([urls[0]]) as router:  # the same front as the pair's: like for like
-            asyncio.run(replay(router.url, args.model, reqs[:2]))  # warm up
-            results["colocated"] = summary(asyncio.run(replay(router.url, args.model, reqs)))
+        wait_up(procs, [url])
+        with Router([url]) as router:  # the same front as the pair's: like for like
+            results["colocated"] = measure(router.url, args.model, reqs)
     finally:
         procs[0].terminate()
         procs[0].wait(timeout=120)
-    procs = [start([*common, "--port", str(ports[1]), "--role", "prefill", "--kv-address", kv], 0 if gpu else None,
-                   urls[1]),
-             start([*common, "--port", str(ports[2]), "--role", "decode", "--kv-address", kv], 1 if gpu else None,
-                   urls[2])]
-    try:
-        wait_up(procs, urls[1:])
-        with Router([urls[2]], prefill=[urls[1]]) as router:
-            asyncio.run(replay(router.url, args.model, reqs[:2]))
-            results["disaggregated"] = summary(asyncio.run(replay(router.url, args.model, reqs)))
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=120)
-    print(f"{'':>14} {'short ITL p50':>14} {'short ITL p99':>14} {'short TTFT p50':>15} {'long TTFT p50':>14}")
+    order = [("disaggregated", ROOT)] + ([("disaggregated_base", args.base.resolve())] if args.base else [])
+    for i in range(args.repeat):  # this tree and the base take turns (A B B A ...): a drifting load hits both
+        for name, tree in order if i % 2 == 0 else order[::-1]:
+            results[name + (f"_{i + 1}" if i else "")] = disaggregated(args, common, reqs, gpu, tree)
+    print(f"{'':>18} {'short ITL p50':>14} {'short ITL p99':>14} {'short TTFT p50':>15} {'long TTFT p50':>14}")
     for name, r in results.items():
         long_ttft = f"{r['long_ttft_p50_s']:.3f}s" if r["long_ttft_p50_s"] is not None else "-"
-        print(f"{name:>14} {r['short_itl_p50_s']:>13.4f}s {r['short_itl_p99_s']:>13.4f}s "
-              f"{r['short_ttft_p50_s']:>14.3f}s {long_ttft:>14}  ({r['requests']} requests, {r['tokens']} tokens)")
+        counters = f", prefill server {r['prefill_server']}" if r.get("prefill_server") else ""
+        print(f"{name:>18} {r['short_itl_p50_s']:>13.4f}s {r['short_itl_p99_s']:>13.4f}s "
+              f"{r['short_ttft_p50_s']:>14.3f}s {long_ttft:>14}  ({r['requests']} requests, {r['tokens']} tokens, "
+              f"{r['wall_s']:.1f} s{counters})")
     record = {"benchmark": "disagg", "device": device_name(args.device), "versions": versions(), "commit": commit(),
               "date": time.strftime("%Y-%m-%d"),
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-              "workload": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
+              "base_commit": args.base_commit,
+              "workload": {k: v for k, v in vars(args).items() if k not in ("out", "base", "base_commit")},
+              "results": results}
     out = args.out or ROOT / "benchmarks" / f"disagg_{'smoke' if args.smoke else args.device.split(':')[0]}.json"
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"wrote {out}")

@@ -5,6 +5,8 @@ the one two processes use, without the cost of starting them."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -75,6 +77,28 @@ def test_blocks_never_cross_into_another_models_or_another_tenants_cache(prefill
     assert decode.stats()["requests"][0]["num_cached_tokens"] == 0  # tenant b never reads tenant a's blocks
 
 
+def test_one_transfer_carries_many_requests_and_a_block_they_share_crosses_once(prefill):
+    from minikv.serve.disagg import _receive_blocks, _send_blocks
+
+    shared = ids_of(8, 32)
+    prompts = {7: shared + ids_of(9, 20), 9: shared + ids_of(10, 36), 11: ids_of(11, 10)}  # transfer id: prompt
+    prefill.generate(list(prompts.values()), SamplingParams(max_tokens=1))
+    requests = [(tid, *prefill.core.export_prefix(ids)) for tid, ids in prompts.items()]
+    decode = prefill.derive(kv_offload_store=Inbox())
+    a, b = KVChannel.pair()
+    sent: list[list[int]] = []
+    t = threading.Thread(target=lambda: sent.append(_send_blocks(a, prefill.core.kv_identity(), requests)))
+    t.start()
+    got = _receive_blocks(decode, b, lambda tid: (prompts[tid], None))
+    t.join()
+    assert got == [(7, 3), (9, 2), (11, 0)] and sent == [[3, 2, 0]]  # 9's first two blocks come with 7's
+    params, tokens, cached = SamplingParams(max_tokens=6, temperature=0, seed=1), [], []
+    for ids in prompts.values():
+        tokens.append(decode.generate(ids, params)[0].token_ids)
+        cached.append(decode.stats()["requests"][0]["num_cached_tokens"])
+    assert tokens == one_engine(prefill.derive(), list(prompts.values())) and cached == [48, 64, 0]
+
+
 def test_a_transfer_that_times_out_falls_back_to_computing_the_prompt(prefill):
     decode = prefill.derive(kv_offload_store=Inbox())
     a, b = KVChannel.pair(timeout_s=0.5)  # nobody sends on `a`: the decode side's wait ends
@@ -111,6 +135,105 @@ def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_pr
         assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and side.transfers == 1
     with pytest.raises(ValueError, match="one --prefill URL per --decode URL"):
         Router(["http://d1", "http://d2"], prefill=["http://p1"])
+
+
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
+        time.sleep(0.005)
+
+
+def hold_first_round(batcher, behind: int) -> None:
+    """The prefill engine's first round waits until `behind` prompts queue behind it, so the rest of a
+    burst meets a busy engine (as under load) whatever this machine's speed."""
+    run, held = batcher._run, []
+
+    def first_waits(batch):
+        if not held:
+            held.append(batch)
+            wait_for(lambda: len(batcher.waiting) >= behind)
+        run(batch)
+    batcher._run = first_waits
+
+
+def burst(prefill: LLM, decode: LLM, prompts: list[list[int]], prefill_end: KVChannel, decode_end: KVChannel,
+          max_tokens: int = 6):
+    """Send every prompt at once through a router in front of a prefill/decode pair: (outputs in order,
+    the prefill server's /health, the decode side)."""
+    import httpx
+
+    from minikv.serve import Server
+    from minikv.serve.app_thread import AppThread
+    from minikv.serve.disagg import DecodeSide, build_prefill_app
+    from minikv.serve.router import Router
+
+    side = DecodeSide(decode, decode_end)
+    app = build_prefill_app(prefill, prefill_end)
+    hold_first_round(app.state.batcher, len(prompts) - 1)
+    with AppThread(app) as p, Server(decode, served_name="m", before_submit=side) as d, \
+            Router([d.url], prefill=[p.url]) as r, ThreadPoolExecutor(len(prompts)) as pool:
+        def ask(ids):
+            body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "seed": 1,
+                    "return_token_ids": True}
+            return httpx.post(r.url + "/v1/completions", json=body, timeout=120, trust_env=False).json()
+        outs = list(pool.map(ask, prompts))
+        health = httpx.get(p.url + "/health", timeout=30, trust_env=False).json()
+    return outs, health, side
+
+
+def one_engine(llm: LLM, prompts: list[list[int]], max_tokens: int = 6) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, seed=1)
+    return [llm.generate(ids, params)[0].token_ids for ids in prompts]
+
+
+def test_a_burst_is_prefilled_in_fewer_engine_calls_than_requests_and_answers_as_one_engine(prefill):
+    shared = ids_of(19, 32)  # two blocks every prompt starts with
+    prompts = [shared + ids_of(20 + i, 8 + 9 * i) for i in range(8)]
+    outs, health, side = burst(prefill, prefill.derive(kv_offload_store=Inbox()), prompts, *KVChannel.pair())
+    assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
+    full = [len(ids) // 16 * 16 for ids in prompts]
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == full  # no block computed twice
+    assert (health["prefilled"], health["rounds"]) == (8, 2)  # the first prompt alone, then the 7 behind it
+    unique = 2 + sum(n // 16 - 2 for n in full)  # the shared blocks crossed once, whatever the transfers held
+    assert side.transfers == 8 and side.received_blocks == health["sent_blocks"] == unique
+
+
+class LinkDownAt(KVChannel):
+    """A prefill end whose link goes down when it sends the blocks of its `at`-th transfer."""
+
+    def __init__(self, end: KVChannel, at: int):
+        super().__init__(end.group, end.rank, end.device)
+        self.at, self.planes = at, 0
+
+    def send(self, t: torch.Tensor) -> None:
+        if t.dtype == torch.uint8:  # a transfer's planes (its head and index are posted, not sent)
+            self.planes += 1
+            if self.planes == self.at:
+                raise ConnectionError("link down")
+        super().send(t)
+
+
+def test_a_transfer_failure_mid_burst_falls_back_for_the_requests_it_affects_only(prefill):
+    prompts = [ids_of(40 + i, 48) for i in range(6)]
+    a, b = KVChannel.pair()
+    outs, health, side = burst(prefill, prefill.derive(kv_offload_store=Inbox()), prompts, LinkDownAt(a, 2), b)
+    assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    landed = cached.count(32)  # the first transfer's requests (3 blocks each; the last token runs)
+    assert 1 <= landed < 6 and landed + cached.count(0) == 6  # the rest were computed on the decode engine
+    assert health["status"] == "KV channel failed" and health["failed"] == 6 - landed
+    assert side.received_blocks == 3 * landed
+
+
+def test_a_prompt_the_prefill_engine_refuses_is_computed_on_the_decode_engine_alone(prefill):
+    prompts = [ids_of(60 + i, 40) for i in range(4)] + [ids_of(64, 530)]  # 530 > the prefill engine's 512
+    decode = prefill.derive(kv_offload_store=Inbox(), max_model_len=1024)
+    outs, health, side = burst(prefill, decode, prompts, *KVChannel.pair())
+    assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(max_model_len=1024), prompts)
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    assert cached == [32, 32, 32, 32, 0]  # its neighbours in the same round were sent
+    assert health["status"] == "ok" and health["failed"] == 1 and side.received_blocks == 8
 
 
 @pytest.mark.slow  # SmolLM2's load
