@@ -144,15 +144,17 @@ def wait_for(condition, timeout_s: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def hold_first_round(batcher, behind: int) -> None:
-    """The prefill engine's first round waits until `behind` prompts queue behind it, so the rest of a
-    burst meets a busy engine (as under load) whatever this machine's speed."""
+def hold_first_round(batcher, total: int) -> None:
+    """The prefill engine's first round waits until the whole burst of `total` prompts has arrived (in
+    that round or queued behind it), so the rest of a burst meets a busy engine (as under load) whatever
+    this machine's speed. A fast server may hand the first round every prompt at once: then there is
+    one round, never a wait for prompts that will not come."""
     run, held = batcher._run, []
 
     def first_waits(batch):
         if not held:
             held.append(batch)
-            wait_for(lambda: len(batcher.waiting) >= behind)
+            wait_for(lambda: len(batch) + len(batcher.waiting) >= total)
         run(batch)
     batcher._run = first_waits
 
@@ -170,7 +172,7 @@ def burst(prefill: LLM, decode: LLM, prompts: list[list[int]], prefill_end: KVCh
 
     side = DecodeSide(decode, decode_end)
     app = build_prefill_app(prefill, prefill_end)
-    hold_first_round(app.state.batcher, len(prompts) - 1)
+    hold_first_round(app.state.batcher, len(prompts))
     with AppThread(app) as p, Server(decode, served_name="m", before_submit=side) as d, \
             Router([d.url], prefill=[p.url]) as r, ThreadPoolExecutor(len(prompts)) as pool:
         def ask(ids):
@@ -194,7 +196,9 @@ def test_a_burst_is_prefilled_in_fewer_engine_calls_than_requests_and_answers_as
     assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
     full = [len(ids) // 16 * 16 for ids in prompts]
     assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == full  # no block computed twice
-    assert (health["prefilled"], health["rounds"]) == (8, 2)  # the first prompt alone, then the 7 behind it
+    # the first prompt alone and then the 7 behind it, or (a server quicker than the engine's first
+    # round) all 8 in one round
+    assert health["prefilled"] == 8 and health["rounds"] in (1, 2)
     unique = 2 + sum(n // 16 - 2 for n in full)  # the shared blocks crossed once, whatever the transfers held
     assert side.transfers == 8 and side.received_blocks == health["sent_blocks"] == unique
 
