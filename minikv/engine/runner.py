@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from minikv.attention.metadata import BatchInputs
+from minikv.cache.blocks.table_rows import BlockTableRows
 from minikv.engine.batch import ScheduledBatch
 
 # the rung-4 seam: fn(block_table, positions, block_size) -> the slot of each position
@@ -74,6 +75,7 @@ class ModelRunner:
         self.slot_mapping_fn = slot_mapping
         self._staging = [torch.empty(0, dtype=torch.long)] * 2  # pinned host buffers, used in turn (GPU)
         self._turn = 0
+        self.table_rows = BlockTableRows()  # paged: the block tables kept as an array between steps
 
     def close(self) -> None:
         """The engine is closed: the CUDA graphs (their buffers and memory pool) and staging buffers go."""
@@ -105,12 +107,8 @@ class ModelRunner:
             pos = np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)])
         host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": _long(cu), "seq_lens": _long(seq_lens),
                 "logits_indices": _long([cu[i + 1] - 1 for i in sample_rows])}
-        if self.block_size is not None:  # paged: block tables padded with -1, built from one flat array
-            lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-            tables = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)
-            tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-                chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(lens.sum()))
-            host["block_tables"] = tables
+        if self.block_size is not None:  # paged: block tables padded with -1, only changed ones written again
+            host["block_tables"] = self.table_rows.gather(seqs)
             host["slot_mapping"] = self._slot_mapping(batch, host)
         elif seqs[0].cache_row is not None:  # contiguous rows
             host["cache_rows"] = _long([s.cache_row for s in seqs])

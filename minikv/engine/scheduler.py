@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from minikv.cache.block_manager import BlockManager, blocks_needed
+from minikv.cache.block_manager import BlockManager, blocks_needed, copy_on_write_rule
 from minikv.cache.blocks.swap import SwapSpace
 from minikv.cache.blocks.window import NO_BLOCK
 from minikv.engine.batch import ScheduledBatch
@@ -137,9 +137,21 @@ class Scheduler:
         preempted_now = False
 
         # 1. running sequences, oldest first (they hold blocks already)
+        bm, preempted = self.bm, batch.preempted
+        bs, ref_count = bm.block_size, bm.ref_count
+        in_place = bm.copy_on_write_fn is copy_on_write_rule  # a rule of one's own is asked every step
         for seq in list(self.running):
-            if seq in batch.preempted:  # preempted earlier in this loop (a short list, mostly empty; a
-                continue  # test of `in self.running` was O(running) per sequence: quadratic per step)
+            if preempted and seq in preempted:  # preempted earlier in this loop (a short list, mostly empty;
+                continue  # a test of `in self.running` was O(running) per sequence: quadratic per step)
+            c = seq.num_computed_tokens
+            if in_place and budget and len(seq.prompt_token_ids) + len(seq.output_token_ids) - c == 1:
+                # a decode whose token goes into a block it holds alone: nothing to grow or copy (the
+                # slow path below would find the same); most sequences, most steps
+                table, i = seq.block_table, c // bs
+                if i < len(table) and table[i] >= 0 and ref_count[table[i]] == 1:
+                    batch.add(seq, c, 1)
+                    budget -= 1
+                    continue
             n = self._tokens_to_run(seq, budget)
             if n == 0:
                 continue
@@ -263,7 +275,8 @@ class Scheduler:
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         """Least important running sequence not yet placed in this step's batch: largest priority
         value, then the newest arrival. The sequence asking for a block is always a candidate."""
-        candidates = [s for s in self.running if s not in exclude]
+        placed = {id(s) for s in exclude}
+        candidates = [s for s in self.running if id(s) not in placed]
         return max(candidates, key=lambda s: (s.params.priority, s.arrival_time, s.seq_id))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
