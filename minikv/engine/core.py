@@ -649,6 +649,8 @@ class EngineCore:
     def _end_step(self, batch: ScheduledBatch, events: list) -> list[tuple[Sequence, int, str]]:
         for seq in batch.seqs:
             root = seq.root
+            if root is seq and not seq.is_finished:  # a request's first sample, still running: not done
+                continue
             if (_done(root) and (root.beam_search is None or root.beam_search.done)
                     and self._requests.get(root.request_id) is root):
                 self._retire(root)

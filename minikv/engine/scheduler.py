@@ -341,18 +341,22 @@ class Scheduler:
 
     # ---- after the model ran --------------------------------------------------------------------
     def update(self, batch: ScheduledBatch) -> None:
+        bm, fair = self.bm, self.fair
+        each = fair is not None or bm.prefix_cache is not None or bm.sliding_window is not None
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             seq.num_computed_tokens = start + n
-            if self.fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
-                self.fair.generated(seq)  # it sampled a token this step
-            self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
-            self.bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
+            if not each:  # no tenants to charge, no prefix cache, no window: nothing more per sequence
+                continue
+            if fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
+                fair.generated(seq)  # it sampled a token this step
+            bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
+            bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
         for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token
             self.waiting.remove(seq)                            # before it found a seat: holds no block
             self._trace(seq, "finish")
-        self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
+        bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
     def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
         """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, a step still on
