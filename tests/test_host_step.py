@@ -207,3 +207,29 @@ def test_the_model_reads_each_sequences_own_block_table(options):
     assert len(checked) > 10
     if options["num_blocks"] == 24:
         assert llm.stats()["num_preemptions"] > 0
+
+
+def test_published_events_are_the_dataclass_built_the_usual_way():
+    """The core builds its per-token events without the frozen dataclass's __init__: each must still be
+    exactly EngineEvent(...) of its fields (equal, hashable, frozen, every field set, `replace` works)."""
+    import dataclasses
+
+    from minikv.engine.core import EngineEvent
+
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=64)
+    core = llm.core
+    for p in ([5, 6, 7], [8, 9]):
+        llm.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    events = []
+    while llm.has_unfinished():
+        core.run_step()
+        events += core.take_events()
+    names = [f.name for f in dataclasses.fields(EngineEvent)]
+    assert len(events) == 6 and events[-1].usage is not None
+    for e in events:
+        usual = EngineEvent(**{n: getattr(e, n) for n in names})
+        assert e == usual and hash(e) == hash(usual) and repr(e) == repr(usual)
+        assert sorted(vars(e)) == sorted(names)
+        assert dataclasses.replace(e, text_delta="x").text_delta == "x"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            e.token_id = 0

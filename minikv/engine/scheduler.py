@@ -140,6 +140,7 @@ class Scheduler:
         bm, preempted = self.bm, batch.preempted
         bs, ref_count = bm.block_size, bm.ref_count
         in_place = bm.copy_on_write_fn is copy_on_write_rule  # a rule of one's own is asked every step
+        add_seq, add_start, add_n = batch.seqs.append, batch.starts.append, batch.num_new_tokens.append
         for seq in list(self.running):
             if preempted and seq in preempted:  # preempted earlier in this loop (a short list, mostly empty;
                 continue  # a test of `in self.running` was O(running) per sequence: quadratic per step)
@@ -149,7 +150,9 @@ class Scheduler:
                 # slow path below would find the same); most sequences, most steps
                 table, i = seq.block_table, c // bs
                 if i < len(table) and table[i] >= 0 and ref_count[table[i]] == 1:
-                    batch.add(seq, c, 1)
+                    add_seq(seq)  # batch.add(seq, c, 1), without the call
+                    add_start(c)
+                    add_n(1)
                     budget -= 1
                     continue
             n = self._tokens_to_run(seq, budget)

@@ -41,15 +41,16 @@ class BlockTableRows:
         rows = []
         copies, free = self.copies, self.free_rows
         for seq in seqs:
-            r = old.pop(id(seq), None)
+            key = id(seq)
+            r = old.pop(key, None)
             if r is None:
                 if not free:
-                    self._more_rows()
+                    self._more_rows()  # copies and free grow in place
                 r = free.pop()
             table = seq.block_table
             if table != copies[r]:
                 self._write(r, table)
-            row_of[id(seq)] = r
+            row_of[key] = r
             rows.append(r)
         free.extend(old.values())  # sequences that did not run: their rows go back
         self.row_of = row_of
@@ -74,5 +75,5 @@ class BlockTableRows:
         n = self.array.shape[0]
         self.array = np.concatenate([self.array, np.full_like(self.array, NO_BLOCK)])
         self.lens = np.concatenate([self.lens, np.zeros(n, dtype=np.int64)])
-        self.copies += [None] * n
+        self.copies += [None] * n  # in place: gather holds these two lists
         self.free_rows.extend(range(2 * n - 1, n - 1, -1))
