@@ -37,23 +37,22 @@ class BlockTableRows:
 
     def gather(self, seqs) -> np.ndarray:
         """The block tables of `seqs` as rows [len(seqs), longest table], -1 past each table's end."""
-        old, row_of = self.row_of, {}
+        row_of, copies, free = self.row_of, self.copies, self.free_rows
         rows = []
-        copies, free = self.copies, self.free_rows
         for seq in seqs:
-            key = id(seq)
-            r = old.pop(key, None)
+            r = row_of.get(id(seq))
             if r is None:
                 if not free:
                     self._more_rows()  # copies and free grow in place
-                r = free.pop()
+                r = row_of[id(seq)] = free.pop()
             table = seq.block_table
             if table != copies[r]:
                 self._write(r, table)
-            row_of[key] = r
             rows.append(r)
-        free.extend(old.values())  # sequences that did not run: their rows go back
-        self.row_of = row_of
+        if len(row_of) > len(rows):  # sequences that did not run: their rows go back
+            ran = {id(seq) for seq in seqs}
+            for key in [key for key in row_of if key not in ran]:
+                free.append(row_of.pop(key))
         index = np.fromiter(rows, dtype=np.int64, count=len(rows))
         width = int(self.lens[index].max()) if rows else 0
         return self.array[index, :width]
