@@ -104,9 +104,11 @@ def run(args) -> dict:
     from minikv import LLM, SamplingParams
     from minikv.engine.gc_pause import frozen_heap
 
-    llm = LLM("tiny-random", kv_backend="paged", device="cpu", max_num_seqs=args.seqs, block_size=args.block_size,
+    llm = LLM("tiny-random", kv_backend="paged", device="cpu", max_num_seqs=args.seqs + 2 * args.arrivals,
+              block_size=args.block_size,
               num_blocks=args.seqs * (-(-(args.prompt_len + args.max_tokens) // args.block_size) + 2)
-              + 2 * args.seqs + 16384 // args.block_size,  # room to overlap every step (overlap.min_free_blocks)
+              + 2 * args.seqs + 16384 // args.block_size  # room to overlap every step (overlap.min_free_blocks)
+              + 4 * args.arrivals * -(-args.prompt_len // args.block_size),  # and for the arrivals
               max_num_batched_tokens=16384, max_model_len=2048)
     llm.async_scheduling = args.async_scheduling
     runner = llm.runner if hasattr(llm, "runner") else llm.core.runner
@@ -126,8 +128,11 @@ def run(args) -> dict:
         timer.step(llm, False)
     running = len(sch.running)
     gc.collect()
+    arrival = SamplingParams(max_tokens=1, ignore_eos=True)
     with frozen_heap():  # as generate() and the server run: no full collection walks the old objects
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            for j in range(args.arrivals):  # mixed steps: a prompt prefilled beside the decodes, then done
+                llm.add_request([(11 * step + 5 * j + k) % 500 + 3 for k in range(args.prompt_len)], arrival)
             timer.step(llm, True)
     if args.profile:
         import cProfile
@@ -142,6 +147,7 @@ def run(args) -> dict:
     med = timer.medians_ms()
     return {"label": args.label, "minikv_file": minikv.__file__, "running_seqs": running,
             "async_scheduling": args.async_scheduling, "prompt_len": args.prompt_len, "block_size": args.block_size,
+            "arrivals_per_step": args.arrivals,
             "steps": args.steps, "median_ms": med, "host_ms": timer.host_ms(),
             "loadavg": os.getloadavg()}
 
@@ -157,6 +163,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", type=int, default=24)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--no-async", dest="async_scheduling", action="store_false")
+    ap.add_argument("--arrivals", type=int, default=0,
+                    help="requests (one token each) added before every measured step: mixed prefill + decode steps")
     ap.add_argument("--profile", action="store_true", help="then cProfile as many steps again")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -233,3 +233,34 @@ def test_published_events_are_the_dataclass_built_the_usual_way():
         assert dataclasses.replace(e, text_delta="x").text_delta == "x"
         with pytest.raises(dataclasses.FrozenInstanceError):
             e.token_id = 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 12), st.data()), min_size=1, max_size=8))
+def test_prepare_step_builds_the_plain_batch(rows):
+    """prepare_step's arrays (numpy, slices without token_ids) equal the batch built the plain way."""
+    from minikv.engine.batch import ScheduledBatch
+    from minikv.engine.runner import ModelRunner
+
+    bs = 4
+    runner = ModelRunner(None, None, "cpu", block_size=bs)
+    batch, next_block = ScheduledBatch(), 0
+    for prompt_len, out_len, data in rows:
+        seq = Sequence([(7 * prompt_len + j) % 50 for j in range(prompt_len)], SamplingParams())
+        seq.output_token_ids = [100 + j for j in range(out_len)]
+        total = seq.num_tokens
+        start = data.draw(st.integers(0, total - 1))
+        n = data.draw(st.integers(1, total - start))
+        seq.block_table = list(range(next_block, next_block + -(-total // bs)))
+        next_block += len(seq.block_table)
+        batch.add(seq, start, n)
+    inputs = runner.prepare_step(batch).inputs
+    ids = [t for s, st_, n in zip(batch.seqs, batch.starts, batch.num_new_tokens) for t in s.token_ids[st_:st_ + n]]
+    pos = [p for st_, n in zip(batch.starts, batch.num_new_tokens) for p in range(st_, st_ + n)]
+    seq_of = [i for i, n in enumerate(batch.num_new_tokens) for _ in range(n)]
+    slots = [batch.seqs[b].block_table[p // bs] * bs + p % bs for b, p in zip(seq_of, pos)]
+    ends = [st_ + n for st_, n in zip(batch.starts, batch.num_new_tokens)]
+    last = np.cumsum(batch.num_new_tokens) - 1
+    assert inputs.input_ids.tolist() == ids and inputs.positions.tolist() == pos
+    assert inputs.slot_mapping.tolist() == slots and inputs.seq_lens.tolist() == ends == inputs.seq_lens_list
+    assert inputs.logits_indices.tolist() == [int(last[i]) for i, s in enumerate(batch.seqs) if ends[i] == s.num_tokens]

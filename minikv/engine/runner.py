@@ -10,6 +10,8 @@
     logits for A and B only: C's chunk does not reach the end of its prompt, nothing to sample yet
 
 `prepare` builds these tensors once (`BatchInputs`); the backend builds its own metadata from them.
+The block tables come from `BlockTableRows` (minikv/cache/blocks/table_rows.py), which keeps them as
+an array between steps and writes again only the tables that changed.
 A step that only decodes (one token per sequence, every one sampled) goes instead through the CUDA
 graphs when the engine has them (minikv/engine/cuda_graph.py), which copy the same tensors into
 their static buffers and replay; so does a small prefill or mixed step (up to cuda_graph_max_tokens).
@@ -50,6 +52,14 @@ def _token_at(seq, position: int) -> int:
     return prompt[position] if position < len(prompt) else seq.output_token_ids[position - len(prompt)]
 
 
+def _tokens(seq, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building token_ids (a decode row beside a prefill costs O(1))."""
+    prompt, p = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if start >= p:
+        return seq.output_token_ids[start - p:end - p]
+    return prompt[start:end] if end <= p else prompt[start:] + seq.output_token_ids[:end - p]
+
+
 class PreparedStep(NamedTuple):
     """A step's inputs on the device, the batch rows that sample, and where fed ids go (see the top)."""
 
@@ -78,9 +88,11 @@ class ModelRunner:
         self.table_rows = BlockTableRows()  # paged: the block tables kept as an array between steps
 
     def close(self) -> None:
-        """The engine is closed: the CUDA graphs (their buffers and memory pool) and staging buffers go."""
+        """The engine is closed: the CUDA graphs (their buffers and memory pool), staging buffers and block-table
+        rows go."""
         self.decode_graphs = self.step_graphs = None
         self._staging = [torch.empty(0, dtype=torch.long)] * 2
+        self.table_rows = BlockTableRows()
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
         """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
@@ -109,8 +121,9 @@ class ModelRunner:
                 ids = [_token_at(s, st) for s, st in zip(seqs, starts)]
             pos = start
         else:
-            ids = list(chain.from_iterable(s.token_ids[st:e] for s, st, e in zip(seqs, starts, seq_lens)))
-            pos = np.concatenate([np.arange(st, e) for st, e in zip(starts, seq_lens)])
+            ids = list(chain.from_iterable(_tokens(s, st, e) for s, st, e in zip(seqs, starts, seq_lens)))
+            # token k of row b sits at position starts[b] + (k - cu[b])
+            pos = np.arange(cu[-1], dtype=np.int64) + np.repeat(start - cu[:-1], query_len)
         host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": cu, "seq_lens": end,
                 "logits_indices": cu[1:][samples] - 1}
         if self.block_size is not None:  # paged: block tables padded with -1, only changed ones written again

@@ -5,7 +5,9 @@
     one step, token budget = max_num_batched_tokens:
       1. running sequences, oldest first: a decode takes 1 token, an unfinished prefill takes the
          next chunk of its prompt (chunked prefill). A sequence that needs a new block and finds
-         none preempts the least important running sequence (lowest priority, then newest).
+         none preempts the least important running sequence (lowest priority, then newest). A
+         decode whose token lands in a block it holds alone (most of them, most steps) has nothing
+         to grow or copy and skips the block manager's checks.
       2. if nothing was preempted: swapped sequences come back when their blocks fit
       3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow (oldest
          first; with schedule_policy="vtc", the least-served tenant's first: minikv/engine/fair.py)
