@@ -109,7 +109,7 @@ def run(args) -> dict:
               num_blocks=args.seqs * (-(-(args.prompt_len + args.max_tokens) // args.block_size) + 2)
               + 2 * args.seqs + 16384 // args.block_size  # room to overlap every step (overlap.min_free_blocks)
               + 4 * args.arrivals * -(-args.prompt_len // args.block_size),  # and for the arrivals
-              max_num_batched_tokens=16384, max_model_len=2048)
+              max_num_batched_tokens=16384, max_model_len=2048, **json.loads(args.options))
     llm.async_scheduling = args.async_scheduling
     runner = llm.runner if hasattr(llm, "runner") else llm.core.runner
     runner.model = StubModel(runner.model, 512)
@@ -147,7 +147,7 @@ def run(args) -> dict:
     med = timer.medians_ms()
     return {"label": args.label, "minikv_file": minikv.__file__, "running_seqs": running,
             "async_scheduling": args.async_scheduling, "prompt_len": args.prompt_len, "block_size": args.block_size,
-            "arrivals_per_step": args.arrivals,
+            "arrivals_per_step": args.arrivals, "options": json.loads(args.options),
             "steps": args.steps, "median_ms": med, "host_ms": timer.host_ms(),
             "loadavg": os.getloadavg()}
 
@@ -166,6 +166,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--arrivals", type=int, default=0,
                     help="requests (one token each) added before every measured step: mixed prefill + decode steps")
     ap.add_argument("--profile", action="store_true", help="then cProfile as many steps again")
+    ap.add_argument("--options", default="{}", help='more LLM arguments as JSON, e.g. \'{"prefix_caching": "hash"}\'')
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     record = run(args)
