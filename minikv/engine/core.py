@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 import numpy as np
@@ -133,15 +133,20 @@ class EngineEvent:
         return self.usage is not None
 
 
+_EVENT_DEFAULTS = {f.name: f.default for f in fields(EngineEvent)}
+
+
 def _done(seq: Sequence) -> bool:
     """Every sample of the request seq started has finished (forks still to come count as unfinished)."""
     return not seq.num_pending_forks and all(s.is_finished for s in samples_of(seq))
 
 
 def _keys(seqs: list[Sequence]) -> np.ndarray:
-    """The draw keys of these sequences, int64 (greedy ones draw nothing: 0)."""
-    keys = draw_keys([s.seed for s in seqs], [len(s.output_token_ids) for s in seqs])
-    keys[[i for i, s in enumerate(seqs) if s.params.greedy]] = 0
+    """The draw keys of these sequences, int64 (greedy ones draw nothing: 0, and are not hashed)."""
+    keys = np.zeros(len(seqs), dtype=np.int64)
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows:
+        keys[rows] = draw_keys([seqs[i].seed for i in rows], [len(seqs[i].output_token_ids) for i in rows])
     return keys
 
 
@@ -554,9 +559,14 @@ class EngineCore:
 
     # ---- events out -----------------------------------------------------------------------------
     def _publish(self, seq: Sequence, token: int | None, delta: str) -> None:
-        """One event of seq's request, for whichever client takes the events."""
-        self._outbox.append(EngineEvent(seq.root.request_id, seq.index, token, delta,
-                                        seq.finish_reason if seq.is_finished else None, seq.error))
+        """One event of seq's request, for whichever client takes the events. One per token, so it is built
+        without the frozen dataclass's __init__ (an object.__setattr__ per field, twice the cost): the
+        same EngineEvent, its fields written into its __dict__ (those not named here keep their defaults)."""
+        event = object.__new__(EngineEvent)
+        event.__dict__.update(_EVENT_DEFAULTS, request_id=seq.root.request_id, index=seq.index, token_id=token,
+                              text_delta=delta, finish_reason=seq.finish_reason if seq.is_finished else None,
+                              error=seq.error)
+        self._outbox.append(event)
 
     def _retire(self, root: Sequence) -> None:
         """Every sample of root's request has ended: it leaves the engine's books, and its last event
@@ -654,6 +664,8 @@ class EngineCore:
     def _end_step(self, batch: ScheduledBatch, events: list) -> list[tuple[Sequence, int, str]]:
         for seq in batch.seqs:
             root = seq.root
+            if root is seq and not seq.is_finished:  # a request's first sample, still running: not done
+                continue
             if (_done(root) and (root.beam_search is None or root.beam_search.done)
                     and self._requests.get(root.request_id) is root):
                 self._retire(root)
@@ -750,7 +762,7 @@ class EngineCore:
                            ) -> list[tuple[Sequence, int, str]]:
         """t's tokens replace the placeholders: stop rules, text, events. A sequence that finishes here
         but runs in t+1 keeps its blocks until t+1 is done on the device."""
-        in_next = {id(seq) for seq in nxt.batch.seqs} if nxt is not None else set()
+        in_next = None  # ids of the sequences of t+1, built when a sequence first finishes here
         events = []
         for i, (seq, tok) in enumerate(zip(t.seqs, tokens)):
             if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
@@ -765,6 +777,8 @@ class EngineCore:
                 self._publish(seq, tok, delta)
                 events.append((seq, tok, delta))
             if seq.is_finished:
+                if in_next is None:
+                    in_next = {id(s) for s in nxt.batch.seqs} if nxt is not None else set()
                 keep = id(seq) in in_next
                 self.scheduler.finish(seq, keep_blocks=keep)
                 if keep:

@@ -10,6 +10,8 @@
     logits for A and B only: C's chunk does not reach the end of its prompt, nothing to sample yet
 
 `prepare` builds these tensors once (`BatchInputs`); the backend builds its own metadata from them.
+The block tables come from `BlockTableRows` (minikv/cache/blocks/table_rows.py), which keeps them as
+an array between steps and writes again only the tables that changed.
 A step that only decodes (one token per sequence, every one sampled) goes instead through the CUDA
 graphs when the engine has them (minikv/engine/cuda_graph.py), which copy the same tensors into
 their static buffers and replay; so does a small prefill or mixed step (up to cuda_graph_max_tokens).
@@ -25,13 +27,14 @@ which is correct by stream order: step t's sampling kernels come before this cop
 """
 from __future__ import annotations
 
-from itertools import accumulate, chain
+from itertools import chain
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from minikv.attention.metadata import BatchInputs
+from minikv.cache.blocks.table_rows import BlockTableRows
 from minikv.engine.batch import ScheduledBatch
 
 # the rung-4 seam: fn(block_table, positions, block_size) -> the slot of each position
@@ -47,6 +50,14 @@ def _token_at(seq, position: int) -> int:
     """seq.token_ids[position] without building token_ids (a new list of the whole sequence)."""
     prompt = seq.prompt_token_ids
     return prompt[position] if position < len(prompt) else seq.output_token_ids[position - len(prompt)]
+
+
+def _tokens(seq, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building token_ids (a decode row beside a prefill costs O(1))."""
+    prompt, p = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if start >= p:
+        return seq.output_token_ids[start - p:end - p]
+    return prompt[start:end] if end <= p else prompt[start:] + seq.output_token_ids[:end - p]
 
 
 class PreparedStep(NamedTuple):
@@ -74,11 +85,14 @@ class ModelRunner:
         self.slot_mapping_fn = slot_mapping
         self._staging = [torch.empty(0, dtype=torch.long)] * 2  # pinned host buffers, used in turn (GPU)
         self._turn = 0
+        self.table_rows = BlockTableRows()  # paged: the block tables kept as an array between steps
 
     def close(self) -> None:
-        """The engine is closed: the CUDA graphs (their buffers and memory pool) and staging buffers go."""
+        """The engine is closed: the CUDA graphs (their buffers and memory pool), staging buffers and block-table
+        rows go."""
         self.decode_graphs = self.step_graphs = None
         self._staging = [torch.empty(0, dtype=torch.long)] * 2
+        self.table_rows = BlockTableRows()
 
     def prepare(self, batch: ScheduledBatch) -> tuple[BatchInputs, list[int]]:
         """The step's tensors, and which sequences of the batch sample a token (rows of the logits)."""
@@ -92,40 +106,44 @@ class ModelRunner:
         costs ~10x more), a decode-only step skips the per-sequence slicing, and everything reaches the
         device in one asynchronous copy: nothing here waits for the device."""
         seqs, starts, query_lens = batch.seqs, batch.starts, batch.num_new_tokens
-        seq_lens = [st + n for st, n in zip(starts, query_lens)]
-        num_tokens = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs]
-        sample_rows = [i for i, (end, nt) in enumerate(zip(seq_lens, num_tokens)) if end == nt]
-        cu = list(accumulate(query_lens, initial=0))
-        if len(cu) - 1 == cu[-1]:  # decode only: one token per sequence, at position start (mostly the last)
-            ids = [(s.output_token_ids or s.prompt_token_ids)[-1] if end == nt else _token_at(s, end - 1)
-                   for s, end, nt in zip(seqs, seq_lens, num_tokens)]
-            pos = _long(starts)
+        num_seqs = len(seqs)
+        start, query_len = _long(starts), _long(query_lens)
+        end = start + query_len  # seq_lens: each context after this step
+        num_tokens = _long([len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs])
+        samples = end == num_tokens  # a row samples when its step reaches the end of its tokens
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)  # query_start_loc
+        np.cumsum(query_len, out=cu[1:])
+        sample_rows, seq_lens = np.flatnonzero(samples).tolist(), end.tolist()
+        if cu[-1] == num_seqs:  # decode only: one token per sequence, at position start (mostly the last)
+            if len(sample_rows) == num_seqs:
+                ids = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]
+            else:
+                ids = [_token_at(s, st) for s, st in zip(seqs, starts)]
+            pos = start
         else:
-            ids = list(chain.from_iterable(s.token_ids[st:end] for s, st, end in zip(seqs, starts, seq_lens)))
-            pos = np.concatenate([np.arange(st, end) for st, end in zip(starts, seq_lens)])
-        host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": _long(cu), "seq_lens": _long(seq_lens),
-                "logits_indices": _long([cu[i + 1] - 1 for i in sample_rows])}
-        if self.block_size is not None:  # paged: block tables padded with -1, built from one flat array
-            lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-            tables = np.full((len(seqs), int(lens.max())), -1, dtype=np.int64)
-            tables[np.arange(tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-                chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(lens.sum()))
-            host["block_tables"] = tables
+            ids = list(chain.from_iterable(_tokens(s, st, e) for s, st, e in zip(seqs, starts, seq_lens)))
+            # token k of row b sits at position starts[b] + (k - cu[b])
+            pos = np.arange(cu[-1], dtype=np.int64) + np.repeat(start - cu[:-1], query_len)
+        host = {"input_ids": _long(ids), "positions": pos, "query_start_loc": cu, "seq_lens": end,
+                "logits_indices": cu[1:][samples] - 1}
+        if self.block_size is not None:  # paged: block tables padded with -1, only changed ones written again
+            host["block_tables"] = self.table_rows.gather(seqs)
             host["slot_mapping"] = self._slot_mapping(batch, host)
         elif seqs[0].cache_row is not None:  # contiguous rows
             host["cache_rows"] = _long([s.cache_row for s in seqs])
         if fed:
-            for i, _ in fed:
-                if query_lens[i] != 1:
-                    raise ValueError(f"row {i} (request {seqs[i].request_id}) is fed from the previous step's "
-                                     f"sampled ids but runs {query_lens[i]} tokens; only a decode row (1 token) "
-                                     "can be fed")
-            host["fed_dst"] = _long([cu[i] for i, _ in fed])
+            rows = _long([i for i, _ in fed])
+            if (query_len[rows] != 1).any():
+                i = int(rows[query_len[rows] != 1][0])
+                raise ValueError(f"row {i} (request {seqs[i].request_id}) is fed from the previous step's "
+                                 f"sampled ids but runs {query_lens[i]} tokens; only a decode row (1 token) "
+                                 "can be fed")
+            host["fed_dst"] = cu[rows]
             host["fed_src"] = _long([j for _, j in fed])
         on_device = self._to_device(host)
         fed_dst, fed_src = on_device.pop("fed_dst", None), on_device.pop("fed_src", None)
         inputs = BatchInputs(**on_device, query_lens_list=list(query_lens), seq_lens_list=seq_lens,
-                             max_seq_len=max(seq_lens))
+                             max_seq_len=int(end.max()))
         return PreparedStep(inputs, sample_rows, fed_dst, fed_src)
 
     def _slot_mapping(self, batch: ScheduledBatch, host: dict[str, np.ndarray]) -> np.ndarray:

@@ -5,7 +5,9 @@
     one step, token budget = max_num_batched_tokens:
       1. running sequences, oldest first: a decode takes 1 token, an unfinished prefill takes the
          next chunk of its prompt (chunked prefill). A sequence that needs a new block and finds
-         none preempts the least important running sequence (lowest priority, then newest).
+         none preempts the least important running sequence (lowest priority, then newest). A
+         decode whose token lands in a block it holds alone (most of them, most steps) has nothing
+         to grow or copy and skips the block manager's checks.
       2. if nothing was preempted: swapped sequences come back when their blocks fit
       3. then waiting sequences are admitted while blocks, budget and max_num_seqs allow (oldest
          first; with schedule_policy="vtc", the least-served tenant's first: minikv/engine/fair.py)
@@ -53,7 +55,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from minikv.cache.block_manager import BlockManager, blocks_needed
+from minikv.cache.block_manager import BlockManager, blocks_needed, copy_on_write_rule
 from minikv.cache.blocks.swap import SwapSpace
 from minikv.cache.blocks.window import NO_BLOCK
 from minikv.engine.batch import ScheduledBatch
@@ -137,9 +139,24 @@ class Scheduler:
         preempted_now = False
 
         # 1. running sequences, oldest first (they hold blocks already)
+        bm, preempted = self.bm, batch.preempted
+        bs, ref_count = bm.block_size, bm.ref_count
+        in_place = bm.copy_on_write_fn is copy_on_write_rule  # a rule of one's own is asked every step
+        add_seq, add_start, add_n = batch.seqs.append, batch.starts.append, batch.num_new_tokens.append
         for seq in list(self.running):
-            if seq in batch.preempted:  # preempted earlier in this loop (a short list, mostly empty; a
-                continue  # test of `in self.running` was O(running) per sequence: quadratic per step)
+            if preempted and seq in preempted:  # preempted earlier in this loop (a short list, mostly empty;
+                continue  # a test of `in self.running` was O(running) per sequence: quadratic per step)
+            c = seq.num_computed_tokens
+            if in_place and budget and len(seq.prompt_token_ids) + len(seq.output_token_ids) - c == 1:
+                # a decode whose token goes into a block it holds alone: nothing to grow or copy (the
+                # slow path below would find the same); most sequences, most steps
+                table, i = seq.block_table, c // bs
+                if i < len(table) and table[i] >= 0 and ref_count[table[i]] == 1:
+                    add_seq(seq)  # batch.add(seq, c, 1), without the call
+                    add_start(c)
+                    add_n(1)
+                    budget -= 1
+                    continue
             n = self._tokens_to_run(seq, budget)
             if n == 0:
                 continue
@@ -263,7 +280,8 @@ class Scheduler:
     def _pick_victim(self, exclude: list[Sequence]) -> Sequence:
         """Least important running sequence not yet placed in this step's batch: largest priority
         value, then the newest arrival. The sequence asking for a block is always a candidate."""
-        candidates = [s for s in self.running if s not in exclude]
+        placed = {id(s) for s in exclude}
+        candidates = [s for s in self.running if id(s) not in placed]
         return max(candidates, key=lambda s: (s.params.priority, s.arrival_time, s.seq_id))
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -328,18 +346,22 @@ class Scheduler:
 
     # ---- after the model ran --------------------------------------------------------------------
     def update(self, batch: ScheduledBatch) -> None:
+        bm, fair = self.bm, self.fair
+        each = fair is not None or bm.prefix_cache is not None or bm.sliding_window is not None
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             seq.num_computed_tokens = start + n
-            if self.fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
-                self.fair.generated(seq)  # it sampled a token this step
-            self.bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
-            self.bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
+            if not each:  # no tenants to charge, no prefix cache, no window: nothing more per sequence
+                continue
+            if fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
+                fair.generated(seq)  # it sampled a token this step
+            bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
+            bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
         for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token
             self.waiting.remove(seq)                            # before it found a seat: holds no block
             self._trace(seq, "finish")
-        self.bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
+        bm.flush_offload()  # newly cached blocks go to the offload store's write-through (rung 9)
 
     def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
         """seq leaves the running queue and gives its blocks back. keep_blocks: not yet, a step still on

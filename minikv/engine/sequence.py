@@ -78,8 +78,14 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: SequenceStatus) -> None:
+        self._status = status
+        # a plain attribute, set with the status: read several times per sequence and step
+        self.is_finished = status is SequenceStatus.FINISHED
 
     @property
     def last_token_id(self) -> int:

@@ -6,4 +6,5 @@
     block_table.py  what a request is to the cache (CachedRequest), blocks_needed, slot_mapping
     swap.py         CPU swap space for preempted requests
     window.py       which blocks a sliding window gives back
+    table_rows.py   the batch's block tables as one array, rewritten only where a table changed
 """
