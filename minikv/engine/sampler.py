@@ -289,8 +289,11 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     rows_t = torch.tensor(rows, dtype=torch.long)
     slack = _mass_slack(logits.shape[-1])
     choice = torch.empty(len(rows), dtype=torch.long)
-    todo = torch.arange(len(rows))[lse[:, 0].isfinite()]  # rows still to draw
-    redo = [torch.arange(len(rows))[~lse[:, 0].isfinite()]]  # rows for the reference
+    # rows still to draw; the others go to the reference: a maximum that is not finite, or a top_p so
+    # close to 1 that no tokens short of the whole vocabulary surely hold it
+    searchable = lse[:, 0].isfinite() & (top_p.double() + 2 * slack < 1.0)
+    todo = torch.arange(len(rows))[searchable]
+    redo = [torch.arange(len(rows))[~searchable]]  # rows for the reference
     for k in BLOCK_LEVELS:
         if todo.numel() == 0:
             break
@@ -376,21 +379,30 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, blocks, need, edge, 
     the sorted path draws whichever of the unsure tokens it keeps."""
     n, vocab = len(rows), logits.shape[-1]
     nb = vocab // BLOCK
-    lane = torch.arange(BLOCK)
-    taken = blocks[:, :int(need.max()), None]  # [n, j, 1]
-    ids = torch.where(taken < nb, taken + nb * lane, nb * BLOCK + lane).flatten(1)  # [n, j * BLOCK]
-    valid = ids < vocab  # the short last block
-    ids = ids.clamp_max(vocab - 1)
-    s = logits.take(rows[:, None] * vocab + ids).float() / temperature[:, None]
-    # the tokens above the edge (blocks past a row's own need lie at or below its edge), packed to the left:
+    j = int(need.max())
+    if j * BLOCK * 8 < vocab:  # a few blocks: gather their tokens
+        taken = blocks[:, :j, None]  # [n, j, 1]
+        lane = torch.arange(BLOCK)
+        ids = torch.where(taken < nb, taken + nb * lane, nb * BLOCK + lane).flatten(1)  # [n, j * BLOCK]
+        valid = ids < vocab  # the short last block
+        ids = ids.clamp_max(vocab - 1)
+        s = logits.take(rows[:, None] * vocab + ids).float() / temperature[:, None]
+        above = valid & (s > edge)  # blocks past a row's own need lie at or below its edge
+    else:  # blocks over much of the vocabulary: read the rows whole, in order, rather than scattered
+        ids = None
+        s = logits.index_select(0, rows).float() / temperature[:, None]
+        above = s > edge
+    # the tokens above the edge, packed to the left:
     # [0, count)  a row's tokens above its edge     [count, c)  padding
-    r, j = (valid & (s > edge)).nonzero(as_tuple=True)  # row by row
+    r, at = above.nonzero(as_tuple=True)  # row by row
+    tokens = at if ids is None else ids[r, at]
+    s = s[r, at]
     count = torch.bincount(r, minlength=n)
     c = int(count.max())
     at = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
     live = torch.arange(c) < count[:, None]
-    s = torch.full((n, c), float("-inf")).index_put_((r, at), s[r, j])
-    ids = torch.zeros(n, c, dtype=torch.long).index_put_((r, at), ids[r, j])
+    s = torch.full((n, c), float("-inf")).index_put_((r, at), s)
+    ids = torch.zeros(n, c, dtype=torch.long).index_put_((r, at), tokens)
     # the sorted path's order (scaled logit descending, id ascending) as one int64 key per token: the
     # float's bits made monotonic (+ 0.0: -0.0 orders as 0.0), then the id reversed
     bits = (s + 0.0).view(torch.int32).long()
