@@ -136,3 +136,82 @@ def test_sampled_rows_read_the_vocabulary_a_bounded_number_of_times():
     assert sampled.elements <= 6 * rows * vocab, sampled.elements / (rows * vocab)
     assert sampled.big_dtypes <= {torch.float32}, sampled.big_dtypes
     assert reference.elements >= 6 * rows * vocab
+
+
+def heavy_tailed(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows whose nucleus at T = 0.6, top-p 0.95 holds thousands of tokens: a normal tail N(0, 2^2) over a
+    vocabulary of Qwen2.5's size, under a weak head of 40 tokens (logit 9.5 - 0.5 ln(rank))."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 2.0
+    head = 9.5 - 0.5 * torch.arange(1, 41, dtype=torch.float32).log()
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:40] for _ in range(rows)])
+    return logits.scatter_(1, ids, head.expand(rows, 40).contiguous())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_whose_nucleus_holds_thousands_of_tokens_draw_the_sorted_paths_token_without_its_sort(
+        threads, monkeypatch):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, vocab = 6, 151_936
+        logits = heavy_tailed(rows, vocab, seed=threads)
+        params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i) for i in range(rows)]
+        assert min(int((sampler.filtered_probs(row, params[0]) > 0).sum()) for row in logits) > 1024
+        sorted_rows = []
+        sorted_path = sampler._sample_nucleus
+
+        def counting(scaled, *rest):
+            sorted_rows.append(scaled.shape[0])
+            return sorted_path(scaled, *rest)
+
+        for position in range(3):
+            keys = draw_keys(list(range(rows)), [position] * rows)
+            with reference_path():
+                want = sample(logits, params, keys)
+            monkeypatch.setattr(sampler, "_sample_nucleus", counting)
+            got = sample(logits, params, keys)
+            monkeypatch.setattr(sampler, "_sample_nucleus", sorted_path)
+            assert got == want
+        assert sum(sorted_rows) <= 1, sorted_rows  # a draw near the nucleus' edge may go there, rarely
+    finally:
+        torch.set_num_threads(saved)
+
+
+class RowOps(TorchDispatchMode):
+    """Counts the ops on a tensor of at least a row's size: with several threads, each opens a parallel
+    region, where libgomp's idle threads spin and, on a busy machine, every region waits for a core."""
+    SKIP = RowReads.SKIP - {"index", "gather", "take", "_to_copy"}
+
+    def __init__(self, row: int):
+        super().__init__()
+        self.row, self.ops = row, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [a for a in [*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else [out])]
+                   if isinstance(a, torch.Tensor)]
+        if func.__name__.split(".")[0] not in self.SKIP and any(t.numel() >= self.row for t in tensors):
+            self.ops += 1
+        return out
+
+
+def test_a_sampled_step_with_two_threads_runs_no_whole_row_op_per_row():
+    """With several threads the log-sum-exp takes chunks of up to 16 rows, and flat rows take their
+    histogram together: four times the rows add a few whole-row ops per chunk, where a loop over rows
+    would add one or more per row."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        vocab = 151_936
+        logits = heavy_tailed(4, vocab, seed=3)
+        logits[:2, 5] += 25  # two peaked rows beside two whose nucleus holds thousands of tokens
+        counts = {}
+        for rows in (16, 64):
+            params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i % 4) for i in range(rows)]
+            with RowOps(vocab) as mode:
+                sample(logits.repeat(rows // 4, 1), params, draw_keys(list(range(rows)), [0] * rows))
+            counts[rows] = mode.ops
+        assert counts[64] - counts[16] <= (64 - 16) // 2, counts
+    finally:
+        torch.set_num_threads(saved)

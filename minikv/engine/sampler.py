@@ -271,7 +271,7 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
 # Every token above a block's maximum lies in a block of larger maximum, so a row's most likely tokens lie
 # in its blocks of largest maxima, and each block holds at least its maximum's probability.
 BLOCK = 16
-BLOCK_LEVELS = (64, 1024, 1 << 62)  # blocks of largest maxima a row looks among: a top-k, then all, sorted
+BLOCK_LEVELS = (64, 1024)  # blocks of largest maxima a row looks among
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
 
 
@@ -279,15 +279,18 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
                         top_p: torch.Tensor) -> torch.Tensor:
     """`_sample_nucleus` of logits[rows] / temperature, the same tokens, with one pass of exp over the
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
-    `_lse_and_block_max`; then, a level of BLOCK_LEVELS at a time, each row takes the fewest blocks of
-    largest maxima whose maxima alone hold top_p (plus the slack) of its mass, and `_draw_above` draws among
-    the tokens of those blocks above the first block left out. The rows it cannot vouch for (a draw
-    near the nucleus' edge or a near tie, a maximum that is not finite, a row so flat that its blocks'
-    maxima never reach top_p) are drawn by `_sample_nucleus` itself."""
+    `_lse_and_block_max`. Then a row finds an edge, a scaled logit above which its tokens surely hold
+    top_p of its mass (plus the slack, see `_draw_above`): first among its 64, then 1,024 blocks of
+    largest maxima (each block holds at least its maximum's probability: the fewest blocks whose maxima
+    are enough, the edge is the maximum of the next); for a row so flat that the maxima never are,
+    from a histogram of its mass (`_edge_of_mass`). `_draw_above` draws among the tokens above the
+    edge. The rows it cannot vouch for (a draw near the nucleus' edge or a near tie, a maximum that is
+    not finite, top_p within the slack of 1) are drawn by `_sample_nucleus` itself."""
+    vocab = logits.shape[-1]
     lse, block_max = _lse_and_block_max(logits, rows, temperature)
     block_scores = block_max / temperature[:, None]  # max(x) / T = max(x / T): division keeps the order
     rows_t = torch.tensor(rows, dtype=torch.long)
-    slack = _mass_slack(logits.shape[-1])
+    slack = _mass_slack(vocab)
     choice = torch.empty(len(rows), dtype=torch.long)
     # rows still to draw; the others go to the reference: a maximum that is not finite, or a top_p so
     # close to 1 that no tokens short of the whole vocabulary surely hold it
@@ -297,11 +300,7 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     for k in BLOCK_LEVELS:
         if todo.numel() == 0:
             break
-        mine = block_scores[todo]
-        if k + 1 < mine.shape[1]:
-            best, blocks = mine.topk(k + 1, dim=-1)  # [n, k + 1], largest maxima first
-        else:
-            best, blocks = mine.sort(dim=-1, descending=True)
+        best, blocks = block_scores[todo].topk(k + 1, dim=-1)  # [n, k + 1], largest maxima first
         # each block holds at least its best token: the first j blocks hold at least this much mass
         held = torch.exp(best[:, :-1].double() - lse[todo].double()).cumsum(-1)
         enough = held >= top_p[todo, None].double() + 2 * slack
@@ -309,13 +308,24 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
         need = enough.byte().argmax(-1) + 1  # blocks taken: the first j whose maxima are enough
         edge = best.gather(1, need[:, None])  # the first block left out: every token above it is taken
         split = best.gather(1, need[:, None] - 1)[:, 0] == edge[:, 0]  # a tie across the edge of blocks
-        go = found & ~split
-        if go.any():
-            got, sure = _draw_above(logits, rows_t[todo[go]], temperature[todo[go]], lse[todo[go]], key[todo[go]],
-                                    top_p[todo[go]], blocks[go], need[go], edge[go], slack)
-            choice[todo[go]] = got
-            redo.append(todo[go][~sure])
+        go = todo[found & ~split]
+        if go.numel():
+            j = int(need[found & ~split].max())
+            taken = blocks[found & ~split, :j] if j * BLOCK * 8 < vocab else None  # None: read the rows whole
+            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go],
+                                    edge[found & ~split], slack, taken)
+            choice[go] = got
+            redo.append(go[~sure])
         redo.append(todo[found & split])
+        todo = todo[~found]
+    if todo.numel():  # flat rows: their blocks' maxima alone never hold top_p
+        edge, found = _edge_of_mass(logits, rows_t[todo], temperature[todo], lse[todo], top_p[todo], slack)
+        go = todo[found]
+        if go.numel():
+            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[found],
+                                    slack, None)
+            choice[go] = got
+            redo.append(go[~sure])
         todo = todo[~found]
     redo = torch.cat(redo + [todo])
     if redo.numel():
@@ -366,10 +376,31 @@ def _mass_slack(vocab: int) -> float:
     return 1e-4 + vocab * 2.0 ** -27
 
 
-def _draw_above(logits, rows, temperature, lse, key, top_p, blocks, need, edge, slack: float
+HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
+
+
+def _edge_of_mass(logits, rows, temperature, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows whose blocks' maxima never hold top_p (a flat row, thousands of tokens in its nucleus): a
+    histogram of the mass over bins of the scaled logit, counted down from the row's maximum; the edge
+    is the largest scaled logit past the first bins that hold top_p + 2 slack. The bin of a token never
+    falls as its logit rises, so the tokens above the edge are those bins'. Returns (edge [n, 1], found [n])."""
+    n = len(rows)
+    nbins = HISTOGRAM_BINS * 64
+    s = logits.index_select(0, rows).float() / temperature[:, None]
+    bins = ((s.amax(-1, keepdim=True) - s) * HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor: >= 0
+    mass = torch.bincount((bins + nbins * torch.arange(n)[:, None]).flatten(),
+                          weights=torch.exp(s - lse).flatten().double(), minlength=n * nbins).view(n, nbins)
+    enough = mass.cumsum(-1) >= top_p[:, None].double() + 2 * slack
+    enough[:, -1] = False  # the last bin holds the rest of the vocabulary
+    last = enough.byte().argmax(-1, keepdim=True)  # the last bin taken
+    edge = s.masked_fill_(bins <= last, float("-inf")).amax(-1, keepdim=True)
+    return edge, enough.any(-1)
+
+
+def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float, blocks: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw among the tokens of each row's first `need` blocks that lie above `edge` (every token above
-    `edge` is there). Returns (choice, sure): sure when the sorted path draws the same token.
+    """Draw among each row's tokens above `edge` [n, 1], which lie in its `blocks` [n, j] (None: read the
+    rows whole). Returns (choice, sure): sure when the sorted path draws the same token.
 
     The tokens are ordered as the sorted path orders them (scaled logit descending, id ascending) and the
     mass before each summed exactly (float64). The sorted path's own sums are rounded, off by at most
@@ -379,16 +410,14 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, blocks, need, edge, 
     the sorted path draws whichever of the unsure tokens it keeps."""
     n, vocab = len(rows), logits.shape[-1]
     nb = vocab // BLOCK
-    j = int(need.max())
-    if j * BLOCK * 8 < vocab:  # a few blocks: gather their tokens
-        taken = blocks[:, :j, None]  # [n, j, 1]
+    if blocks is not None:  # a few blocks: gather their tokens
         lane = torch.arange(BLOCK)
-        ids = torch.where(taken < nb, taken + nb * lane, nb * BLOCK + lane).flatten(1)  # [n, j * BLOCK]
+        ids = torch.where(blocks[..., None] < nb, blocks[..., None] + nb * lane, nb * BLOCK + lane).flatten(1)
         valid = ids < vocab  # the short last block
         ids = ids.clamp_max(vocab - 1)
         s = logits.take(rows[:, None] * vocab + ids).float() / temperature[:, None]
         above = valid & (s > edge)  # blocks past a row's own need lie at or below its edge
-    else:  # blocks over much of the vocabulary: read the rows whole, in order, rather than scattered
+    else:  # read the rows whole, in order, rather than scattered
         ids = None
         s = logits.index_select(0, rows).float() / temperature[:, None]
         above = s > edge
