@@ -271,7 +271,7 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
 # Every token above a block's maximum lies in a block of larger maximum, so a row's most likely tokens lie
 # in its blocks of largest maxima, and each block holds at least its maximum's probability.
 BLOCK = 16
-BLOCK_LEVELS = (64, 1024)  # blocks of largest maxima a row looks among
+BLOCK_LEVELS = (64, 1024, None)  # blocks of largest maxima a row looks among (None: all, sorted)
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
 
 
@@ -280,7 +280,7 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     """`_sample_nucleus` of logits[rows] / temperature, the same tokens, with one pass of exp over the
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
     `_lse_and_block_max`. Then a row finds an edge, a scaled logit above which its tokens surely hold
-    top_p of its mass (plus the slack, see `_draw_above`): first among its 64, then 1,024 blocks of
+    top_p of its mass (plus the slack, see `_draw_above`): first among its 64, 1,024, then all blocks of
     largest maxima (each block holds at least its maximum's probability: the fewest blocks whose maxima
     are enough, the edge is the maximum of the next); for a row so flat that the maxima never are,
     from a histogram of its mass (`_edge_of_mass`). `_draw_above` draws among the tokens above the
@@ -300,7 +300,11 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     for k in BLOCK_LEVELS:
         if todo.numel() == 0:
             break
-        best, blocks = block_scores[todo].topk(k + 1, dim=-1)  # [n, k + 1], largest maxima first
+        mine = block_scores[todo]
+        if k is None or k + 1 >= mine.shape[1]:
+            best, blocks = mine.sort(dim=-1, descending=True)  # all of them, largest maxima first
+        else:
+            best, blocks = mine.topk(k + 1, dim=-1)  # [n, k + 1]
         # each block holds at least its best token: the first j blocks hold at least this much mass
         held = torch.exp(best[:, :-1].double() - lse[todo].double()).cumsum(-1)
         enough = held >= top_p[todo, None].double() + 2 * slack
