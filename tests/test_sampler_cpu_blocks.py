@@ -178,40 +178,36 @@ def test_rows_whose_nucleus_holds_thousands_of_tokens_draw_the_sorted_paths_toke
         torch.set_num_threads(saved)
 
 
-class RowOps(TorchDispatchMode):
-    """Counts the ops on a tensor of at least a row's size: with several threads, each opens a parallel
-    region, where libgomp's idle threads spin and, on a busy machine, every region waits for a core."""
-    SKIP = RowReads.SKIP - {"index", "gather", "take", "_to_copy"}
-
-    def __init__(self, row: int):
+class Ops(TorchDispatchMode):
+    """Counts the ops run, views aside."""
+    def __init__(self):
         super().__init__()
-        self.row, self.ops = row, 0
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [a for a in [*args, *(kwargs or {}).values(), *(out if isinstance(out, (tuple, list)) else [out])]
-                   if isinstance(a, torch.Tensor)]
-        if func.__name__.split(".")[0] not in self.SKIP and any(t.numel() >= self.row for t in tensors):
-            self.ops += 1
-        return out
+        self.ops += func.__name__.split(".")[0] not in {"view", "_unsafe_view", "slice", "select", "alias",
+                                                         "as_strided", "expand", "unsqueeze", "squeeze", "detach"}
+        return func(*args, **(kwargs or {}))
 
 
-def test_a_sampled_step_with_two_threads_runs_no_whole_row_op_per_row():
-    """With several threads the log-sum-exp takes chunks of up to 16 rows, and flat rows take their
-    histogram together: four times the rows add a few whole-row ops per chunk, where a loop over rows
-    would add one or more per row."""
+def test_a_sampled_step_with_two_threads_runs_no_op_per_row():
+    """With several threads every op over a whole row opens a parallel region, where libgomp's idle
+    threads spin and, on a busy machine, the region waits for a core: so the log-sum-exp takes chunks
+    of up to 16 rows and the rest of the step works on all rows at once. Four times the rows add the
+    ops of three more chunks, fewer than one per row, where a loop over rows would add one or more per
+    row."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        vocab = 151_936
-        logits = heavy_tailed(4, vocab, seed=3)
+        logits = heavy_tailed(4, 151_936, seed=3)
         logits[:2, 5] += 25  # two peaked rows beside two whose nucleus holds thousands of tokens
         counts = {}
         for rows in (16, 64):
             params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i % 4) for i in range(rows)]
-            with RowOps(vocab) as mode:
-                sample(logits.repeat(rows // 4, 1), params, draw_keys(list(range(rows)), [0] * rows))
+            keys = draw_keys(list(range(rows)), [0] * rows)
+            with Ops() as mode:
+                sample(logits.repeat(rows // 4, 1), params, keys)
             counts[rows] = mode.ops
-        assert counts[64] - counts[16] <= (64 - 16) // 2, counts
+        assert counts[64] - counts[16] < 64 - 16, counts
     finally:
         torch.set_num_threads(saved)
