@@ -21,6 +21,8 @@ five runs take turns --repeats rounds:
     reference  the sorted path on the same rows
     exp_pass   torch.exp of the logits into a buffer: one pass of exp, which any exact top-p draw needs
                (every token's probability enters the normaliser), the floor of a sampled step
+    lse_pass   the sampler's own pass over the vocabulary (block maxima, then x / T - m, exp and sum a
+               row at a time in a buffer): sampled minus this is the work on the nucleus
 
 The medians give the ratios to greedy (the goal: sampled at most 1.1x) and to argmax (greedy before).
 With several threads, libgomp's idle threads spin between parallel regions (OMP_WAIT_POLICY, recorded);
@@ -114,10 +116,12 @@ def main() -> None:
 
     keys = draw_keys(seeds, [0] * args.rows)
     buffer = torch.empty_like(logits)
+    temperature = torch.full((args.rows,), SAMPLED["temperature"])
     runs = {"greedy": lambda: sample(logits, greedy, keys), "argmax": lambda: logits.argmax(-1).tolist(),
             "sampled": lambda: sample(logits, sampled, keys),
             "reference": lambda: reference_sample(logits, sampled, keys),
-            "exp_pass": lambda: torch.exp(logits, out=buffer)}
+            "exp_pass": lambda: torch.exp(logits, out=buffer),
+            "lse_pass": lambda: sampler._lse_and_block_max(logits, seeds, temperature)}
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -137,12 +141,14 @@ def main() -> None:
                "sampled_over_argmax": med["sampled"] / med["argmax"],
                "reference_over_argmax": med["reference"] / med["argmax"],
                "exp_pass_over_greedy": med["exp_pass"] / med["greedy"],
-               "exp_pass_over_argmax": med["exp_pass"] / med["argmax"]}
+               "exp_pass_over_argmax": med["exp_pass"] / med["argmax"],
+               "lse_pass_over_greedy": med["lse_pass"] / med["greedy"]}
         results.append(row)
         print(f"{threads} thread(s): greedy {med['greedy']:.1f} ms, argmax {med['argmax']:.1f} ms, sampled "
               f"{med['sampled']:.1f} ms ({row['sampled_over_greedy']:.2f}x greedy, "
               f"{row['sampled_over_argmax']:.2f}x argmax), reference {med['reference']:.1f} ms "
-              f"({row['reference_over_argmax']:.2f}x argmax), one exp pass {med['exp_pass']:.1f} ms")
+              f"({row['reference_over_argmax']:.2f}x argmax), one exp pass {med['exp_pass']:.1f} ms, the sampler's "
+              f"pass over the vocabulary {med['lse_pass']:.1f} ms")
     if args.out:
         record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"),
                   "args": vars(args) | {"out": str(args.out)},

@@ -364,7 +364,7 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
     for a, b in zip(bounds, bounds[1:]):
         x = logits[rows[a]:rows[a] + b - a] if consecutive else logits.index_select(0, torch.tensor(rows[a:b]))
         x = x.float()
-        block_max[a:b, :nb] = x[:, :nb * BLOCK].view(b - a, BLOCK, nb).amax(1)
+        torch.amax(x[:, :nb * BLOCK].view(b - a, BLOCK, nb), 1, out=block_max[a:b, :nb])
         if tail:
             block_max[a:b, nb] = x[:, nb * BLOCK:].amax(1)
         torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
