@@ -211,3 +211,16 @@ def test_a_sampled_step_with_two_threads_runs_no_op_per_row():
         assert counts[64] - counts[16] < 64 - 16, counts
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_row_whose_top_token_alone_holds_top_p_draws_it_without_looking_for_a_nucleus(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, VOCAB, generator=g)
+    for row, token in enumerate([0, 7_777, VOCAB - 1, VOCAB - 2]):  # the last two in the short last block
+        logits[row, token] = 20.0
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) for i in range(4)]
+    drawn = []
+    monkeypatch.setattr(sampler, "_draw_above", lambda *args: drawn.append(args) or None)
+    got, want = both(logits, params)
+    assert got == want == [0, 7_777, VOCAB - 1, VOCAB - 2]
+    assert not drawn

@@ -279,7 +279,8 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
                         top_p: torch.Tensor) -> torch.Tensor:
     """`_sample_nucleus` of logits[rows] / temperature, the same tokens, with one pass of exp over the
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
-    `_lse_and_block_max`. Then a row finds an edge, a scaled logit above which its tokens surely hold
+    `_lse_and_block_max`. A row whose most likely token alone holds top_p draws that token. Any other
+    finds an edge, a scaled logit above which its tokens surely hold
     top_p of its mass (plus the slack, see `_draw_above`): first among its 64, 1,024, then all blocks of
     largest maxima (each block holds at least its maximum's probability: the fewest blocks whose maxima
     are enough, the edge is the maximum of the next); for a row so flat that the maxima never are,
@@ -295,8 +296,14 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     # rows still to draw; the others go to the reference: a maximum that is not finite, or a top_p so
     # close to 1 that no tokens short of the whole vocabulary surely hold it
     searchable = lse[:, 0].isfinite() & (top_p.double() + 2 * slack < 1.0)
-    todo = torch.arange(len(rows))[searchable]
     redo = [torch.arange(len(rows))[~searchable]]  # rows for the reference
+    # a row whose most likely token alone holds top_p + 2 slack draws it whatever the noise: every other
+    # token has that much mass before it (and no other token ties with it: it holds more than half)
+    best, block = block_scores.max(dim=-1)
+    alone = searchable & (torch.exp(best.double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
+    if alone.any():
+        choice[alone] = _top_token(logits, rows_t[alone], block[alone])
+    todo = torch.arange(len(rows))[searchable & ~alone]
     for k in BLOCK_LEVELS:
         if todo.numel() == 0:
             break
@@ -378,6 +385,16 @@ def _mass_slack(vocab: int) -> float:
     float32 over `vocab` positive terms in 8 or more vector lanes: at most vocab / 8 roundings of
     2**-24 each (relative); 1e-4 covers the rest (float32 probabilities, a rounded log-sum-exp)."""
     return 1e-4 + vocab * 2.0 ** -27
+
+
+def _top_token(logits: torch.Tensor, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The id of the largest logit of each row, from the block that holds it (the first id of a tie)."""
+    vocab = logits.shape[-1]
+    nb = vocab // BLOCK
+    lane = torch.arange(BLOCK)
+    ids = torch.where(block[:, None] < nb, block[:, None] + nb * lane, nb * BLOCK + lane)  # [n, BLOCK]
+    x = logits.take(rows[:, None] * vocab + ids.clamp_max(vocab - 1)).float().masked_fill_(ids >= vocab, float("-inf"))
+    return ids.gather(1, x.argmax(dim=-1, keepdim=True))[:, 0]  # a block's ids rise lane by lane
 
 
 HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
