@@ -280,13 +280,13 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     """`_sample_nucleus` of logits[rows] / temperature, the same tokens, with one pass of exp over the
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
     `_lse_and_block_max`. A row whose most likely token alone holds top_p draws that token. Any other
-    finds an edge, a scaled logit above which its tokens surely hold
-    top_p of its mass (plus the slack, see `_draw_above`): first among its 64, 1,024, then all blocks of
-    largest maxima (each block holds at least its maximum's probability: the fewest blocks whose maxima
-    are enough, the edge is the maximum of the next); for a row so flat that the maxima never are,
-    from a histogram of its mass (`_edge_of_mass`). `_draw_above` draws among the tokens above the
-    edge. The rows it cannot vouch for (a draw near the nucleus' edge or a near tie, a maximum that is
-    not finite, top_p within the slack of 1) are drawn by `_sample_nucleus` itself."""
+    finds an edge, a scaled logit above which its tokens surely hold top_p of its mass (plus the slack,
+    see `_draw_above`): first among its 64, 1,024, then all blocks of largest maxima (each block holds
+    at least its maximum's probability: the fewest blocks whose maxima are enough, the edge is the
+    maximum of the next); for a row so flat that the maxima never are, from a histogram of its mass
+    (`_edge_of_mass`). `_draw_above` draws among the tokens above the edge. The rows it cannot vouch
+    for (a draw near the nucleus' edge or a near tie, a maximum that is not finite, top_p within the
+    slack of 1) are drawn by `_sample_nucleus` itself."""
     vocab = logits.shape[-1]
     lse, block_max = _lse_and_block_max(logits, rows, temperature)
     block_scores = block_max / temperature[:, None]  # max(x) / T = max(x / T): division keeps the order
