@@ -319,12 +319,13 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
         need = enough.byte().argmax(-1) + 1  # blocks taken: the first j whose maxima are enough
         edge = best.gather(1, need[:, None])  # the first block left out: every token above it is taken
         split = best.gather(1, need[:, None] - 1)[:, 0] == edge[:, 0]  # a tie across the edge of blocks
-        go = todo[found & ~split]
+        ready = found & ~split
+        go = todo[ready]
         if go.numel():
-            j = int(need[found & ~split].max())
-            taken = blocks[found & ~split, :j] if j * BLOCK * 8 < vocab else None  # None: read the rows whole
-            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go],
-                                    edge[found & ~split], slack, taken)
+            j = int(need[ready].max())
+            taken = blocks[ready, :j] if j * BLOCK * 8 < vocab else None  # None: read the rows whole
+            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[ready],
+                                    slack, taken)
             choice[go] = got
             redo.append(go[~sure])
         redo.append(todo[found & split])
