@@ -11,15 +11,29 @@ record gives the nucleus sizes it produced.
 
 Checks first: the sampler's tokens equal the reference's (`_sample_nucleus`, the sorted top-p path
 the CPU took before the block search; selected by raising MIN_BLOCKED_VOCAB past the vocabulary) for
---checks draws of every row (each a different position, so different noise). Then, for each thread
-count, greedy, the sampler and the reference take turns --repeats rounds; the medians give the ratios
-sampled / greedy (the goal: at most 1.1) and reference / greedy (the figure before).
+--checks draws of every row (each a different position, so different noise); the record counts the
+rows the block search could not vouch for and left to the sorted path. Then, for each thread count,
+five runs take turns --repeats rounds:
+
+    greedy     sample() with greedy params (torch's max over the vocabulary)
+    argmax     logits.argmax(-1), greedy as it was before (the same index, about three times slower)
+    sampled    sample() at temperature 0.6, top-p 0.95
+    reference  the sorted path on the same rows
+    exp_pass   torch.exp of the logits into a buffer: one pass of exp, which any exact top-p draw needs
+               (every token's probability enters the normaliser), the floor of a sampled step
+    lse_pass   the sampler's own pass over the vocabulary (block maxima, then x / T - m, exp and sum a
+               row at a time in a buffer): sampled minus this is the work on the nucleus
+
+The medians give the ratios to greedy (the goal: sampled at most 1.1x) and to argmax (greedy before).
+With several threads, libgomp's idle threads spin between parallel regions (OMP_WAIT_POLICY, recorded);
+on a machine whose cores are shared that spinning takes the time of the thread doing the work.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -72,7 +86,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--checks", type=int, default=8)
+    ap.add_argument("--checks", type=int, default=32)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -81,18 +95,33 @@ def main() -> None:
     greedy = [SamplingParams() for _ in range(args.rows)]
     seeds = list(range(args.rows))
     sizes = sorted(nucleus_sizes(logits, sampled[0]))
+    redone = []  # rows the block search leaves to the sorted path
+    block_search = sampler._sample_nucleus
+
+    def counting(scaled, *rest):
+        redone.append(scaled.shape[0])
+        return block_search(scaled, *rest)
+
     equal = 0
     for position in range(args.checks):
         keys = draw_keys(seeds, [position] * args.rows)
-        equal += sum(a == b for a, b in zip(sample(logits, sampled, keys), reference_sample(logits, sampled, keys)))
+        sampler._sample_nucleus = counting
+        got = sample(logits, sampled, keys)
+        sampler._sample_nucleus = block_search
+        equal += sum(a == b for a, b in zip(got, reference_sample(logits, sampled, keys)))
     total = args.checks * args.rows
-    print(f"tokens equal to the reference: {equal}/{total}; nucleus sizes min {sizes[0]}, median "
-          f"{sizes[len(sizes) // 2]}, max {sizes[-1]}")
+    print(f"tokens equal to the reference: {equal}/{total} ({sum(redone)} rows left to the sorted path); "
+          f"nucleus sizes min {sizes[0]}, median {sizes[len(sizes) // 2]}, max {sizes[-1]}")
     assert equal == total, "the sampler's tokens differ from the reference's"
 
     keys = draw_keys(seeds, [0] * args.rows)
-    runs = {"greedy": lambda: sample(logits, greedy, keys), "sampled": lambda: sample(logits, sampled, keys),
-            "reference": lambda: reference_sample(logits, sampled, keys)}
+    buffer = torch.empty_like(logits)
+    temperature = torch.full((args.rows,), SAMPLED["temperature"])
+    runs = {"greedy": lambda: sample(logits, greedy, keys), "argmax": lambda: logits.argmax(-1).tolist(),
+            "sampled": lambda: sample(logits, sampled, keys),
+            "reference": lambda: reference_sample(logits, sampled, keys),
+            "exp_pass": lambda: torch.exp(logits, out=buffer),
+            "lse_pass": lambda: sampler._lse_and_block_max(logits, seeds, temperature)}
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -107,19 +136,27 @@ def main() -> None:
                 runs[name]()
                 times[name].append(time.perf_counter() - start)
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        row = {"threads": threads, "median_ms": med, "sampled_over_greedy": med["sampled"] / med["greedy"],
-               "reference_over_greedy": med["reference"] / med["greedy"]}
+        row = {"threads": threads, "median_ms": med,
+               "sampled_over_greedy": med["sampled"] / med["greedy"],
+               "sampled_over_argmax": med["sampled"] / med["argmax"],
+               "reference_over_argmax": med["reference"] / med["argmax"],
+               "exp_pass_over_greedy": med["exp_pass"] / med["greedy"],
+               "exp_pass_over_argmax": med["exp_pass"] / med["argmax"],
+               "lse_pass_over_greedy": med["lse_pass"] / med["greedy"]}
         results.append(row)
-        print(f"{threads} thread(s): greedy {med['greedy']:.1f} ms, sampled {med['sampled']:.1f} ms "
-              f"({row['sampled_over_greedy']:.2f}x greedy), reference {med['reference']:.1f} ms "
-              f"({row['reference_over_greedy']:.2f}x greedy)")
+        print(f"{threads} thread(s): greedy {med['greedy']:.1f} ms, argmax {med['argmax']:.1f} ms, sampled "
+              f"{med['sampled']:.1f} ms ({row['sampled_over_greedy']:.2f}x greedy, "
+              f"{row['sampled_over_argmax']:.2f}x argmax), reference {med['reference']:.1f} ms "
+              f"({row['reference_over_argmax']:.2f}x argmax), one exp pass {med['exp_pass']:.1f} ms, the sampler's "
+              f"pass over the vocabulary {med['lse_pass']:.1f} ms")
     if args.out:
         record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"),
                   "args": vars(args) | {"out": str(args.out)},
                   "logits": model_like_logits.__doc__, "sampling": SAMPLED,
-                  "tokens_equal_reference": [equal, total],
+                  "tokens_equal_reference": [equal, total], "rows_left_to_sorted_path": sum(redone),
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
                   "nucleus_sizes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
-                  "load_average": list(__import__("os").getloadavg()), "results": results}
+                  "load_average": list(os.getloadavg()), "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

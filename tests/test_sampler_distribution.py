@@ -58,6 +58,20 @@ def test_greedy_rows_are_exact_argmax_beside_sampled_rows():
     assert all(tokens[i] == int(logits[i].argmax()) for i in range(1, 64, 2))
 
 
+def test_greedy_rows_take_the_first_of_tied_maxima_and_a_nan_as_argmax_does():
+    """On the CPU greedy rows take torch's max over the vocabulary, not argmax: the same index."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 4, (12, 151_936), generator=g).float()  # every row ties at its maximum
+    logits[1, 70_000] = float("nan")
+    logits[2, [9, 90_000]] = float("nan")
+    logits[3, ::5] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 151_935] = 9.0  # the maximum in the last lane
+    tokens = sample(logits, [SamplingParams()] * 12, [0] * 12)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens[0] == int((logits[0] == 3).nonzero()[0])
+
+
 def test_a_flat_row_whose_top_p_set_reaches_past_the_candidates_is_drawn_exactly():
     logits = torch.zeros(1, 5000)  # uniform: top_p 0.5 keeps 2,500 tokens, more than the 1,024 candidates
     params = SamplingParams(temperature=1.0, top_p=0.5)

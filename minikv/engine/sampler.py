@@ -143,7 +143,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
             (top_k_rows if p.top_k > 0 else top_p_rows if p.top_p < 1.0 else plain_rows).append(len(sampled_rows))
             sampled_rows.append(i)
     if not sampled_rows:
-        return logits.argmax(dim=-1)
+        return greedy_argmax(logits)
     dev, vocab = logits.device, logits.shape[-1]
     packed = _to_device(pack_draws(params, keys, sampled_rows), dev)
     rows = packed[:, ROW]
@@ -176,9 +176,16 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
             choice[g] = _sample_nucleus(scaled, key, top_p)
     if len(sampled_rows) == logits.shape[0]:  # no greedy row: no argmax to compute
         return choice
-    out = logits.argmax(dim=-1)
+    out = greedy_argmax(logits)
     out[rows] = choice
     return out
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1): the first index of the maximum (a NaN counts as the maximum). On the CPU,
+    torch's max over a dimension returns the same index about three times faster than argmax (the tests
+    check ties and NaNs)."""
+    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 
 # A sampled row's settings, packed into one int64 row so that the whole batch goes to the device in one
@@ -261,35 +268,77 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
 #     block c < nb:  ids c, c + nb, c + 2 nb, ..., c + (BLOCK - 1) nb        nb = V // BLOCK
 #     block nb:      ids BLOCK * nb .. V - 1  (V % BLOCK of them; none when BLOCK divides V)
 #
-# The k + 1 largest logits of a row lie in its k + 1 blocks of largest maxima (each larger logit sits in
-# a block whose maximum is at least as large), so those blocks hold the row's top-(k + 1) exactly.
+# Every token above a block's maximum lies in a block of larger maximum, so a row's most likely tokens lie
+# in its blocks of largest maxima, and each block holds at least its maximum's probability.
 BLOCK = 16
-MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold the whole vocabulary
+BLOCK_LEVELS = (64, 1024, None)  # blocks of largest maxima a row looks among (None: all, sorted)
+MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
 
 
 def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
                         top_p: torch.Tensor) -> torch.Tensor:
-    """`_sample_nucleus` of logits[rows] / temperature, the same tokens, without the work over the whole
-    vocabulary that greedy decoding does not also do. Over the whole vocabulary: one max per block, and
-    the log-sum-exp computed as torch.logsumexp computes it (bit for bit, the tests check it), a few rows
-    at a time so that its temporaries stay in the cache. Then each level of CANDIDATES takes the top-(k + 1)
-    from the k + 1 best blocks: the same values as a top-k of the whole row, so the same probabilities,
-    the same nucleus and the same noise. Rows where the order of equal values could matter (a tie across
-    the nucleus' edge, two equal scores) or whose maximum is not finite are drawn by `_sample_nucleus`
-    itself, as are the rows whose nucleus reaches past the last level."""
+    """`_sample_nucleus` of logits[rows] / temperature, the same tokens, with one pass of exp over the
+    vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
+    `_lse_and_block_max`. A row whose most likely token alone holds top_p draws that token. Any other
+    finds an edge, a scaled logit above which its tokens surely hold top_p of its mass (plus the slack,
+    see `_draw_above`): first among its 64, 1,024, then all blocks of largest maxima (each block holds
+    at least its maximum's probability: the fewest blocks whose maxima are enough, the edge is the
+    maximum of the next); for a row so flat that the maxima never are, from a histogram of its mass
+    (`_edge_of_mass`). `_draw_above` draws among the tokens above the edge. The rows it cannot vouch
+    for (a draw near the nucleus' edge or a near tie, a maximum that is not finite, top_p within the
+    slack of 1) are drawn by `_sample_nucleus` itself."""
+    vocab = logits.shape[-1]
     lse, block_max = _lse_and_block_max(logits, rows, temperature)
+    block_scores = block_max / temperature[:, None]  # max(x) / T = max(x / T): division keeps the order
     rows_t = torch.tensor(rows, dtype=torch.long)
+    slack = _mass_slack(vocab)
     choice = torch.empty(len(rows), dtype=torch.long)
-    todo = torch.arange(len(rows))  # rows still to draw
-    redo = []  # rows for the reference
-    for k in CANDIDATES:
-        got, exact, clean = _draw_among_blocks(logits, rows_t[todo], temperature[todo], lse[todo], key[todo],
-                                               top_p[todo], block_max[todo], k)
-        choice[todo] = got
-        redo.append(todo[exact & ~clean])
-        todo = todo[~exact]
+    # rows still to draw; the others go to the reference: a maximum that is not finite, or a top_p so
+    # close to 1 that no tokens short of the whole vocabulary surely hold it
+    searchable = lse[:, 0].isfinite() & (top_p.double() + 2 * slack < 1.0)
+    redo = [torch.arange(len(rows))[~searchable]]  # rows for the reference
+    # a row whose most likely token alone holds top_p + 2 slack draws it whatever the noise: every other
+    # token has that much mass before it (and no other token ties with it: it holds more than half)
+    best, block = block_scores.max(dim=-1)
+    alone = searchable & (torch.exp(best.double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
+    if alone.any():
+        choice[alone] = _top_token(logits, rows_t[alone], block[alone])
+    todo = torch.arange(len(rows))[searchable & ~alone]
+    for k in BLOCK_LEVELS:
         if todo.numel() == 0:
             break
+        mine = block_scores[todo]
+        if k is None or k + 1 >= mine.shape[1]:
+            best, blocks = mine.sort(dim=-1, descending=True)  # all of them, largest maxima first
+        else:
+            best, blocks = mine.topk(k + 1, dim=-1)  # [n, k + 1]
+        # each block holds at least its best token: the first j blocks hold at least this much mass
+        held = torch.exp(best[:, :-1].double() - lse[todo].double()).cumsum(-1)
+        enough = held >= top_p[todo, None].double() + 2 * slack
+        found = enough.any(-1)
+        need = enough.byte().argmax(-1) + 1  # blocks taken: the first j whose maxima are enough
+        edge = best.gather(1, need[:, None])  # the first block left out: every token above it is taken
+        split = best.gather(1, need[:, None] - 1)[:, 0] == edge[:, 0]  # a tie across the edge of blocks
+        ready = found & ~split
+        go = todo[ready]
+        if go.numel():
+            j = int(need[ready].max())
+            taken = blocks[ready, :j] if j * BLOCK * 8 < vocab else None  # None: read the rows whole
+            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[ready],
+                                    slack, taken)
+            choice[go] = got
+            redo.append(go[~sure])
+        redo.append(todo[found & split])
+        todo = todo[~found]
+    if todo.numel():  # flat rows: their blocks' maxima alone never hold top_p
+        edge, found = _edge_of_mass(logits, rows_t[todo], temperature[todo], lse[todo], top_p[todo], slack)
+        go = todo[found]
+        if go.numel():
+            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[found],
+                                    slack, None)
+            choice[go] = got
+            redo.append(go[~sure])
+        todo = todo[~found]
     redo = torch.cat(redo + [todo])
     if redo.numel():
         scaled = logits.index_select(0, rows_t[redo]).float() / temperature[redo, None]
@@ -303,14 +352,16 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """logsumexp(logits[rows] / T) [n, 1] and the maximum of every block [n, nb (+1)], a few rows at a time.
 
-    torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here s - m is one addcdiv on the raw
-    logits (-m + x / T, the same two roundings). A row's sum does not depend on the rows beside it, except
-    that torch splits a lone row across threads: with several threads, chunks hold two rows or more."""
+    torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here m comes from the block maxima
+    (amax(x / T) = amax(x) / T) and s - m is x / T, then - m, in a buffer of a few rows that stays in the
+    cache (one addcdiv rounds the same way but runs slower). A row's sum does not depend on the rows
+    beside it, except that torch splits a lone row across threads: with several threads, chunks hold two
+    rows or more."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
     z = torch.empty(n, 1)
-    neg_m = torch.empty(n, 1)
+    m = torch.empty(n, 1)
     t = temperature[:, None]
     step = 1 if torch.get_num_threads() == 1 else max(2, min(n, 16))
     bounds = list(range(0, n, step)) + [n]
@@ -321,45 +372,105 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
     for a, b in zip(bounds, bounds[1:]):
         x = logits[rows[a]:rows[a] + b - a] if consecutive else logits.index_select(0, torch.tensor(rows[a:b]))
         x = x.float()
-        block_max[a:b, :nb] = x[:, :nb * BLOCK].view(b - a, BLOCK, nb).amax(1)
+        torch.amax(x[:, :nb * BLOCK].view(b - a, BLOCK, nb), 1, out=block_max[a:b, :nb])
         if tail:
             block_max[a:b, nb] = x[:, nb * BLOCK:].amax(1)
-        torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=neg_m[a:b])  # amax(x / T) = amax(x) / T
-        neg_m[a:b].neg_()
-        s = torch.addcdiv(neg_m[a:b], x, t[a:b], out=buf[:b - a])
+        torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
+        s = torch.div(x, t[a:b], out=buf[:b - a]).sub_(m[a:b])
         torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
-    return z.log_().sub_(neg_m), block_max
+    return z.log_().add_(m), block_max
 
 
-def _draw_among_blocks(logits, rows, temperature, lse, key, top_p, block_max, k: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_draw_among` at k_cap = k for top-p rows, its top-k taken from the k + 1 blocks of largest maxima.
-    Returns (choice, exact, clean): exact as `_draw_among` says it; clean when neither the order of equal
-    values nor the maximum could make this token differ from `_draw_among`'s."""
+def _mass_slack(vocab: int) -> float:
+    """How far the sorted path's rounded masses may lie from exact ones. Its worst sum is softmax's,
+    float32 over `vocab` positive terms in 8 or more vector lanes: at most vocab / 8 roundings of
+    2**-24 each (relative); 1e-4 covers the rest (float32 probabilities, a rounded log-sum-exp)."""
+    return 1e-4 + vocab * 2.0 ** -27
+
+
+def _top_token(logits: torch.Tensor, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """The id of the largest logit of each row, from the block that holds it (the first id of a tie)."""
     vocab = logits.shape[-1]
     nb = vocab // BLOCK
-    blocks = block_max.topk(k + 1, dim=-1).indices[..., None]  # [n, k + 1, 1]
     lane = torch.arange(BLOCK)
-    ids = torch.where(blocks < nb, blocks + nb * lane, nb * BLOCK + lane).flatten(1)  # [n, (k + 1) * BLOCK]
-    valid = ids < vocab
-    ids = ids.clamp_max(vocab - 1)
-    s = (logits[rows[:, None], ids].float() / temperature[:, None]).masked_fill_(~valid, float("-inf"))
-    vals, at = s.topk(k + 1, dim=-1)  # the row's k + 1 largest scaled logits, most likely first
-    ids = ids.gather(1, at)
-    # _draw_among's arithmetic on the first k, in the same shapes
-    top, top_ids = vals[:, :k].contiguous(), ids[:, :k].contiguous()
-    probs = torch.exp(top - lse)
-    outside = (probs.cumsum(-1) - probs) >= top_p[:, None]
-    scores = top.masked_fill(outside, float("-inf")) - torch.log(-torch.log(uniform_noise(key, top_ids)))
-    choice = top_ids.gather(1, scores.argmax(dim=-1)[:, None])[:, 0]
-    exact = probs.sum(-1) >= top_p
-    # another order of equal values changes the token only where equal values straddle the nucleus' edge
-    # (the (k + 1)-th is outside), or where two scores are equal
-    inside = torch.cat([~outside, torch.zeros_like(outside[:, :1])], dim=1)
-    straddle = ((vals[:, 1:] == vals[:, :-1]) & (inside[:, 1:] != inside[:, :-1])).any(-1)
-    two_best = (scores == scores.amax(-1, keepdim=True)).sum(-1) > 1
-    clean = ~straddle & ~two_best & lse[:, 0].isfinite()
-    return choice, exact, clean
+    ids = torch.where(block[:, None] < nb, block[:, None] + nb * lane, nb * BLOCK + lane)  # [n, BLOCK]
+    x = logits.take(rows[:, None] * vocab + ids.clamp_max(vocab - 1)).float().masked_fill_(ids >= vocab, float("-inf"))
+    return ids.gather(1, x.argmax(dim=-1, keepdim=True))[:, 0]  # a block's ids rise lane by lane
+
+
+HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
+
+
+def _edge_of_mass(logits, rows, temperature, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows whose blocks' maxima never hold top_p (a flat row, thousands of tokens in its nucleus): a
+    histogram of the mass over bins of the scaled logit, counted down from the row's maximum; the edge
+    is the largest scaled logit past the first bins that hold top_p + 2 slack. The bin of a token never
+    falls as its logit rises, so the tokens above the edge are those bins'. Returns (edge [n, 1], found [n])."""
+    n = len(rows)
+    nbins = HISTOGRAM_BINS * 64
+    s = logits.index_select(0, rows).float() / temperature[:, None]
+    bins = ((s.amax(-1, keepdim=True) - s) * HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor: >= 0
+    mass = torch.bincount((bins + nbins * torch.arange(n)[:, None]).flatten(),
+                          weights=torch.exp(s - lse).flatten().double(), minlength=n * nbins).view(n, nbins)
+    enough = mass.cumsum(-1) >= top_p[:, None].double() + 2 * slack
+    enough[:, -1] = False  # the last bin holds the rest of the vocabulary
+    last = enough.byte().argmax(-1, keepdim=True)  # the last bin taken
+    edge = s.masked_fill_(bins <= last, float("-inf")).amax(-1, keepdim=True)
+    return edge, enough.any(-1)
+
+
+def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float, blocks: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw among each row's tokens above `edge` [n, 1], which lie in its `blocks` [n, j] (None: read the
+    rows whole). Returns (choice, sure): sure when the sorted path draws the same token.
+
+    The tokens are ordered as the sorted path orders them (scaled logit descending, id ascending) and the
+    mass before each summed exactly (float64). The sorted path's own sums are rounded, off by at most
+    `slack`: a token whose mass before is below top_p - slack is surely in its nucleus, one at or above
+    top_p + slack surely out, the few between are unsure. The noise is the sorted path's, so when the best
+    score among the sure and unsure tokens is a sure token's, clear of the next score, it is the token
+    the sorted path draws whichever of the unsure tokens it keeps."""
+    n, vocab = len(rows), logits.shape[-1]
+    nb = vocab // BLOCK
+    if blocks is not None:  # a few blocks: gather their tokens
+        lane = torch.arange(BLOCK)
+        ids = torch.where(blocks[..., None] < nb, blocks[..., None] + nb * lane, nb * BLOCK + lane).flatten(1)
+        valid = ids < vocab  # the short last block
+        ids = ids.clamp_max(vocab - 1)
+        s = logits.take(rows[:, None] * vocab + ids).float() / temperature[:, None]
+        above = valid & (s > edge)  # blocks past a row's own need lie at or below its edge
+    else:  # read the rows whole, in order, rather than scattered
+        ids = None
+        s = logits.index_select(0, rows).float() / temperature[:, None]
+        above = s > edge
+    # the tokens above the edge, packed to the left:
+    # [0, count)  a row's tokens above its edge     [count, c)  padding
+    r, at = above.nonzero(as_tuple=True)  # row by row
+    tokens = at if ids is None else ids[r, at]
+    s = s[r, at]
+    count = torch.bincount(r, minlength=n)
+    c = int(count.max())
+    at = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
+    live = torch.arange(c) < count[:, None]
+    s = torch.full((n, c), float("-inf")).index_put_((r, at), s)
+    ids = torch.zeros(n, c, dtype=torch.long).index_put_((r, at), tokens)
+    # the sorted path's order (scaled logit descending, id ascending) as one int64 key per token: the
+    # float's bits made monotonic (+ 0.0: -0.0 orders as 0.0), then the id reversed
+    bits = (s + 0.0).view(torch.int32).long()
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    order = ((bits << 32) | (0xFFFFFFFF - ids)).masked_fill_(~live, torch.iinfo(torch.long).min)
+    at = order.sort(dim=-1, descending=True).indices  # most likely first, padding last
+    ids, s, live = ids.gather(1, at), s.gather(1, at), live.gather(1, at)
+    probs = torch.exp(s.double() - lse.double()).masked_fill_(~live, 0.0)
+    before = probs.cumsum(-1) - probs
+    maybe = live & (before < top_p[:, None].double() + slack)
+    surely = live & (before < top_p[:, None].double() - slack)
+    scores = (s - torch.log(-torch.log(uniform_noise(key, ids)))).masked_fill_(~maybe, float("-inf"))
+    best, win = scores.max(dim=-1)
+    second = scores.scatter(1, win[:, None], float("-inf")).amax(-1)
+    # the sorted path computes the same scores, its logs possibly an ulp apart: a near tie is not sure
+    clear = best - second > 1e-5 * (1.0 + best.abs())
+    return ids.gather(1, win[:, None])[:, 0], surely.gather(1, win[:, None])[:, 0] & clear
 
 
 def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:
