@@ -212,10 +212,12 @@ def test_sampled_speculation_keeps_the_targets_distribution_and_seeds_repeat(tin
         by_first.setdefault(o.token_ids[0], []).append(o.token_ids[1])
     chi2, dof = 0.0, 0
     model = tiny.loaded.model
+    at = next(model.parameters()).device  # the reference forward runs where the engine's weights are
     for first, seconds in by_first.items():
-        ids = torch.tensor(prompt + [first])
+        ids = torch.tensor(prompt + [first], device=at)
         with torch.inference_mode():
-            logits = model(ids, torch.arange(len(ids)), AttentionMetadata.build([len(ids)], [len(ids)]), NaiveBackend())
+            logits = model(ids, torch.arange(len(ids), device=at),
+                           AttentionMetadata.build([len(ids)], [len(ids)], device=at), NaiveBackend()).cpu()
         top = torch.topk(logits[-1], 4)
         p = torch.softmax(top.values, dim=-1)
         expected = {int(t): len(seconds) * float(x) for t, x in zip(top.indices, p)}
@@ -288,7 +290,8 @@ def test_verification_runs_through_the_triton_kernels(tiny):
     """k + 1 query tokens per request go through the Triton paged kernels (the interpreter on a CPU),
     mixed with a prefill in the same step, and give the torch reference's tokens."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    opts = dict(kv_backend="paged", block_size=8, num_blocks=16, dtype="float32")
+    dtype = next(tiny.loaded.model.parameters()).dtype  # float32 on a CPU; the weights' own on a GPU
+    opts = dict(kv_backend="paged", block_size=8, num_blocks=16, dtype=dtype)
     want = [o.token_ids for o in LLM(tiny.loaded, **opts).generate(REPEATS[:2], params)]
     spec = LLM(tiny.loaded, **opts, attention="triton", speculative="draft", draft_model=tiny.loaded,
                num_speculative_tokens=2)
@@ -332,3 +335,19 @@ def test_no_drafts_while_more_requests_run_than_speculative_disable_by_batch_siz
     assert spec.stats()["speculative"]["drafted"] == 0
     spec.generate(REPEATS[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert spec.stats()["speculative"]["drafted"] > 0
+
+
+def test_a_gpu_engine_stops_drafting_above_the_measured_batch_by_default(monkeypatch):
+    """On a GPU, speculation stops above GPU_MAX_SPECULATIVE_BATCH requests (where n-gram drafts stopped
+    paying on an H100) unless the option says otherwise; a CPU engine drafts at any batch."""
+    import minikv.engine.config as config
+    from minikv.engine.config import EngineConfig
+    from minikv.engine.speculative import GPU_MAX_SPECULATIVE_BATCH
+
+    assert EngineConfig.from_options(device="cpu", kv_backend="paged",
+                                     speculative="ngram").speculative_disable_by_batch_size is None
+    monkeypatch.setattr(config, "parse_device", lambda device: torch.device("cuda"))  # no GPU needed to decide
+    gpu = EngineConfig.from_options(device="cuda", kv_backend="paged", speculative="ngram")
+    assert gpu.speculative_disable_by_batch_size == GPU_MAX_SPECULATIVE_BATCH == 4
+    assert EngineConfig.from_options(device="cuda", kv_backend="paged", speculative="ngram",
+                                     speculative_disable_by_batch_size=64).speculative_disable_by_batch_size == 64

@@ -512,6 +512,9 @@ class _Draft:
                    "it is how many draft tokens each step verifies (4 is a good start)", allow_none=False)
         _check_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, 1,
                    "speculation stops while more requests than this run")
+        if self.speculative_disable_by_batch_size is None and self.device.type == "cuda":
+            from minikv.engine.speculative import GPU_MAX_SPECULATIVE_BATCH
+            self.speculative_disable_by_batch_size = GPU_MAX_SPECULATIVE_BATCH
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("speculative='draft' needs draft_model: a smaller model sharing the tokenizer, or "
                              "'self:N' (the target's first N layers and its LM head)")

@@ -165,7 +165,8 @@ class LLM:
         Speculative decoding (rung 11, paged): speculative "ngram" (drafts from the request's own tokens)
         or "draft" (draft_model proposes: a smaller model sharing the tokenizer, or "self:N", the target's
         first N layers and LM head), num_speculative_tokens (k, default 4) verified in one step,
-        speculative_disable_by_batch_size (no drafts while more requests run); see
+        speculative_disable_by_batch_size (no drafts while more requests run; on a GPU 4 by default, the
+        batch where drafts stopped paying on an H100); see
         minikv/engine/speculative.py.
             shard_heads=fn        rung 12 which attention heads each tensor-parallel rank holds
         Views and checkers watch the engine through `add_observer`.

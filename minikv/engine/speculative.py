@@ -17,6 +17,7 @@ At a small batch a decode step reads every weight to compute one token per seque
 bound by bytes, not FLOPs, so k + 1 query tokens cost about what 1 does. Each accepted draft is a
 step saved. At a large batch the step is compute-bound and rejected drafts are paid for in full:
 `speculative_disable_by_batch_size` turns speculation off above a batch size (see benchmarks/RESULTS.md).
+On a GPU it defaults to GPU_MAX_SPECULATIVE_BATCH, the largest batch where n-gram drafts paid on an H100.
 
 The engine keeps the drafts inside the sequence's tokens during the step (so the scheduler budgets
 k + 1 tokens and the runner feeds them like any other tokens) and takes them out before anything
@@ -44,6 +45,12 @@ from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.sequence import Sequence, SequenceStatus
 
 METHODS = ("ngram", "draft")
+# On one H100 (Qwen2.5-0.5B shapes, k = 4, drafts all accepted: `benchmarks/speculative.py --gpu`, recorded
+# in benchmarks/RESULTS.md) n-gram speculation against the plain engine with its overlapped steps: batch 1
+# 1.04-1.14x, 2 1.19x, 4 1.17x, 8 0.92x, 16 0.83-0.90x, 64 0.38x, 256 0.16x. Above 4 requests a GPU engine
+# stops drafting unless `speculative_disable_by_batch_size` says otherwise. (A CPU engine has no default:
+# its single stream is where speculation is taught and measured.)
+GPU_MAX_SPECULATIVE_BATCH = 4
 NGRAM_MAX, NGRAM_MIN = 4, 1  # prompt lookup tries suffixes of 4 tokens down to 1
 
 # the rung-11 seam: fn(block_table, num_computed_tokens, block_size, free) shortens block_table in place,
