@@ -141,6 +141,8 @@ THIRD_PARTY_PRIVATE = {
     "_showtraceback": "IPython's shell prints a traceback with it (the checkers' short errors)",
     "_repr_mimebundle_": "IPython's display protocol",
     "_exit": "os._exit ends a graded notebook's process without running its exit hooks (minikv check)",
+    "_reader": "a multiprocessing.Queue's pipe end, waited on with connection.wait (as concurrent.futures' "
+               "process pool waits on its result queue)",
 }
 
 

@@ -131,7 +131,7 @@ def to_wire(events: list[EngineEvent]) -> list[tuple]:
 
 
 def from_wire(events: list[tuple]) -> list[WireEvent]:
-    return [WireEvent._make(e) for e in events]
+    return [WireEvent(*e) for e in events]
 
 
 def _apply(core, cmd: tuple, answers: list) -> None:

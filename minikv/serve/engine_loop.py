@@ -435,7 +435,9 @@ class ProcessEngineLoop(EngineLoop):
             out, self._outgoing = self._outgoing, None
             self.proc.send_many(out)
 
-    def _send(self, *command) -> None:
+    def send_command(self, *command) -> None:
+        """("add", request) or ("abort", request_id) for the core process: gathered while a drain is under
+        way (one message per drain), sent at once otherwise."""
         if self._outgoing is not None:
             self._outgoing.append(command)
         else:
@@ -479,7 +481,7 @@ class ProcessEngineLoop(EngineLoop):
         text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
                      and not text_in_core(request.params))
         self._submitted[request_id] = (on_event, tenant, text_here)
-        self._send("add", request)
+        self.send_command("add", request)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._submitted:  # the core has it (or soon will): it stops it, in order
@@ -550,7 +552,7 @@ class _RemoteCore:
     def abort(self, request_id: str) -> None:
         loop = self.loop()
         if loop is not None:
-            loop._send("abort", request_id)
+            loop.send_command("abort", request_id)
 
     def take_events(self) -> list:
         return []  # they come with the step messages
