@@ -145,17 +145,24 @@ def wait_for(condition, timeout_s: float = 60.0) -> None:
 
 
 def hold_first_round(batcher, total: int) -> None:
-    """The prefill engine's first round waits until the whole burst of `total` prompts has arrived (in
-    that round or queued behind it), so the rest of a burst meets a busy engine (as under load) whatever
-    this machine's speed. A fast server may hand the first round every prompt at once: then there is
-    one round, never a wait for prompts that will not come."""
+    """The prefill engine's first round runs one prompt alone while the rest of the burst waits behind
+    it, whatever this machine's speed: it waits until all `total` prompts have arrived (in that round or
+    queued behind it), keeps the first and puts the others back at the head of the queue, in order, for
+    the next round, which starts once the first prompt's transfer is done. A fast server may hand the
+    first round several prompts at once: the batch list is cut in place, so the batcher sees only the
+    one it ran."""
     run, held = batcher._run, []
 
     def first_waits(batch):
-        if not held:
-            held.append(batch)
-            wait_for(lambda: len(batch) + len(batcher.waiting) >= total)
+        if held:
+            return run(batch)
+        held.append(True)
+        wait_for(lambda: len(batch) + len(batcher.waiting) >= total)
+        with batcher.cond:
+            batcher.waiting.extendleft(reversed(batch[1:]))
+            del batch[1:]
         run(batch)
+        wait_for(lambda: batcher.transfers >= 1)  # and the first transfer carries that prompt alone
     batcher._run = first_waits
 
 
@@ -196,9 +203,7 @@ def test_a_burst_is_prefilled_in_fewer_engine_calls_than_requests_and_answers_as
     assert [o["choices"][0]["token_ids"] for o in outs] == one_engine(prefill.derive(), prompts)
     full = [len(ids) // 16 * 16 for ids in prompts]
     assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == full  # no block computed twice
-    # the first prompt alone and then the 7 behind it, or (a server quicker than the engine's first
-    # round) all 8 in one round
-    assert health["prefilled"] == 8 and health["rounds"] in (1, 2)
+    assert (health["prefilled"], health["rounds"]) == (8, 2)  # the first prompt alone, then the 7 behind it
     unique = 2 + sum(n // 16 - 2 for n in full)  # the shared blocks crossed once, whatever the transfers held
     assert side.transfers == 8 and side.received_blocks == health["sent_blocks"] == unique
 
