@@ -57,6 +57,7 @@ def _decode_inputs(device, input_ids, positions, slot_mapping, block_tables) -> 
                        slot_mapping=long(slot_mapping))
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 def test_padded_static_buffer_decode_generates_the_same_tokens_as_eager_steps():
     """Batches that shrink as requests finish (5, 4, 3, ... sequences in buckets 6, 4, 4, ...), context
     lengths from 2 to 30 crossing block edges, split ranges cut from max_model_len."""
@@ -146,6 +147,7 @@ def test_token_buckets_double_from_16_up_to_the_limit_and_max_model_len():
     assert token_buckets(8, 4096) == []
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_tokens():
     """Prefix hits (a short suffix over a cached prefix), chunked prompts and prompts beside decodes run
     through the padded step buffers: same tokens as eager steps, and every block comes back."""

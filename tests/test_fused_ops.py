@@ -195,6 +195,7 @@ def test_qwen2_checkpoint_with_bias_and_tied_embeddings_greedy_tokens_equal_with
                                state["model.layers.1.self_attn.k_proj.bias"], atol=0, rtol=0)
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 def test_smollm2_greedy_tokens_equal_with_fused_ops():
     loaded = load_model("smollm2-135m")
     prompts = ["The capital of France is", "1, 2, 3,"]

@@ -248,6 +248,7 @@ def test_cli_minikv_cache_pointing_at_a_file_is_one_error_line(tmp_path, model):
     assert_one_error_line(out, "MINIKV_CACHE=", "is a file, not a directory", "point MINIKV_CACHE at a directory")
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 def test_cli_serve_on_a_port_out_of_range_or_taken_or_a_missing_model_is_one_error_line(tmp_path):
     assert_one_error_line(minikv(tmp_path, "serve", "--model", "tiny-random", "--port", "99999"),
                           "--port must be in 0..65535, got 99999")

@@ -98,6 +98,7 @@ def test_the_pool_layouts_index_alike_and_store_the_heads_in_their_own_order(tin
         make_backend(PagedBackend, cfg, kv_layout="hdn")
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 @pytest.mark.parametrize("kv_layout", ["hnd", "nhd"])
 def test_triton_backend_generates_the_same_greedy_tokens_as_the_torch_paged_backend(tiny, kv_layout):
     g = torch.Generator().manual_seed(0)
@@ -126,6 +127,7 @@ def test_triton_backend_float16_pool_stays_close_to_float32_reference(tiny):
     assert (have - want).abs().max() < 0.1
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
 def test_llm_with_triton_attention_generates_the_same_tokens_as_torch_attention():
     from minikv.engine.llm import LLM
     from minikv.engine.sampling_params import SamplingParams
