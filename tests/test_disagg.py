@@ -5,7 +5,6 @@ the one two processes use, without the cost of starting them."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +12,8 @@ import torch
 
 from minikv import LLM, SamplingParams
 from minikv.serve.disagg import Inbox, KVChannel, receive_prefill, send_prefill
+
+from test_serve import wait_until  # noqa: E402  (tests/ is on the path)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 OPTIONS = dict(kv_backend="paged", block_size=16, num_blocks=64, max_model_len=512, prefix_caching="hash",
@@ -137,11 +138,6 @@ def test_through_the_router_a_decode_server_takes_the_prompts_blocks_from_its_pr
         Router(["http://d1", "http://d2"], prefill=["http://p1"])
 
 
-def wait_for(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not reached within {timeout_s} s"
-        time.sleep(0.005)
 
 
 def hold_first_round(batcher, total: int) -> None:
@@ -157,12 +153,12 @@ def hold_first_round(batcher, total: int) -> None:
         if held:
             return run(batch)
         held.append(True)
-        wait_for(lambda: len(batch) + len(batcher.waiting) >= total)
+        wait_until(lambda: len(batch) + len(batcher.waiting) >= total, "the whole burst arrived", timeout_s=60)
         with batcher.cond:
             batcher.waiting.extendleft(reversed(batch[1:]))
             del batch[1:]
         run(batch)
-        wait_for(lambda: batcher.transfers >= 1)  # and the first transfer carries that prompt alone
+        wait_until(lambda: batcher.transfers >= 1, "the first prompt's transfer", timeout_s=60)  # alone
     batcher._run = first_waits
 
 

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,18 +32,14 @@ from minikv.serve.router import (
 )
 from minikv.serve.tiny import tiny_random_with_text
 
+from test_serve import wait_until  # noqa: E402  (tests/ is on the path)
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODEL = "tiny-random"
 ROOT = Path(__file__).resolve().parents[1]
 HANG_S = 120
 
 
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened within {HANG_S} s: {what}")
-        time.sleep(0.02)
 
 
 # ---- the policies, on scripted traces ---------------------------------------------------------------
@@ -302,7 +297,7 @@ def test_serve_data_parallel_starts_replicas_behind_a_router_and_survives_a_kill
             except httpx.TransportError:
                 return False
 
-        wait_until(up, "the router answers /health")
+        wait_until(up, "the router answers /health", poll_s=0.02)
         while not any(line.startswith("minikv: routing") for line in lines):
             lines.append(proc.stdout.readline())
         pids += [int(line.split("(pid ")[1].split(")")[0]) for line in lines if "(pid " in line]
@@ -321,7 +316,8 @@ def test_serve_data_parallel_starts_replicas_behind_a_router_and_survives_a_kill
                 m = parse_metrics(HTTP.get(url + "/metrics").text)
                 return [v for k, v in m.items() if k.startswith("minikv:router_requests_in_flight")]
 
-            wait_until(lambda: min(in_flight()) >= 1 or all(f.done() for f in futures), "both replicas are busy")
+            wait_until(lambda: min(in_flight()) >= 1 or all(f.done() for f in futures), "both replicas are busy",
+                       poll_s=0.02)
             os.kill(pids[0], signal.SIGKILL)
             results = [f.result(timeout=HANG_S) for f in futures]
         for status, text in results:

@@ -69,13 +69,14 @@ class Gate:
             self.holding.clear()
 
 
-def wait_until(condition, what: str) -> None:
-    """Poll for a state of the server; fail (never pass) on the hang limit."""
-    deadline = time.monotonic() + HANG_S
+def wait_until(condition, what: str, timeout_s: float = HANG_S, poll_s: float = 0.002) -> None:
+    """Poll for an observable state (of a server, a router, a prefill batcher); fail (never pass) on the
+    hang limit. The other test modules import it from here."""
+    deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"never happened within {HANG_S} s: {what}")
-        time.sleep(0.002)
+            raise AssertionError(f"never happened within {timeout_s} s: {what}")
+        time.sleep(poll_s)
 
 
 @pytest.fixture(scope="module")
