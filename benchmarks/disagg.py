@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from router import commit, device_name, pct, python_path, resolve_model, versions  # noqa: E402
+from router import pct, python_path, resolve_model, write_record  # noqa: E402
 
 from minikv.serve.router import Router, free_port, wait_healthy  # noqa: E402
 
@@ -194,15 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>18} {r['short_itl_p50_s']:>13.4f}s {r['short_itl_p99_s']:>13.4f}s "
               f"{r['short_ttft_p50_s']:>14.3f}s {long_ttft:>14}  ({r['requests']} requests, {r['tokens']} tokens, "
               f"{r['wall_s']:.1f} s{counters})")
-    record = {"benchmark": "disagg", "device": device_name(args.device), "versions": versions(), "commit": commit(),
-              "date": time.strftime("%Y-%m-%d"),
-              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-              "base_commit": args.base_commit,
-              "workload": {k: v for k, v in vars(args).items() if k not in ("out", "base", "base_commit")},
-              "results": results}
-    out = args.out or ROOT / "benchmarks" / f"disagg_{'smoke' if args.smoke else args.device.split(':')[0]}.json"
-    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
+    write_record("disagg", args, results, leave_out=("out", "base", "base_commit"), base_commit=args.base_commit)
     return 0
 
 

@@ -92,6 +92,19 @@ def python_path() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def write_record(benchmark: str, args, results: dict, leave_out: tuple = ("out",), **extra) -> Path:
+    """The run's JSON record (device, versions, commit, date, load average, `extra`, the workload's
+    arguments but `leave_out`, the results) at --out, or benchmarks/<benchmark>_<smoke|cpu|cuda>.json."""
+    record = {"benchmark": benchmark, "device": device_name(args.device), "versions": versions(), "commit": commit(),
+              "date": time.strftime("%Y-%m-%d"),
+              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, **extra,
+              "workload": {k: v for k, v in vars(args).items() if k not in leave_out}, "results": results}
+    out = args.out or ROOT / "benchmarks" / f"{benchmark}_{'smoke' if args.smoke else args.device.split(':')[0]}.json"
+    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
 def resolve_model(name: str, device: str) -> str:
     """`random-<shape>` (random-qwen2.5-0.5b, random-llama-3.1-8b): a checkpoint of that shape with seeded
     random weights, written once to a temporary folder (bf16 on a GPU); any other name is served as given."""
@@ -230,13 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         later = f"{r['hit_rate_later_turns']:.0%}" if r["hit_rate_later_turns"] is not None else "-"
         print(f"{policy:>14} {r['hit_rate']:>9.0%} {later:>12} {r['ttft_p50_s']:>8.3f}s {r['ttft_p99_s']:>8.3f}s  "
               f"{sorted(r['requests_per_replica'].values())}")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    record = {"benchmark": "router", "device": device_name(args.device), "versions": versions(), "commit": commit(),
-              "date": time.strftime("%Y-%m-%d"), "load_average": load,
-              "workload": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}
-    out = args.out or ROOT / "benchmarks" / f"router_{'smoke' if args.smoke else args.device.split(':')[0]}.json"
-    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
+    write_record("router", args, results)
     return 0
 
 
