@@ -5,7 +5,7 @@ import pytest
 
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, extra_keys, hash_block
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, chain_keys, extra_keys, hash_block
 from minikv.cache.prefix.radix import RadixCache
 from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.engine.sequence import Sequence
@@ -160,6 +160,36 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     bm.free(run(bm, [1, 2, 3, 4, 5]))
     assert cache.match([9, 9, 9, 9, 9]).num_tokens == 0 and cache.num_collisions > 0
     assert cache.match([1, 2, 3, 4, 5]).num_tokens == BS
+
+
+def test_chain_keys_from_one_buffer_equal_hash_block_one_block_at_a_time():
+    toks = [3, 151935, 0, 2**40, 7, 7, 7, 7, 1, 2, 3, 4, 5]
+    for salt in (None, "red"):
+        each, parent = [], None
+        for i in range(len(toks) // BS):
+            parent = hash_block(parent, tuple(toks[i * BS:(i + 1) * BS]), extra_keys(i, salt))
+            each.append(parent)
+        assert list(chain_keys(toks, BS, 3, salt)) == each == block_hashes(toks, BS, salt)
+        assert list(chain_keys(toks[BS:], BS, 2, None, parent=each[0])) == each[1:]  # resumed from a parent
+    with pytest.raises(TypeError):
+        list(chain_keys([1.5, 2, 3, 4], BS, 1))
+    with pytest.raises(ValueError, match="need 8 token ids"):
+        list(chain_keys([1, 2, 3], BS, 2))
+
+
+@pytest.mark.parametrize("tamper", ["token_ids", "parent", "extra"])
+def test_a_hit_whose_entry_hashed_other_content_stops_there(tamper):
+    """The bulk comparison of a hit (every entry's tokens, parent and extra keys at once) catches an entry
+    stored under the right key with other content, and the hit stops at that block."""
+    bm = manager("hash")
+    toks = list(range(4 * BS + 1))
+    bm.free(run(bm, toks))
+    cache = bm.prefix_cache
+    assert cache.match(toks).num_tokens == 4 * BS
+    entry = cache.table[block_hashes(toks, BS)[2]]
+    setattr(entry, tamper, {"token_ids": (0,) * BS, "parent": b"x" * 32, "extra": (("cache_salt", "x"),)}[tamper])
+    hit = cache.match(toks)
+    assert hit.num_tokens == 2 * BS and len(hit.blocks) == 2 and cache.num_collisions == 1
 
 
 def test_engine_with_a_colliding_hash_still_gives_the_uncached_tokens():
