@@ -78,6 +78,28 @@ def test_blocks_never_cross_into_another_models_or_another_tenants_cache(prefill
     assert decode.stats()["requests"][0]["num_cached_tokens"] == 0  # tenant b never reads tenant a's blocks
 
 
+def test_the_identity_is_kept_between_transfers_and_taken_again_after_a_reset(monkeypatch):
+    """kv_identity is asked on every transfer: it is taken once (stamping the weights reads every tensor,
+    and on a GPU each read waits for the engine's queued work), and again after reset_prefix_cache, which
+    changed weights need: then a peer with the old weights refuses the blocks."""
+    import minikv.engine.core as core_module
+
+    engine = LLM("tiny-random", **OPTIONS)
+    peer = LLM("tiny-random", **OPTIONS, kv_offload_store=Inbox())  # its own copy of the same weights
+    calls = []
+    real = core_module.weights_fingerprint
+    monkeypatch.setattr(core_module, "weights_fingerprint", lambda model, *a: calls.append(model) or real(model, *a))
+    mine = engine.core.model
+    first = engine.core.kv_identity()
+    assert [engine.core.kv_identity() for _ in range(5)] == [first] * 5 and calls.count(mine) == 1
+    assert transfer(engine, peer, ids_of(8, 40)) == (2, 2)  # the same weights: taken
+    with torch.no_grad():
+        next(engine.core.model.parameters()).add_(1.0)  # the weights change in place...
+    engine.reset_prefix_cache()  # ...and the cache is reset, as reset_prefix_cache's docstring asks
+    assert engine.core.kv_identity() != first and calls.count(mine) == 2
+    assert transfer(engine, peer, ids_of(9, 40)) == (0, 0)  # the peer still has the old weights: refused
+
+
 def test_one_transfer_carries_many_requests_and_a_block_they_share_crosses_once(prefill):
     from minikv.serve.disagg import _receive_blocks, _send_blocks
 

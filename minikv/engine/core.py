@@ -219,6 +219,7 @@ class EngineCore:
         self._outbox: list[EngineEvent] = []  # events not yet taken (a step's, an abort's)
         self.last_tokens: list[tuple[Sequence, int, str]] = []  # in-process: the sequences behind the last step
         self._reset_pending = False
+        self._kv_identity: str | None = None  # kv_identity(), taken on first use and again after a reset
         self._async_scheduling = cfg.async_scheduling
         self._inflight: InFlight | None = None  # the overlapped step launched but not yet read back
         self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
@@ -335,12 +336,6 @@ class EngineCore:
         disk = DiskTier(cfg.kv_offload_dir, self._offload_identity, cfg.kv_offload_disk_bytes, pool.block_bytes)
         weakref.finalize(self, disk.close)  # an engine dropped without close() still finishes its writes
         return disk
-
-    def _weights_fingerprint(self, fresh: bool = False) -> str:
-        """sha256 of every weight, taken again whenever the weights moved since the last time (an
-        engine derived after an in-place change gets a new identity; see tiers.weights_fingerprint),
-        and always after a reset."""
-        return weights_fingerprint(self.model, fresh)
 
     def _weights_fingerprint(self, fresh: bool = False) -> str:
         """sha256 of every weight, taken again whenever the weights moved since the last time (an
@@ -944,6 +939,7 @@ class EngineCore:
                 return False
             self.block_manager.reset_prefix_cache()
             self._reset_pending = False
+            self._kv_identity = None  # the weights may have changed: taken again on next use
             if self.offload_store is not None:
                 self._reset_offload()
             return True
@@ -990,8 +986,14 @@ class EngineCore:
     def kv_identity(self) -> str:
         """What besides the tokens decides a block's bytes here (the weights, the dtype, the pool's format):
         blocks sent between engines are keyed by it (identity.store_key), so a block only ever lands in an
-        engine that would have computed the same bytes."""
-        return store_identity(self._weights_fingerprint(), self.dtype, self.pool)
+        engine that would have computed the same bytes.
+
+        Taken once and kept, as the offload tiers' identity is: stamping the weights reads a sample of
+        every tensor, and a disaggregated pair asks for the identity on every transfer. Weights changed
+        in place need `reset_prefix_cache()` (cached K/V would be stale), and that takes it again."""
+        if self._kv_identity is None:
+            self._kv_identity = store_identity(self._weights_fingerprint(), self.dtype, self.pool)
+        return self._kv_identity
 
     def held_prefix_blocks(self, ids: list[int], salt: str | None = None) -> int:
         """How many full blocks of this prompt the pool's prefix cache holds (no side effects)."""

@@ -38,6 +38,7 @@ def weights_stamp(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     version counter (bumped by every in-place op, under no_grad too), dtype, shape, and the bytes of
     FINGERPRINT_SAMPLES evenly spaced elements (a write through `.data` bypasses the counter)."""
     h = hashlib.sha256()
+    samples: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> each tensor's sample, in order
     for name, t in named:
         t = t.detach()
         version = -1 if t.is_inference() else t._version  # inference tensors keep no counter: the sample decides
@@ -45,8 +46,11 @@ def weights_stamp(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         if t.numel():
             flat = t.reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-            sample = torch.cat([flat[::step], flat[-1:]]).to("cpu").contiguous()
-            h.update(sample.view(torch.uint8).numpy())
+            samples.setdefault((str(t.device), t.dtype), []).extend([flat[::step], flat[-1:]])
+    # one copy to the host per device and dtype, not one per tensor: on a GPU each copy waits for the
+    # work queued before it, and a model has hundreds of tensors
+    for parts in samples.values():  # in the order the groups first appeared: the same for the same weights
+        h.update(torch.cat(parts).to("cpu").contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
