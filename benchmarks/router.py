@@ -63,6 +63,9 @@ async def run_policy(router_url: str, model: str, system: list[int], msgs, max_t
                             "return_token_ids": True, "cache_salt": salt}
                     start, first, answer, usage = time.perf_counter(), None, [], None
                     async with client.stream("POST", router_url + "/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            raise RuntimeError(f"user {u}, turn {t} ({len(prompt)} prompt tokens): HTTP "
+                                               f"{resp.status_code}: {(await resp.aread()).decode()[:300]}")
                         async for line in resp.aiter_lines():
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
@@ -74,6 +77,8 @@ async def run_policy(router_url: str, model: str, system: list[int], msgs, max_t
                                     first = first or time.perf_counter()
                                     answer += c["token_ids"]
                             usage = event.get("usage") or usage
+                    if usage is None or first is None:
+                        raise RuntimeError(f"user {u}, turn {t}: the stream ended without tokens or usage")
                     records.append({"user": u, "turn": t, "prompt_tokens": usage["prompt_tokens"],
                                     "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                     "ttft_s": first - start})

@@ -5,7 +5,7 @@ import pytest
 
 from minikv import LLM, SamplingParams
 from minikv.cache.block_manager import BlockManager
-from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, chain_keys, extra_keys, hash_block
+from minikv.cache.prefix.hash_chain import HashChainCache, block_hashes, chain_keys, extra_keys, hash_block, id_bytes
 from minikv.cache.prefix.radix import RadixCache
 from minikv.cache.prefix.registry import make_prefix_cache
 from minikv.engine.sequence import Sequence
@@ -188,6 +188,7 @@ def test_a_hit_whose_entry_hashed_other_content_stops_there(tamper):
     assert cache.match(toks).num_tokens == 4 * BS
     entry = cache.table[block_hashes(toks, BS)[2]]
     setattr(entry, tamper, {"token_ids": (0,) * BS, "parent": b"x" * 32, "extra": (("cache_salt", "x"),)}[tamper])
+    entry.token_bytes = id_bytes(entry.token_ids)  # the two forms of its tokens agree, as insert makes them
     hit = cache.match(toks)
     assert hit.num_tokens == 2 * BS and len(hit.blocks) == 2 and cache.num_collisions == 1
 

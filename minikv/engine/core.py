@@ -999,10 +999,12 @@ class EngineCore:
         """How many full blocks of this prompt the pool's prefix cache holds (no side effects)."""
         return len(self._need_prefix_cache("held_prefix_blocks").match(ids, salt).blocks)
 
-    def export_prefix(self, ids: list[int], salt: str | None = None) -> tuple[list[bytes], tuple]:
+    def export_prefix(self, ids: list[int], salt: str | None = None, on_device: bool = False
+                      ) -> tuple[list[bytes], tuple]:
         """The cached full blocks of this prompt, to send to another engine: their store keys (the hash
-        chain's key of each block, salt included, under `kv_identity`) and their tensors on the CPU, each
-        [num_layers, len(keys), block_size, ...] as `KVPool.read_blocks` gives them."""
+        chain's key of each block, salt included, under `kv_identity`) and their tensors, each
+        [num_layers, len(keys), block_size, ...] as `KVPool.read_blocks` gives them: a copy on the CPU, or
+        with `on_device` a copy on the pool's device (NCCL sends from there: no round trip through the host)."""
         cache = self._need_prefix_cache("export_prefix")
         if not hasattr(cache, "key_of"):
             raise ValueError("export_prefix keys blocks by the hash chain; build the LLM with prefix_caching='hash'")
@@ -1012,7 +1014,12 @@ class EngineCore:
                 return [], ()
             identity = self.kv_identity()
             keys = [store_key(identity, cache.key_of(b)) for b in blocks]
-            return keys, tuple(t.to("cpu") for t in self.pool.read_blocks(blocks))
+            planes = self.pool.read_blocks(blocks)  # gathered: a copy, not views of the pool
+            if not on_device:
+                return keys, tuple(t.to("cpu") for t in planes)
+            if self.device.type == "cuda":  # done before another thread (its own stream) reads them
+                torch.cuda.current_stream(self.device).synchronize()
+            return keys, planes
 
     def _check_fits_beside_pins(self, ids: list[int], salt: str | None, params: SamplingParams) -> None:
         """Pinned blocks never leave the pool: refuse now a request that could never fit beside them

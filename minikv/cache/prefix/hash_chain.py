@@ -24,7 +24,6 @@ prefix is what the next request is most likely to share.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -76,18 +75,24 @@ def chain_keys(token_ids: TokenIds, block_size: int, num_blocks: int, cache_salt
     at its first miss). The same bytes as hash_block, framed the same way, but the ids are converted
     once for all the blocks and each block hashes a slice of that buffer: a 8,192-token hit hashes 512
     blocks, and a conversion per block cost as much as the sha256 itself."""
-    data, width, sha256 = id_bytes(token_ids[:num_blocks * block_size]), 8 * block_size, hashlib.sha256
-    if len(data) < num_blocks * width:
+    data = id_bytes(token_ids[:num_blocks * block_size])
+    if len(data) < num_blocks * block_size * 8:
         raise ValueError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} token ids, "
                          f"got {len(data) // 8}")
-    first = 0
-    if num_blocks and (parent is None or cache_salt is not None):  # the first block's frame, or its salt
-        parent = hash_block(parent, token_ids[:block_size], extra_keys(0, cache_salt))
-        first = 1
+    return _chain(data, block_size, num_blocks, extra_keys(0, cache_salt), parent)
+
+
+def _chain(data: bytes, block_size: int, num_blocks: int, first_extra: tuple, parent: BlockHash | None
+           ) -> Iterator[BlockHash]:
+    """chain_keys from the ids' bytes (`id_bytes`): hash_block's frame, written out."""
+    width, sha256 = 8 * block_size, hashlib.sha256
+    with_parent = struct.pack("<?I", True, block_size)
+    if num_blocks:  # the first block: perhaps no parent, perhaps the salt
+        head = with_parent + parent if parent is not None else struct.pack("<?I", False, block_size)
+        parent = sha256(head + data[:width] + (repr(tuple(first_extra)).encode() if first_extra else b"")).digest()
         yield parent
-    header = struct.pack("<?I", True, block_size)  # hash_block's frame for a block with a parent
-    for start in range(first * width, num_blocks * width, width):
-        parent = sha256(header + parent + data[start:start + width]).digest()
+    for start in range(width, num_blocks * width, width):
+        parent = sha256(with_parent + parent + data[start:start + width]).digest()
         yield parent
 
 
@@ -114,6 +119,11 @@ class CachedBlock:
     salt: str | None
     born: int  # clock when it entered the cache (FIFO)
     last_used: int  # clock when it was last used (LRU)
+    token_bytes: bytes = b""  # token_ids as id_bytes gives them (filled in when not given)
+
+    def __post_init__(self) -> None:
+        if not self.token_bytes:
+            self.token_bytes = id_bytes(self.token_ids)  # a hit compares a whole chain's bytes at once
 
 
 class FreeQueueSeam:
@@ -183,7 +193,7 @@ class HashChainCache(PrefixCache):
         self.by_block: dict[int, CachedBlock] = {}  # physical block -> entry
         self.free_queue = self._new_free_queue()  # unused, unpinned cached blocks, next to evict first
         self._seq_keys: dict[int, list[BlockHash]] = {}  # seq_id -> keys of its full blocks so far
-        self._looked_up: dict[int, tuple] = {}  # seq_id -> (salt, keys of its last lookup's hit), for insert
+        self._looked_up: dict[int, tuple] = {}  # seq_id -> (salt, keys, blocks) of its last lookup's hit, for insert
         self.num_collisions = 0
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -214,14 +224,14 @@ class HashChainCache(PrefixCache):
             return self._match_each(token_ids, salt, n)
         keys: list[BlockHash] = []
         found: list[CachedBlock] = []
-        for key in chain_keys(token_ids, bs, n, salt):
+        data = id_bytes(token_ids[:n * bs])
+        for key in _chain(data, bs, n, extra_keys(0, salt), None):
             entry = self.table.get(key)
             if entry is None:
                 break
             keys.append(key)
             found.append(entry)
-        if found and not (list(itertools.chain.from_iterable(e.token_ids for e in found))
-                          == list(token_ids[:len(found) * bs])
+        if found and not (b"".join([e.token_bytes for e in found]) == data[:len(found) * bs * 8]
                           and [e.parent for e in found] == [None, *keys[:-1]]
                           and found[0].extra == extra_keys(0, salt) and not any(e.extra for e in found[1:])):
             return self._match_each(token_ids, salt, len(found))
@@ -252,9 +262,11 @@ class HashChainCache(PrefixCache):
             return super().lookup(seq)
         hit, keys = self._match(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
         if keys:
-            self._looked_up[seq.seq_id] = (seq.cache_salt, keys)
+            self._looked_up[seq.seq_id] = (seq.cache_salt, keys, hit.blocks)
             while len(self._looked_up) > 1024:  # sequences looked up and never inserted: keep the newest
                 self._looked_up.pop(next(iter(self._looked_up)))
+        else:  # an earlier lookup's hit may be gone since (evicted, its blocks reused): never trust it
+            self._looked_up.pop(seq.seq_id, None)
         return hit
 
     def touch(self, blocks: list[int]) -> None:
@@ -275,9 +287,15 @@ class HashChainCache(PrefixCache):
         adopt: dict[int, int] = {}
         first, end = len(keys), seq.num_computed_tokens // self.block_size
         token_ids = seq.token_ids if end > first else ()  # built once: it is a new list of the whole sequence
-        salt, known = self._looked_up.pop(seq.seq_id, (None, ()))
+        salt, known, hit = self._looked_up.pop(seq.seq_id, (None, (), ()))
         if salt != seq.cache_salt:
-            known = ()
+            known = hit = ()
+        if (first == 0 and hit and len(hit) <= end and seq.block_table[:len(hit)] == hit
+                and all(self.key_of(hit[j]) == known[j] for j in (0, -1))):
+            # the hit's own blocks, cached under these keys already: the sequence took them right after its
+            # lookup (every admission looks up again) and has held them since, so none was evicted
+            keys.extend(known)
+            first = len(hit)
         bs = self.block_size
         for i in range(first, end):
             parent = keys[-1] if keys else None

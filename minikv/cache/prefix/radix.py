@@ -67,6 +67,9 @@ def match_prefix(root: Node, token_ids: TokenIds, block_size: int) -> tuple[list
 
 def shared_blocks(key: tuple, token_ids: TokenIds, start: int, block_size: int) -> int:
     """How many whole blocks of `key` equal token_ids[start:], block by block."""
+    whole = max(0, min(len(key), len(token_ids) - start)) // block_size * block_size
+    if whole and key[:whole] == tuple(token_ids[start:start + whole]):  # the whole edge at once: a hit's usual case
+        return whole // block_size
     n = 0
     while (n + 1) * block_size <= len(key) and start + (n + 1) * block_size <= len(token_ids):
         lo = n * block_size
@@ -164,9 +167,10 @@ class RadixCache(PrefixCache):
                 self._grow(node, root, tuple(tokens[i * bs:n_full * bs]), table[i:n_full], seq.cache_salt, now)
                 break
             k = min(shared_blocks(child.key, tokens, i * bs, bs), n_full - i)
-            for j in range(k):
-                if child.blocks[j] != table[i + j]:
-                    adopt[i + j] = child.blocks[j]  # computed twice (two requests in flight): keep one copy
+            if child.blocks[:k] != table[i:i + k]:  # (one list comparison: most often the same blocks)
+                for j in range(k):
+                    if child.blocks[j] != table[i + j]:
+                        adopt[i + j] = child.blocks[j]  # computed twice (two requests in flight): keep one copy
             self._touch(child, now)
             i += k
             if k < len(child.blocks) and i < n_full:

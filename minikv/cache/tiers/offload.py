@@ -177,9 +177,9 @@ class Offload:
                 values.append(value)
                 tiers.append(locate(k) if locate is not None else "store")
             staged = self._staging(len(values))
-            for i, plane in enumerate(staged):
-                for j, v in enumerate(values):
-                    plane[:, j].copy_(v[i])
+            for i, plane in enumerate(staged):  # one copy per plane: a block per call cost ~5 us each
+                if values:
+                    torch.stack([v[i] for v in values], dim=1, out=plane)
             pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=started)
             pending.work_seconds = time.perf_counter() - started
         if pending.reads:
