@@ -82,8 +82,9 @@ async def replay(url: str, model: str, reqs: list[dict]) -> list[dict]:
         async def one(r: dict) -> None:
             await asyncio.sleep(max(0.0, r["at"] - (time.perf_counter() - t0)))
             body = {"model": model, "prompt": r["ids"], "max_tokens": r["max_tokens"], "temperature": 0,
-                    "ignore_eos": True, "stream": True, "return_token_ids": True}
-            start, times = time.perf_counter(), []
+                    "ignore_eos": True, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}}
+            start, times, usage = time.perf_counter(), [], None
             async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -92,7 +93,11 @@ async def replay(url: str, model: str, reqs: list[dict]) -> list[dict]:
                             raise RuntimeError(event["error"])
                         n = sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
                         times += [time.perf_counter()] * n
-            out.append({"kind": r["kind"], "ttft_s": times[0] - start,
+                        usage = event.get("usage") or usage
+            if usage is None or not times:
+                raise RuntimeError(f"a {r['kind']} request's stream ended without tokens or usage")
+            out.append({"kind": r["kind"], "ttft_s": times[0] - start, "prompt_tokens": usage["prompt_tokens"],
+                        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
                         "itls": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)})
         await asyncio.gather(*(one(r) for r in reqs))
     return out
@@ -107,7 +112,9 @@ def summary(results: list[dict], wall_s: float) -> dict:
             "short_ttft_p99_s": pct([r["ttft_s"] for r in short], 0.99),
             "long_ttft_p50_s": statistics.median(r["ttft_s"] for r in long) if long else None,
             "long_ttft_max_s": max(r["ttft_s"] for r in long) if long else None,
-            "requests": len(results), "tokens": sum(r["tokens"] for r in results), "wall_s": wall_s}
+            "requests": len(results), "tokens": sum(r["tokens"] for r in results), "wall_s": wall_s,
+            # prompt tokens the decoding engine did not compute (its prefix cache, or blocks it was sent)
+            "cached_fraction": sum(r["cached_tokens"] for r in results) / sum(r["prompt_tokens"] for r in results)}
 
 
 def measure(url: str, model: str, reqs: list[dict]) -> dict:
@@ -193,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         counters = f", prefill server {r['prefill_server']}" if r.get("prefill_server") else ""
         print(f"{name:>18} {r['short_itl_p50_s']:>13.4f}s {r['short_itl_p99_s']:>13.4f}s "
               f"{r['short_ttft_p50_s']:>14.3f}s {long_ttft:>14}  ({r['requests']} requests, {r['tokens']} tokens, "
-              f"{r['wall_s']:.1f} s{counters})")
+              f"{r['wall_s']:.1f} s, {r['cached_fraction']:.0%} of prompt tokens not computed by the decoding "
+              f"engine{counters})")
     write_record("disagg", args, results, leave_out=("out", "base", "base_commit"), base_commit=args.base_commit)
     return 0
 

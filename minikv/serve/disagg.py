@@ -100,10 +100,15 @@ class Inbox:
                 self.blocks.popitem(last=False)
 
     def get(self, key: bytes) -> tuple | None:
+        """The block's tensors. A block held on a GPU is handed over once (taken out): from then on it
+        lives in the engine's pool and prefix cache, and the GPU memory of its transfer is let go."""
         with self._lock:
             value = self.blocks.get(key)
             if value is not None:
-                self.blocks.move_to_end(key)
+                if value and value[0].is_cuda:
+                    del self.blocks[key]
+                else:
+                    self.blocks.move_to_end(key)
             return value
 
     def __contains__(self, key: bytes) -> bool:
@@ -172,9 +177,14 @@ class KVChannel:
     def send(self, t: torch.Tensor) -> None:
         self.post(t).wait()
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, on_device: bool = False) -> torch.Tensor:
+        """The next tensor, on the host (or, with `on_device`, where it arrived: the channel's device)."""
         t = torch.empty(shape, dtype=dtype, device=self.device)
         self.group.recv([t], self.peer, 0).wait()
+        if on_device:
+            if t.is_cuda:  # received on NCCL's stream: ready before another thread's stream reads it
+                torch.cuda.current_stream(t.device).synchronize()
+            return t
         return t.cpu()
 
 
@@ -273,7 +283,9 @@ def _receive_blocks(llm, channel: KVChannel, wanted) -> list[tuple[int, int]]:
     formats = _plane_formats(head)
     want = [len(keys) - h for (_, keys), h in zip(requests, held)]
     sizes = [w * math.prod(shape) * itemsize for w in want for _, shape, itemsize in formats]
-    data = channel.recv((sum(sizes),), torch.uint8) if sum(sizes) else None
+    # blocks for an engine on the channel's GPU stay there: the engine gathers them into its pool on the device
+    on_device = channel.device.type == "cuda" and llm.core.device.type == "cuda"
+    data = channel.recv((sum(sizes),), torch.uint8, on_device) if sum(sizes) else None
     out, at = [], 0
     for (tid, keys), h, w in zip(requests, held, want):
         if w <= 0:

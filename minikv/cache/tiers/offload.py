@@ -176,10 +176,16 @@ class Offload:
                     break
                 values.append(value)
                 tiers.append(locate(k) if locate is not None else "store")
-            staged = self._staging(len(values))
-            for i, plane in enumerate(staged):  # one copy per plane: a block per call cost ~5 us each
-                if values:
-                    torch.stack([v[i] for v in values], dim=1, out=plane)
+            device = self.pool.device
+            if device.type == "cuda" and values and all(t.device == device for v in values for t in v):
+                # blocks the store holds on the pool's own device (a disaggregated decode engine's inbox):
+                # gathered there, never through the host
+                staged = tuple(torch.stack([v[i] for v in values], dim=1) for i in range(len(values[0])))
+            else:
+                staged = self._staging(len(values))
+                for i, plane in enumerate(staged):  # one copy per plane: a block per call cost ~5 us each
+                    if values:
+                        torch.stack([v[i].to("cpu") for v in values], dim=1, out=plane)
             pending = PendingLoad(keys[:len(values)], blocks[:len(values)], tiers, staged, len(keys), started=started)
             pending.work_seconds = time.perf_counter() - started
         if pending.reads:
@@ -255,6 +261,8 @@ class Offload:
 
     def _recycle(self, pending: PendingLoad) -> None:
         """The load's staging buffers are free again (its copy is done, or it was cancelled)."""
+        if pending.staged and pending.staged[0].device.type != "cpu":
+            return  # gathered on the device for this load alone: not a host staging buffer
         bases = tuple(p._base if p._base is not None else p for p in pending.staged)
         if not self._spare or bases[0].numel() > self._spare[0].numel():
             self._spare = bases
