@@ -567,3 +567,30 @@ def test_the_student_copy_keeps_every_answer_cell_and_each_is_blank(student_copy
         assert ours, f"{path.name}: no answer cell"
         assert [(w.id, w.question) for w in theirs] == [(w.id, w.question) for w in ours], path.name
         assert all(w.answer == "" for w in theirs), f"{path.name}: an answer cell of the student copy is filled"
+
+
+def test_graders_that_finish_together_report_one_at_a_time(monkeypatch):
+    """grade_notebooks runs `jobs` graders on threads; their on_done calls never overlap (the CLI's callback
+    merges each student's row into the CSV, and two at once lost a row)."""
+    import threading
+    import time
+
+    import minikv.classroom.check as check
+
+    together = threading.Barrier(2, timeout=30)
+
+    def fake_grade(path, **_):
+        together.wait()  # both graders finish at the same moment
+        return check.Grade(exercise=Path(path).stem, path=str(path))
+
+    monkeypatch.setattr(check, "grade_notebook", fake_grade)
+    active, most = [0], [0]
+
+    def on_done(_grade) -> None:
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        time.sleep(0.2)  # long enough for the other grader's report to arrive meanwhile, were it let in
+        active[0] -= 1
+
+    grades = grade_notebooks([Path("a.ipynb"), Path("b.ipynb")], jobs=2, on_done=on_done)
+    assert [g.exercise for g in grades] == ["a", "b"] and most[0] == 1

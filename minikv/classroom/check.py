@@ -476,15 +476,19 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
 def grade_notebooks(paths: list[Path], timeout: float = DEFAULT_TIMEOUT, reference: Path | None = None,
                     jobs: int = 1, on_done=None, memory_gb: float | None = DEFAULT_MEMORY_GB,
                     run_untouched: bool = False) -> list[Grade]:
-    """Grade several notebooks, `jobs` processes at a time; results in the order of `paths`."""
+    """Grade several notebooks, `jobs` processes at a time; results in the order of `paths`. on_done(grade)
+    is called as each notebook finishes, one call at a time (two graders finishing together never run it
+    at once: the CLI's callback merges each student's row into the CSV)."""
     jobs = max(1, min(jobs, len(paths) or 1))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 1
+    one_at_a_time = threading.Lock()
 
     def one(p: Path) -> Grade:
         g = grade_notebook(p, timeout=timeout, reference=reference, threads=threads, memory_gb=memory_gb,
                            run_untouched=run_untouched)
         if on_done is not None:
-            on_done(g)
+            with one_at_a_time:
+                on_done(g)
         return g
 
     with ThreadPoolExecutor(jobs) as pool:
