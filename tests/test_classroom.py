@@ -573,7 +573,6 @@ def test_graders_that_finish_together_report_one_at_a_time(monkeypatch):
     """grade_notebooks runs `jobs` graders on threads; their on_done calls never overlap (the CLI's callback
     merges each student's row into the CSV, and two at once lost a row)."""
     import threading
-    import time
 
     import minikv.classroom.check as check
 
@@ -585,11 +584,15 @@ def test_graders_that_finish_together_report_one_at_a_time(monkeypatch):
 
     monkeypatch.setattr(check, "grade_notebook", fake_grade)
     active, most = [0], [0]
+    second_in = threading.Event()
 
     def on_done(_grade) -> None:
         active[0] += 1
         most[0] = max(most[0], active[0])
-        time.sleep(0.2)  # long enough for the other grader's report to arrive meanwhile, were it let in
+        if active[0] > 1:
+            second_in.set()  # let in while the first is still inside: what must never happen
+        else:
+            second_in.wait(1.0)  # the first stays inside until the second comes in, or 1 s (it is kept out)
         active[0] -= 1
 
     grades = grade_notebooks([Path("a.ipynb"), Path("b.ipynb")], jobs=2, on_done=on_done)

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -299,8 +298,7 @@ def test_minikv_serve_exits_with_status_1_when_its_engine_loop_dies():
                 return httpx.get(url + "/health", timeout=HANG_S).status_code == 200
             except httpx.TransportError:
                 assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.05)
-                return False
+                return False  # not listening yet: wait_until polls again
 
         wait_until(up, "the server answers /health")
         body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 20, "stream": True}
