@@ -169,6 +169,10 @@ class KVChannel:
             return dist.ProcessGroupNCCL(store, rank, 2)
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
+    def on_gpu_with(self, llm) -> bool:
+        """Both this channel and the engine are on a GPU: blocks go between the pool and NCCL directly."""
+        return self.device.type == "cuda" and llm.core.device.type == "cuda"
+
     def post(self, t: torch.Tensor) -> "Sending":
         """Start sending `t` without waiting for it; `.wait()` on the answer before the end of the transfer."""
         t = t.to(self.device).contiguous()
@@ -284,8 +288,7 @@ def _receive_blocks(llm, channel: KVChannel, wanted) -> list[tuple[int, int]]:
     want = [len(keys) - h for (_, keys), h in zip(requests, held)]
     sizes = [w * math.prod(shape) * itemsize for w in want for _, shape, itemsize in formats]
     # blocks for an engine on the channel's GPU stay there: the engine gathers them into its pool on the device
-    on_device = channel.device.type == "cuda" and llm.core.device.type == "cuda"
-    data = channel.recv((sum(sizes),), torch.uint8, on_device) if sum(sizes) else None
+    data = channel.recv((sum(sizes),), torch.uint8, channel.on_gpu_with(llm)) if sum(sizes) else None
     out, at = [], 0
     for (tid, keys), h, w in zip(requests, held, want):
         if w <= 0:
@@ -365,7 +368,7 @@ class PrefillBatcher:
 
     def __init__(self, llm, channel: KVChannel):
         self.llm, self.channel, self.identity = llm, channel, llm.core.kv_identity()
-        self.on_device = channel.device.type == "cuda" and llm.core.device.type == "cuda"  # NCCL sends from the GPU
+        self.on_device = channel.on_gpu_with(llm)  # NCCL sends from the GPU
         self.waiting: deque[_Prefill] = deque()
         self.to_send: deque[tuple[_Prefill, list[bytes], tuple]] = deque()
         self.cond = threading.Condition()

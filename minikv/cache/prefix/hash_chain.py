@@ -299,11 +299,6 @@ class HashChainCache(PrefixCache):
         bs = self.block_size
         for i in range(first, end):
             parent = keys[-1] if keys else None
-            if i < len(known) and seq.block_table[i] >= 0:
-                entry = self.table.get(known[i])
-                if entry is not None and entry.block == seq.block_table[i]:
-                    keys.append(known[i])  # the hit's own block, cached under this key already
-                    continue
             if i < len(known):  # hashed by this sequence's lookup: the same tokens, the same salt
                 key, toks, extra = known[i], tuple(token_ids[i * bs:(i + 1) * bs]), extra_keys(i, seq.cache_salt)
             else:
