@@ -1,5 +1,7 @@
 """Rung 6, prefix caching: the hashed block chain and the radix tree, each proven equal to caching off."""
+import hashlib
 import random
+import types
 
 import pytest
 
@@ -191,6 +193,60 @@ def test_a_hit_whose_entry_hashed_other_content_stops_there(tamper):
     entry.token_bytes = id_bytes(entry.token_ids)  # the two forms of its tokens agree, as insert makes them
     hit = cache.match(toks)
     assert hit.num_tokens == 2 * BS and len(hit.blocks) == 2 and cache.num_collisions == 1
+
+
+def counted_sha256(monkeypatch) -> list[bytes]:
+    """Every sha256 the hash cache makes from now on, counted (the module's hashlib swapped)."""
+    from minikv.cache.prefix import hash_chain
+    calls = []
+
+    def sha256(data=b""):
+        calls.append(data)
+        return hashlib.sha256(data)
+    monkeypatch.setattr(hash_chain, "hashlib", types.SimpleNamespace(sha256=sha256))
+    return calls
+
+
+def test_a_repeated_hit_walks_the_local_index_and_hashes_only_the_block_past_it(monkeypatch):
+    """The first lookup finds the chain by sha256 and the local index learns it; the next ones walk that
+    index, and the sha256 walk goes on only from where it stopped: one call for the first new block."""
+    bm = manager("hash", num_blocks=32)
+    shared = list(range(8 * BS))
+    bm.free(run(bm, shared + [1, 2, 3]))
+    cache = bm.prefix_cache
+    calls = counted_sha256(monkeypatch)
+    assert cache.match(shared + [7]).num_tokens == 8 * BS and len(calls) == 8  # by sha256, learned now
+    calls.clear()
+    assert cache.match(shared + [7]).blocks == cache.match(shared).blocks and calls == []
+    hit = cache.match(shared + [5] * BS + [7])  # one block past the cached chain: its sha256, a miss
+    assert hit.num_tokens == 8 * BS and len(calls) == 1
+    bm.check([])
+
+
+def test_a_local_key_that_collides_never_serves_another_prefixs_blocks():
+    """A local key is Python's 64-bit hash: if two chains' keys collide, the walk finds the other
+    chain's entry, the bulk comparison refuses it, and the sha256 walk serves the request's own blocks."""
+    bm = manager("hash", num_blocks=32)
+    a, b = list(range(4 * BS)), list(range(100, 100 + 4 * BS))
+    blocks_a, blocks_b = run(bm, a + [1]).block_table[:4], run(bm, b + [1]).block_table[:4]
+    cache = bm.prefix_cache
+    assert cache.match(a).blocks == blocks_a and cache.match(b).blocks == blocks_b  # both chains learned
+    first_a, first_b = (cache.by_block[blocks[0]] for blocks in (blocks_a, blocks_b))
+    cache.local[first_a.local_key] = first_b  # a's first local key now leads to b's chain
+    assert cache.match(a).blocks == blocks_a and cache.match(b).blocks == blocks_b
+    assert cache.num_collisions == 0  # sha256 keys never collided
+
+
+def test_an_evicted_block_leaves_the_local_index():
+    bm = manager("hash", num_blocks=8)
+    first = list(range(4 * BS))
+    bm.free(run(bm, first + [1]))
+    cache = bm.prefix_cache
+    assert len(cache.match(first).blocks) == 4 and len(cache.local) == 4
+    bm.free(run(bm, list(range(200, 200 + 6 * BS))))  # 6 of 8 blocks: 4 empty ones, then the chain's tail
+    assert len(cache.local) == 2 and all(cache.by_block.get(e.block) is e for e in cache.local.values())
+    assert len(cache.match(first).blocks) == 2
+    bm.check([])
 
 
 def test_engine_with_a_colliding_hash_still_gives_the_uncached_tokens():

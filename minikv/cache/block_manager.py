@@ -164,6 +164,19 @@ class BlockManager:
         self.ref_count[block] += 1
         self.num_refs += 1
 
+    def _share(self, blocks: list[int]) -> None:
+        """incref of every block, in bulk (a hit of 8,192 tokens takes 512 blocks at once): the unused
+        cached ones leave the free pool, then every count goes up."""
+        ref_count = self.ref_count
+        unused = [b for b in blocks if ref_count[b] < 1]
+        for b in unused:
+            if not self.prefix_cache.holds(b):
+                raise RuntimeError(f"block {b} is free; cannot share it")
+            self.allocator.take(b)  # an unused cached block: back in use, content and all
+        for b in blocks:
+            ref_count[b] += 1
+        self.num_refs += len(blocks)
+
     def decref(self, block: int) -> None:
         if self.ref_count[block] < 1:
             raise RuntimeError(f"block {block} freed twice")
@@ -332,8 +345,7 @@ class BlockManager:
             return loaded.num_tokens
         if self.prefix_cache is None or seq.block_table:
             return None
-        for b in hit.blocks:
-            self.incref(b)
+        self._share(hit.blocks)
         seq.block_table = list(hit.blocks)
         if hit.loads:
             hit = self.tier_loads.load_now(seq, hit)

@@ -275,7 +275,8 @@ class StepGraphs:
         self.query_start_loc[:B + 1].copy_(inputs.query_start_loc)
         self.query_start_loc[B + 1:rows + 1] = t_b  # row B ends at t_b; rows past it hold no token
         self.seq_lens[:B].copy_(inputs.seq_lens)
-        self.seq_lens[B] = t_b - T  # the padding row's keys: its own positions, all in block 0's rows
+        self.seq_lens[B:B + 1] = t_b - T  # the padding row's keys: its own positions, all in block 0's rows
+        # (a slice is filled on the device; seq_lens[B] = x would copy a host scalar and wait for the stream)
         self.seq_lens[B + 1:rows] = 0
         # entries past a table's end may be stale: never read (only positions < seq_len are)
         self.block_tables[:B, :width].copy_(inputs.block_tables)
