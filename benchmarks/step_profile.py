@@ -125,15 +125,62 @@ def device_profile(llm, steps: int) -> dict:
         elif e.key.startswith(("cuda", "aten::item", "aten::_local_scalar_dense", "aten::to", "aten::copy_")):
             host_ops[e.key] += e.self_cpu_time_total
     device_ms = sum(by_family.values()) / steps / 1e3
+    # kernels that overlap (the merge launched early with programmatic dependent launch) count once here
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type is not None and "CUDA" in str(e.device_type)
+                   and e.time_range.end > e.time_range.start)
+    busy, (lo, hi) = 0.0, spans[0] if spans else (0.0, 0.0)
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    calls: dict[str, int] = defaultdict(int)
+    for e in prof.key_averages():
+        if e.device_type is not None and "CUDA" in str(e.device_type):
+            calls[e.key] += e.count
 
     def per_step(items) -> dict:
         return {k: round(v / steps / 1e3, 4) for k, v in items}
 
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    kernels = [(k[:90], round(calls[k] / steps, 2), round(v / steps, 2)) for k, v in
+               sorted(by_kernel.items(), key=lambda kv: -kv[1])]  # (name, calls per step, us per step)
     return {"steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3), "device_ms_per_step": round(device_ms, 3),
+            "device_busy_ms_per_step": round(busy / steps / 1e3, 3), "kernels": kernels,
             "device_ms_by_family": per_step(sorted(by_family.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": per_step((k[:90], v) for k, v in top),
             "host_sync_ops_ms": per_step(sorted(host_ops.items(), key=lambda kv: -kv[1])[:8])}
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write), median of 5."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * 2**30 / statistics.median(times[1:])
+
+
+def bytes_floor(llm, context: int, running: int) -> dict:
+    """The least time a decode step can take: every weight read once (a tied embedding once, as the LM
+    head) and every running sequence's K/V read once, at the card's copy bandwidth. `context`: the
+    running sequences' tokens when the profiled steps began."""
+    model = llm.runner.model
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    pool = llm.core.pool
+    kv_per_token = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k_cache.element_size()
+    bw = copy_bandwidth()
+    kv = context * kv_per_token
+    return {"weights_bytes": weights, "kv_bytes": kv, "running_seqs": running, "context_tokens": context,
+            "copy_bandwidth_bytes_s": round(bw), "floor_ms": round((weights + kv) / bw * 1e3, 4)}
 
 
 def run(args) -> dict:
@@ -178,7 +225,11 @@ def run(args) -> dict:
             timer.record = False
             result = {"running_seqs": running, "phases": timer.summary()}
             if not cpu:
+                context = sum(s.num_tokens for s in llm.scheduler.running)
                 result["device"] = device_profile(llm, args.profile_steps)
+                result["bytes_floor"] = bytes_floor(llm, context, len(llm.scheduler.running))
+                result["bytes_floor"]["device_busy_over_floor"] = round(
+                    result["device"]["device_busy_ms_per_step"] / result["bytes_floor"]["floor_ms"], 3)
             record["runs"][mode] = result
             print(mode, json.dumps(result)[:600], flush=True)
             del llm, timer  # the timer's wrappers hold the engine: both go, or the next engine finds little memory

@@ -107,7 +107,7 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> None:
         inputs = self.rows(bs)
         meta = self.backend.prepare_metadata(inputs)
-        self.logits[:bs] = self.model(inputs.input_ids, inputs.positions, meta, self.backend)
+        self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_out=self.logits[:bs])
 
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         """One decode step of n = inputs.num_seqs sequences: returns their logits [n, vocab] (a view of the
@@ -248,8 +248,8 @@ class StepGraphs:
     def _forward(self, t_b: int) -> None:
         inputs = self.static_inputs(t_b)
         meta = self.backend.prepare_metadata(inputs)
-        out = self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_indices=inputs.logits_indices)
-        self.logits[:out.shape[0]] = out
+        self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_indices=inputs.logits_indices,
+                   logits_out=self.logits[:inputs.logits_indices.numel()])
 
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         """One step of T = inputs.input_ids.numel() tokens over B sequences: the logits [S, vocab] of its
