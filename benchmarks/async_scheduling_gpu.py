@@ -45,28 +45,50 @@ def check_workload(num_requests: int, rng_seed: int = 7) -> list[tuple[list[int]
 
 
 class ForwardTimer:
-    """CUDA events around every `runner.forward` of one engine: the device time of each step's model."""
+    """CUDA events around every `runner.forward` of one engine (the device time of each step's model),
+    and around every call of the sampler (`sample_on_device`, both where the engine core calls it and
+    where `sample` does): a sampled step's kernels run on the device too, after the model's."""
 
     def __init__(self, llm: LLM):
+        from minikv.engine import core, sampler
         self.pairs: list[tuple] = []
-        self.llm, self.forward = llm, llm.runner.forward
-        llm.runner.forward = self._timed
+        self.sample_pairs: list[tuple] = []
+        self.llm = llm
+        llm.runner.forward = self._wrap(llm.runner.forward, self.pairs)
+        self._restore = [(mod, mod.sample_on_device) for mod in (core, sampler)]
+        for mod, fn in self._restore:
+            mod.sample_on_device = self._wrap(fn, self.sample_pairs)
 
-    def _timed(self, *args, **kwargs):
-        if not torch.cuda.is_available():
-            return self.forward(*args, **kwargs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.forward(*args, **kwargs)
-        end.record()
-        self.pairs.append((start, end))
-        return out
+    def close(self) -> None:
+        for mod, fn in self._restore:
+            mod.sample_on_device = fn
+
+    @staticmethod
+    def _wrap(fn, pairs: list):
+        def timed(*args, **kwargs):
+            if not torch.cuda.is_available():
+                return fn(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            pairs.append((start, end))
+            return out
+        return timed
+
+    def take_sample_ms(self) -> float:
+        """Device ms of every sampler call since the last take."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        total = sum(s.elapsed_time(e) for s, e in self.sample_pairs)
+        self.sample_pairs.clear()
+        return total
 
     def take_ms(self) -> list[float]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times = [s.elapsed_time(e) for s, e in self.pairs]
-        self.pairs = []
+        self.pairs.clear()  # (in place: the wrappers hold this list)
         return times
 
 
@@ -77,6 +99,7 @@ def drive(llm: LLM, requests, sampling: str, timer: ForwardTimer) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timer.take_ms()
+    timer.take_sample_ms()
     overlapped_before = llm.num_overlapped_steps
     walls = []
     t0 = time.perf_counter()
@@ -88,6 +111,7 @@ def drive(llm: LLM, requests, sampling: str, timer: ForwardTimer) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     device_ms = timer.take_ms()
+    sample_ms = timer.take_sample_ms()
     made = sum(len(s.output_token_ids) for s in seqs)
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.scheduler.finishing, "blocks left after the drain"
@@ -96,7 +120,9 @@ def drive(llm: LLM, requests, sampling: str, timer: ForwardTimer) -> dict:
             "overlapped_steps": llm.num_overlapped_steps - overlapped_before,
             "step_wall_ms_mean": 1e3 * statistics.fmean(walls), "step_wall_ms_median": 1e3 * statistics.median(walls),
             "forward_device_ms_mean": statistics.fmean(device_ms) if device_ms else None,
-            "forward_device_ms_total": sum(device_ms) if device_ms else None}
+            "forward_device_ms_total": sum(device_ms) if device_ms else None,
+            # the step's device time: the model's and the sampler's kernels (greedy: one argmax)
+            "step_device_ms_mean": (sum(device_ms) + sample_ms) / len(walls) if device_ms else None}
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -163,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{run['seconds']:6.2f} s  {run['steps']} steps  wall/step "
                               f"{run['step_wall_ms_mean']:.2f} ms  forward/step "
                               f"{run['forward_device_ms_mean'] or float('nan'):.2f} ms", flush=True)
+            timer.close()
             del llm, timer
             gc.collect()
             if dev.startswith("cuda"):
@@ -171,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     record["speedup"] = {s: runs[(s, True)]["tokens_per_s"] / runs[(s, False)]["tokens_per_s"]
                          for s in SAMPLING if (s, True) in runs}
     print("\n| sampling | async | tok/s | seconds | steps | overlapped | wall/step mean (ms) | median | "
-          "forward device/step (ms) | tokens = off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "forward device/step (ms) | step device (ms, with sampling) | wall / step device | tokens = off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in record["runs"]:
-        dev_ms = r["forward_device_ms_mean"]
+        dev_ms, step_ms = r["forward_device_ms_mean"], r["step_device_ms_mean"]
+        ratio = "-" if not step_ms else f"{r['step_wall_ms_mean'] / step_ms:.2f}"
         print(f"| {r['sampling']} | {'on' if r['async_scheduling'] else 'off'} | {r['tokens_per_s']:,.0f} | "
               f"{r['seconds']:.2f} | {r['steps']} | {r['overlapped_steps']} | {r['step_wall_ms_mean']:.2f} | "
               f"{r['step_wall_ms_median']:.2f} | {'-' if dev_ms is None else f'{dev_ms:.2f}'} | "
-              f"{r.get('tokens_identical_to_off', '-')} |")
+              f"{'-' if step_ms is None else f'{step_ms:.2f}'} | {ratio} | {r.get('tokens_identical_to_off', '-')} |")
     print("\nspeedup (on / off):", {k: round(v, 3) for k, v in record["speedup"].items()})
     text = json.dumps(record, indent=1)
     if args.out:
