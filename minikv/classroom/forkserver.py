@@ -4,8 +4,8 @@
     proc = server.fork(events_fd)                   # used as subprocess.Popen is: pid, stdin, stdout, wait(timeout)
     server.close()
 
-A fresh `python runner.py` spends over a second importing torch before a notebook's first cell; a fork
-of a process that has imported it starts at once. The grader talks to the server over a socket pair:
+A fresh `python runner.py` spends most of its start importing torch before a notebook's first cell; a
+fork of a process that has imported it starts at once. The grader talks to the server over a socket pair:
 
     grader                                  server (runner.py --serve)            child (one notebook)
     stdin, stdout, events pipes  --fds-->   fork ------------------------------>  setsid, its own session
@@ -16,7 +16,10 @@ The child is as isolated as a fresh process: its own session (the grader kills i
 its own stdin, stdout and stderr, the server's socket closed (the notebook cannot reach the grader but by
 its events pipe), `random` and numpy reseeded; runner.main sets its memory limit, threads, working
 directory and sys.path before the notebook's code runs, as in a fresh process. The server itself runs no
-notebook code, so every child starts from the same untouched imports (memory is copied on write).
+notebook code, so every child starts from the same untouched imports (memory is copied on write). What
+children share that fresh processes would not: the server's hash seed (the order of a set of strings).
+A course that sets environment variables before anything imports (registry.py's `env`) is forked only
+where the server's imports saw the same values; else its notebook starts a fresh process.
 
 Forking a process that runs threads is unsafe (a lock another thread holds stays held in the child, and
 torch's thread pool does not survive a fork): the server starts none and runs no torch work, and it
@@ -34,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-READY_TIMEOUT = 120.0  # seconds for the server's imports (about 1 s on an idle machine)
+READY_TIMEOUT = 120.0  # seconds for the server's imports, or for it to fork, on a loaded machine
 
 
 def available() -> bool:
@@ -209,11 +212,10 @@ def _child(sock: socket.socket, fds: list[int], has_session_w: int, run_notebook
 
 
 def _reseed() -> None:
-    """A fresh process seeds `random` and numpy from the OS; a fork would share the server's state."""
-    if "random" in sys.modules:
-        sys.modules["random"].seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
+    """A fresh process seeds numpy's global generator from the OS; a forked one would share the server's
+    (`random` reseeds itself after a fork; numpy.random is not among the server's imports today)."""
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
 
 
 def _threads() -> int:
