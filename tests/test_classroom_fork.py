@@ -2,9 +2,10 @@
 forked notebook is as isolated as one in a fresh process.
 
 One run grades five small notebooks, one after another, from one job's server: `leaker` patches torch,
-minikv, os.environ and sys and writes to every file descriptor it holds; `clean` checks nothing of that reached it; `hang` starts a `sleep` and never
-ends; `writer` rewrites a checker in the server's copy of the package; `after` checks it got a new one.
-Each notebook writes its pid, its parent's pid and a random number (numpy's) to a file of the test's.
+minikv, os.environ and sys and writes to every file descriptor it holds; `clean` checks nothing of that
+reached it; `hang` starts a `sleep` and never ends; `writer` rewrites a checker in the server's copy of
+the package; `after` checks it got a new one. Each notebook writes its pid, its parent's pid and a
+random number (numpy's) to a file of the test's.
 """
 from __future__ import annotations
 

@@ -212,6 +212,7 @@ def serve(sock_fd: int, threads: int) -> None:
     _limit({"threads": threads})
     _sanitize_path(os.getcwd())
     import torch  # noqa: F401  no torch work here: a fork must not inherit a thread pool
+
     import minikv  # noqa: F401
     from minikv.classroom import forkserver, guard  # noqa: F401
 
