@@ -18,6 +18,7 @@ its events pipe), `random` and numpy reseeded; runner.main sets its memory limit
 directory and sys.path before the notebook's code runs, as in a fresh process. The server itself runs no
 notebook code, so every child starts from the same untouched imports (memory is copied on write). What
 children share that fresh processes would not: the server's hash seed (the order of a set of strings).
+What a notebook could do to the server (it runs as the same user) it could do to the grader already.
 A course that sets environment variables before anything imports (registry.py's `env`) is forked only
 where the server's imports saw the same values; else its notebook starts a fresh process.
 
@@ -109,9 +110,12 @@ class ForkServer:
         return json.loads(data) if data else None
 
     def close(self) -> None:
-        """End the server (a closed socket ends its loop; a kill if it is stuck)."""
-        if self.last is not None and self.last.returncode is None:
-            self.last.kill()
+        """End the server (a closed socket ends its loop; a kill if it is stuck) and a notebook left running."""
+        if self.last is not None and not self.last.ended:
+            try:
+                os.killpg(self.last.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.sock.close()
         try:
             self.proc.wait(10)
