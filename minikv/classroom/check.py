@@ -219,16 +219,20 @@ class WarmProcess:
     """A job slot's fork server (minikv/classroom/forkserver.py) and the package copy it imported minikv from.
 
     Started on first use. A notebook that changed that copy on disk (its grade is flagged) or a server that
-    died retires it: the next notebook gets a new server with a new copy, never what a notebook left."""
+    died retires it: the next notebook gets a new server with a new copy, never what a notebook left. A
+    server that never got ready is not tried again: the slot's notebooks start fresh processes."""
 
     def __init__(self, threads: int | None):
         self.threads = threads
         self.server: forkserver.ForkServer | None = None
         self.package: Path | None = None
         self.digest = ""
+        self.gave_up = False
 
     def fork(self, env: dict[str, str], events_fd: int) -> forkserver.Forked | None:
         """A notebook's process, or None: it needs a fresh one (a course's environment the server lacks)."""
+        if self.gave_up:
+            return None
         if self.server is None or self.server.environ is None:
             self.close()
             self.package = Path(tempfile.mkdtemp(prefix="minikv-grader-"))
@@ -237,6 +241,10 @@ class WarmProcess:
                 self.server = forkserver.ForkServer(self.package / "minikv" / "classroom" / "runner.py",
                                                     self.package, _child_env(self.package), self.threads)
             except OSError:
+                self.server = None
+            if self.server is None or self.server.environ is None:
+                self.gave_up = True
+                self.close()
                 return None
         return self.server.fork(events_fd) if self.server.can_run(env) else None
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,7 +64,7 @@ class ForkServer:
             theirs.close()
         self.last: Forked | None = None
         try:
-            ready = self._receive(READY_TIMEOUT)
+            ready = self.receive(READY_TIMEOUT)
         except subprocess.TimeoutExpired:
             ready = None
         self.environ: dict[str, str] | None = ready.get("ready") if ready else None  # None: never ready, or gone
@@ -82,8 +83,8 @@ class ForkServer:
         out_r, out_w = os.pipe()
         try:
             socket.send_fds(self.sock, [b"fork"], [stdin_r, out_w, events_fd])
-            answer = self._receive(READY_TIMEOUT)
-        except OSError:
+            answer = self.receive(READY_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired):
             answer = None
         finally:
             os.close(stdin_r)
@@ -96,7 +97,7 @@ class ForkServer:
         self.last = Forked(self, answer["pid"], os.fdopen(stdin_w, "wb"), os.fdopen(out_r, "rb"))
         return self.last
 
-    def _receive(self, timeout: float | None) -> dict | None:
+    def receive(self, timeout: float | None) -> dict | None:
         """The server's next message; None when it is gone (raises subprocess.TimeoutExpired past timeout)."""
         self.sock.settimeout(timeout)
         try:
@@ -113,7 +114,7 @@ class ForkServer:
         """End the server (a closed socket ends its loop; a kill if it is stuck) and a notebook left running."""
         if self.last is not None and not self.last.ended:
             try:
-                os.killpg(self.last.pid, 9)
+                os.killpg(self.last.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self.sock.close()
@@ -136,7 +137,7 @@ class Forked:
         """Its exit code (-N: killed by signal N), as the server's waitpid saw it; None if the server died."""
         if not self.ended:
             try:
-                answer = self.server._receive(timeout)
+                answer = self.server.receive(timeout)
             except subprocess.TimeoutExpired:
                 raise subprocess.TimeoutExpired(f"notebook process {self.pid}", timeout) from None
             self.ended = True
@@ -147,7 +148,7 @@ class Forked:
 
     def kill(self) -> None:
         try:
-            os.kill(self.pid, 9)
+            os.kill(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
