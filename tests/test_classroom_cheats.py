@@ -16,7 +16,7 @@ import nbformat
 import pytest
 
 from minikv.classroom import guard
-from minikv.classroom.check import CheckResult, Grade, grade_notebook
+from minikv.classroom.check import CheckResult, Grade, grade_notebook, grade_notebooks
 from minikv.classroom.grade import StudentGrades, grade_class, write_csv, write_feedback, write_junit
 from minikv.cli import main
 
@@ -291,7 +291,8 @@ def test_late_work_and_skipped_folders_are_reported(tmp_path):
     assert any(".cache, _template" in line and "skipped" in line for line in said), said
 
 
-def test_a_notebook_is_held_to_its_memory_one_thread_and_its_output_is_kept_short(tmp_path):
+@pytest.mark.parametrize("process", ["fresh", "forked"])
+def test_a_notebook_is_held_to_its_memory_one_thread_and_its_output_is_kept_short(tmp_path, process):
     course = _notebook(tmp_path / "course" / "sq.ipynb", [(SQ_SETUP, []), (SQ_STUB, ["exercise"]),
                                                           (SQ_CHECK, ["check"]), ("import os\nos._exit(3)", [])])
     mine = _notebook(tmp_path / "me" / "sq.ipynb", [
@@ -300,7 +301,10 @@ def test_a_notebook_is_held_to_its_memory_one_thread_and_its_output_is_kept_shor
         ("import os\nfor _ in range(400):\n    os.write(1, b'x' * 100_000)", []),  # 40 MB past the cell's capture
         ("print('y' * 10_000_000)", []),
         ("import torch\nassert torch.get_num_threads() == 1, torch.get_num_threads()", [])])  # one thread
-    g = grade_notebook(mine, reference=course, memory_gb=4)
+    if process == "fresh":
+        g = grade_notebook(mine, reference=course, memory_gb=4)
+    else:  # by a fork server (minikv/classroom/forkserver.py), as grade_notebooks grades a class
+        [g] = grade_notebooks([mine], reference=course, memory_gb=4, fork=True)
     assert g.checks[0].passed, g.report()
     assert [n for n in g.notes if "raised" in n] == [n for n in g.notes if "MemoryError" in n] != [], g.notes
     assert len(g.report()) < 5000, "every output is kept to its end"

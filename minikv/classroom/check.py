@@ -10,12 +10,17 @@ notebook's own check cells. Results come back over a pipe, event by event, as ea
 the process ends without running exit hooks. It is killed past its time limit, and cannot grow past
 its memory limit; its printed output is kept to its end. What this defends against, and what not:
 classroom/README.md.
+
+grade_notebooks, on Linux, forks each notebook's process from a warm server that has imported torch
+and minikv from its own copy of the package (minikv/classroom/forkserver.py): the same isolation, without
+a second of imports per notebook. MINIKV_GRADER_FORK=0 (or fork=False) starts a fresh process instead.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -24,10 +29,12 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import minikv
+from minikv.classroom import forkserver
 from minikv.classroom.guard import suspect
 from minikv.classroom.notebooks import (
     Cell,
@@ -208,7 +215,49 @@ def _child_env(package: Path) -> dict[str, str]:
     return env
 
 
-def _kill(proc: subprocess.Popen) -> None:
+class WarmProcess:
+    """A job slot's fork server (minikv/classroom/forkserver.py) and the package copy it imported minikv from.
+
+    Started on first use. A notebook that changed that copy on disk (its grade is flagged) or a server that
+    died retires it: the next notebook gets a new server with a new copy, never what a notebook left. A
+    server that never got ready is not tried again: the slot's notebooks start fresh processes."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+        self.server: forkserver.ForkServer | None = None
+        self.package: Path | None = None
+        self.digest = ""
+        self.gave_up = False
+
+    def fork(self, env: dict[str, str], events_fd: int) -> forkserver.Forked | None:
+        """A notebook's process, or None: it needs a fresh one (a course's environment the server lacks)."""
+        if self.gave_up:
+            return None
+        if self.server is None or self.server.environ is None:
+            self.close()
+            self.package = Path(tempfile.mkdtemp(prefix="minikv-grader-"))
+            self.digest = package_copy(self.package)
+            try:
+                self.server = forkserver.ForkServer(self.package / "minikv" / "classroom" / "runner.py",
+                                                    self.package, _child_env(self.package), self.threads)
+            except OSError:
+                self.server = None
+            if self.server is None or self.server.environ is None:
+                self.gave_up = True
+                self.close()
+                return None
+        return self.server.fork(events_fd) if self.server.can_run(env) else None
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.package is not None:
+            _writable(self.package)
+            shutil.rmtree(self.package, ignore_errors=True)
+        self.server, self.package = None, None
+
+
+def _kill(proc: subprocess.Popen | forkserver.Forked) -> None:
     """End the notebook's process and whatever it started (its own session, see start_new_session)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -315,8 +364,9 @@ NOT_ATTEMPTED = "not attempted: every cell is the course's own, the stubs unchan
 
 def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference: Path | None = None,
                    threads: int | None = 1, memory_gb: float | None = DEFAULT_MEMORY_GB,
-                   run_untouched: bool = False) -> Grade:
-    """Run one exercise notebook in a fresh process, then the course's checks on what it defined.
+                   run_untouched: bool = False, warm: WarmProcess | None = None) -> Grade:
+    """Run one exercise notebook in a fresh process (or one forked by `warm`), then the course's checks on
+    what it defined.
 
     A notebook whose every cell is the course's (an exercise handed back as it was handed out) scores 0
     without running, unless run_untouched."""
@@ -337,21 +387,22 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
                         for k, (c, at) in enumerate(zip(p.entry.checks, p.where), start=1)]
         return grade
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="minikv-notebook-") as work, \
-            tempfile.TemporaryDirectory(prefix="minikv-grader-") as package_root:
-        package = Path(package_root)
-        digest = package_copy(package)
+    with tempfile.TemporaryDirectory(prefix="minikv-notebook-") as work, ExitStack() as fresh:
         shutil.copy(path, Path(work) / path.name)  # the notebook alone: nothing of its folder or the checkout
         course_plan = {"cwd": work, "env": p.entry.env, "threads": threads,
                        "memory": int(memory_gb * 2**30) if memory_gb else None,
                        "cells": [{"index": c.index, "source": c.source, "role": c.role} for c in p.cells],
                        "course": p.entry.to_dict()}
         r, w = os.pipe()
-        python = [sys.executable] + (["-S"] if sys.flags.no_site else [])  # the child imports as we do
         try:
-            proc = subprocess.Popen([*python, str(package / "minikv" / "classroom" / "runner.py"), str(w)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    pass_fds=(w,), cwd=work, env=_child_env(package), start_new_session=True)
+            proc = warm.fork(p.entry.env, w) if warm is not None else None
+            if proc is not None:
+                package, digest = warm.package, warm.digest
+            else:  # a fresh process, with a package copy of its own
+                package = Path(fresh.enter_context(tempfile.TemporaryDirectory(prefix="minikv-grader-")))
+                fresh.callback(_writable, package)
+                digest = package_copy(package)
+                proc = _start_fresh(package, work, w)
         finally:
             os.close(w)
         events = _Reader(os.fdopen(r, "rb"))
@@ -379,13 +430,22 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT, reference
         events.join(10)
         log.join(10)
         changed_on_disk = _digest(package / "minikv") != digest
-        _writable(package)
+        if changed_on_disk and warm is not None:
+            warm.close()  # no later notebook imports what this one wrote
     grade.seconds = time.perf_counter() - start
     if changed_on_disk:
         grade.flags.append("changed the grader's copy of minikv on disk (a checker's file): its checks score 0")
     _collect(grade, p, events, code, timed_out, timeout, log.tail.decode("utf-8", "replace").strip()[-600:],
              changed_on_disk)
     return grade
+
+
+def _start_fresh(package: Path, work: str, events_fd: int) -> subprocess.Popen:
+    """`python runner.py FD` from the package copy, in its own session, the notebook's folder its cwd."""
+    python = [sys.executable] + (["-S"] if sys.flags.no_site else [])  # the child imports as we do
+    return subprocess.Popen([*python, str(package / "minikv" / "classroom" / "runner.py"), str(events_fd)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            pass_fds=(events_fd,), cwd=work, env=_child_env(package), start_new_session=True)
 
 
 def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out: bool, timeout: float,
@@ -475,22 +535,40 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
 
 def grade_notebooks(paths: list[Path], timeout: float = DEFAULT_TIMEOUT, reference: Path | None = None,
                     jobs: int = 1, on_done=None, memory_gb: float | None = DEFAULT_MEMORY_GB,
-                    run_untouched: bool = False) -> list[Grade]:
+                    run_untouched: bool = False, fork: bool | None = None) -> list[Grade]:
     """Grade several notebooks, `jobs` processes at a time; results in the order of `paths`. on_done(grade)
     is called as each notebook finishes, one call at a time (two graders finishing together never run it
-    at once: the CLI's callback merges each student's row into the CSV)."""
+    at once: the CLI's callback merges each student's row into the CSV).
+
+    Each job forks its notebooks' processes from a warm server (WarmProcess) when there are several
+    notebooks (fork=None), or even one (fork=True); never with fork=False, on a system other than Linux
+    or with MINIKV_GRADER_FORK=0 in the environment: then each notebook starts a fresh process."""
     jobs = max(1, min(jobs, len(paths) or 1))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 1
     one_at_a_time = threading.Lock()
+    warm = forkserver.available() and (len(paths) > 1 if fork is None else fork)  # one notebook: nothing shared
+    slots: queue.SimpleQueue[WarmProcess | None] = queue.SimpleQueue()
+    servers = [WarmProcess(threads) if warm else None for _ in range(jobs)]
+    for s in servers:
+        slots.put(s)
 
     def one(p: Path) -> Grade:
-        g = grade_notebook(p, timeout=timeout, reference=reference, threads=threads, memory_gb=memory_gb,
-                           run_untouched=run_untouched)
+        slot = slots.get()
+        try:
+            g = grade_notebook(p, timeout=timeout, reference=reference, threads=threads, memory_gb=memory_gb,
+                               run_untouched=run_untouched, warm=slot)
+        finally:
+            slots.put(slot)
         if on_done is not None:
             with one_at_a_time:
                 on_done(g)
         return g
 
-    with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(one, paths))
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(one, paths))
+    finally:
+        for s in servers:
+            if s is not None:
+                s.close()
 

@@ -1,6 +1,8 @@
 """Run a learner's notebook, then the course's checks on what it defined, in this fresh process.
 
     python runner.py FD  < PLAN.json       (started by minikv.classroom.check, by its path, not `-m`)
+    python runner.py --serve SOCKET THREADS  a fork server: main's imports once, then main in a child per
+                                            notebook (minikv/classroom/forkserver.py)
 
 PLAN.json    {"cwd", "env", "memory", "threads", "cells": [{"index", "source", "role"}], "course": {...}}
 FD           a pipe to the grader: one JSON line per event, written as it happens:
@@ -204,5 +206,25 @@ def main(fd: int) -> int:
     os._exit(0)
 
 
+def serve(sock_fd: int, threads: int) -> None:
+    """What main imports before a notebook's code, once, under the same thread limit; then a forked child
+    per notebook runs main, which finds them imported (minikv/classroom/forkserver.py)."""
+    _limit({"threads": threads})
+    _sanitize_path(os.getcwd())
+    import torch  # noqa: F401  no torch work here: a fork must not inherit a thread pool
+
+    import minikv  # noqa: F401
+    from minikv.classroom import forkserver, guard  # noqa: F401
+
+    try:
+        from IPython.core import interactiveshell  # noqa: F401  the shell itself starts a thread: made per child
+    except ImportError:
+        pass
+    forkserver.serve(sock_fd, main)
+
+
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    if sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit(main(int(sys.argv[1])))
