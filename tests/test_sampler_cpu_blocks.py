@@ -88,7 +88,7 @@ def test_log_sum_exp_is_torchs_bit_for_bit():
     x = torch.randn(5, 151_936, generator=g) * 4
     t = torch.tensor([0.6, 1.0, 0.05, 2.0, 1e-5])
     for rows in ([0, 1, 2, 3, 4], [3, 1], [4]):
-        lse, _ = sampler._lse_and_block_max(x, rows, t[rows])
+        lse = sampler._lse_and_block_max(x, rows, t[rows])[0]
         assert torch.equal(lse, torch.logsumexp(x[rows] / t[rows, None], dim=-1, keepdim=True))
 
 

@@ -277,15 +277,12 @@ HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
 
 
-def _strided_max(x: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _strided_max(x: torch.Tensor, size: int) -> torch.Tensor:
     """The maximum of each strided group of `size` columns of x [n, w] (the picture above): [n, w // size (+1)]."""
     n, w = x.shape
     g, rest = divmod(w, size)
-    out = torch.empty(n, g + (rest > 0), dtype=x.dtype) if out is None else out
-    torch.amax(x[:, :g * size].view(n, size, g), 1, out=out[:, :g])
-    if rest:
-        torch.amax(x[:, g * size:], 1, out=out[:, g])
-    return out
+    out = x[:, :g * size].view(n, size, g).amax(1)
+    return torch.cat([out, x[:, g * size:].amax(1, keepdim=True)], 1) if rest else out
 
 
 def _members(groups: torch.Tensor, w: int, size: int) -> torch.Tensor:
@@ -308,7 +305,7 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     blocks cover much of it. The rows it cannot vouch for (a draw near the nucleus' edge or a near tie, a
     maximum that is not finite, top_p within the slack of 1) are drawn by `_sample_nucleus` itself."""
     n, vocab = len(rows), logits.shape[-1]
-    lse, block_max = _lse_and_block_max(logits, rows, temperature)
+    lse, best, block_max = _lse_and_block_max(logits, rows, temperature)
     rows_t = torch.tensor(rows, dtype=torch.long)
     slack = _mass_slack(vocab)
     choice = torch.empty(n, dtype=torch.long)
@@ -318,11 +315,9 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     redo = [torch.arange(n)[~searchable]]  # rows for the reference
     # a row whose most likely token alone holds top_p + 2 slack draws it whatever the noise: every other
     # token has that much mass before it (and no other token ties with it: it holds more than half)
-    best, top_block = block_max.max(dim=-1)
-    best = best / temperature  # max(x) / T = max(x / T): division keeps the order
-    alone = searchable & (torch.exp(best.double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
+    alone = searchable & (torch.exp(best[:, 0].double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
     if alone.any():
-        choice[alone] = _top_token(logits, rows_t[alone], top_block[alone])
+        choice[alone] = _top_token(logits, rows_t[alone], block_max[alone].argmax(-1))
     todo = torch.arange(n)[searchable & ~alone]
     edge = torch.empty(n, 1)
     whole = [todo[:0]]  # rows whose tokens above the edge are read from the whole row
@@ -379,31 +374,32 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
 
 
 def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logsumexp(logits[rows] / T) [n, 1] and the maximum of every block [n, nb (+1)], a few rows at a time
-    (`_row_chunks`).
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logsumexp(logits[rows] / T) [n, 1], the largest x / T [n, 1] and the maximum of every block
+    [n, nb (+1)], a chunk of rows at a
+    time (`_row_chunks`): the chunk's block maxima in one op, then, a row at a time with one thread,
+    x / T - m, exp and sum in a buffer that stays in the cache.
 
     torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here m comes from the block maxima
-    (amax(x / T) = amax(x) / T) and s - m is x / T, then - m, in a buffer of a few rows that stays in the
-    cache: the same bits (one addcdiv, or x * (1 / T), would round otherwise). A row's sum does not depend
-    on the rows beside it, except that torch splits a lone row across threads: with several threads,
-    chunks hold two rows or more."""
+    (amax(x / T) = amax(x) / T) and s - m is x / T, then - m: the same bits (one addcdiv, or x * (1 / T),
+    would round otherwise). A row's sum does not depend on the rows beside it, except that torch splits
+    a lone row across threads: with several threads, the ops take the chunk whole."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
     z = torch.empty(n, 1)
     m = torch.empty(n, 1)
     t = temperature[:, None]
-    buf = None
+    step = 1 if torch.get_num_threads() == 1 else n
+    buf = torch.empty(min(step, 17), vocab)  # chunks of several threads hold up to 17 rows
     for a, b, x in _row_chunks(logits, rows):
         x = x.float()
-        _strided_max(x, BLOCK, out=block_max[a:b])
+        block_max[a:b] = _strided_max(x, BLOCK)
         torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
-        if buf is None or len(buf) < b - a:  # x / T - m, exp: a chunk's buffer, reused
-            buf = torch.empty(b - a, vocab)
-        s = torch.div(x, t[a:b], out=buf[:b - a]).sub_(m[a:b])
-        torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
-    return z.log_().add_(m), block_max
+        for xr, tr, mr, zr in zip(x.split(step), t[a:b].split(step), m[a:b].split(step), z[a:b].split(step)):
+            s = torch.div(xr, tr, out=buf[:len(xr)]).sub_(mr)
+            torch.sum(s.exp_(), dim=-1, keepdim=True, out=zr)
+    return z.log_().add_(m), m, block_max
 
 
 def _mass_slack(vocab: int) -> float:
@@ -505,15 +501,21 @@ def _float_below(x: torch.Tensor) -> torch.Tensor:
     return torch.where(f.double() > x, torch.nextafter(f, torch.tensor(float("-inf"))), f)
 
 
-def _row_chunks(logits: torch.Tensor, rows: list[int]):
-    """(a, b, logits[rows[a:b]]): the rows a few at a time, a view where they lie together. One row at a
-    time with one thread; with several, chunks of 2 to 16 rows: every op on a lone row would open a
-    parallel region, where the idle threads spin."""
+def _row_chunks(logits: torch.Tensor, rows: list[int], most: int = 16):
+    """(a, b, logits[rows[a:b]]): up to `most` rows at a time. With one thread, rows that lie together,
+    as a view; with several, 2 to `most` + 1 rows, copied unless they lie together: every op on a lone row
+    would open a parallel region, where the idle threads spin."""
     n = len(rows)
-    step = 1 if torch.get_num_threads() == 1 else max(2, min(n, 16))
-    bounds = list(range(0, n, step)) + [n]
-    if step > 1 and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        del bounds[-2]  # no chunk of a lone row
+    if torch.get_num_threads() == 1:
+        bounds = [0]
+        for i in range(1, n):
+            if rows[i] != rows[i - 1] + 1 or i - bounds[-1] == most:
+                bounds.append(i)
+    else:
+        bounds = list(range(0, n, max(2, most)))
+        if len(bounds) > 1 and n - bounds[-1] == 1:
+            del bounds[-1]  # no chunk of a lone row
+    bounds.append(n)
     for a, b in zip(bounds, bounds[1:]):
         if rows[a:b] == list(range(rows[a], rows[a] + b - a)):
             yield a, b, logits[rows[a]:rows[a] + b - a]
