@@ -268,29 +268,13 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
 #     block c < nb:  ids c, c + nb, c + 2 nb, ..., c + (BLOCK - 1) nb        nb = V // BLOCK
 #     block nb:      ids BLOCK * nb .. V - 1  (V % BLOCK of them; none when BLOCK divides V)
 #
-# and the blocks, one level up, as groups of GROUP blocks split the same way. Every token above a block's
-# maximum lies in a block of larger maximum (and in a group of larger maximum), so a row's most likely
-# tokens lie in its blocks of largest maxima, and each block holds at least its maximum's probability.
+# and the blocks, one level up, as groups of GROUP blocks split the same way (`_strided_max`,
+# `_members`). Every token above a block's maximum lies in a block of larger maximum, in a group of
+# larger maximum, and each block or group holds at least its maximum's probability.
 BLOCK = 16
 GROUP = 8
 HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
-
-
-def _strided_max(x: torch.Tensor, size: int) -> torch.Tensor:
-    """The maximum of each strided group of `size` columns of x [n, w] (the picture above): [n, w // size (+1)]."""
-    n, w = x.shape
-    g, rest = divmod(w, size)
-    out = x[:, :g * size].view(n, size, g).amax(1)
-    return torch.cat([out, x[:, g * size:].amax(1, keepdim=True)], 1) if rest else out
-
-
-def _members(groups: torch.Tensor, w: int, size: int) -> torch.Tensor:
-    """The columns of the strided groups `groups` [...] of `size` over w columns, rising: [..., size]. The
-    short last group's lanes past the last column hold columns >= w."""
-    g = w // size
-    lane = torch.arange(size)
-    return torch.where(groups[..., None] < g, groups[..., None] + g * lane, g * size + lane)
 
 
 def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
@@ -299,13 +283,14 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
     `_lse_and_block_max`. A row whose most likely token alone holds top_p draws that token. Any other
     finds an edge, a scaled logit above which its tokens surely hold top_p of its mass (plus the slack,
-    see `_draw_above`), from the maxima of its groups of blocks, of its blocks for the rows whose groups'
-    maxima never hold top_p, then of its tokens (`_edge_of`). `_draw_above` draws among the tokens above
-    the edge, gathered from the blocks whose maximum lies above it, or read from the whole row when those
-    blocks cover much of it. The rows it cannot vouch for (a draw near the nucleus' edge or a near tie, a
-    maximum that is not finite, top_p within the slack of 1) are drawn by `_sample_nucleus` itself."""
+    see `_draw_above`), from the maxima of its groups of blocks; a row whose groups' maxima never hold
+    top_p, from its blocks'; one whose blocks' never do either, from its tokens (`_edge_of`).
+    `_draw_above` draws among the tokens above the edge, gathered from the blocks whose maximum lies
+    above it, or read from the whole row when those blocks cover much of it. The rows it cannot vouch
+    for (a draw near the nucleus' edge or a near tie, a maximum that is not finite, top_p within the
+    slack of 1) are drawn by `_sample_nucleus` itself."""
     n, vocab = len(rows), logits.shape[-1]
-    lse, best, block_max = _lse_and_block_max(logits, rows, temperature)
+    lse, best, block_max, groups = _lse_and_block_max(logits, rows, temperature)
     rows_t = torch.tensor(rows, dtype=torch.long)
     slack = _mass_slack(vocab)
     choice = torch.empty(n, dtype=torch.long)
@@ -317,46 +302,46 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     # token has that much mass before it (and no other token ties with it: it holds more than half)
     alone = searchable & (torch.exp(best[:, 0].double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
     if alone.any():
-        choice[alone] = _top_token(logits, rows_t[alone], block_max[alone].argmax(-1))
+        choice[alone] = _top_token(logits, block_max, groups, rows_t, torch.arange(n)[alone])
     todo = torch.arange(n)[searchable & ~alone]
     edge = torch.empty(n, 1)
     whole = [todo[:0]]  # rows whose tokens above the edge are read from the whole row
-    # the groups' maxima, then the blocks' of the rows they do not serve
-    groups = _strided_max(block_max, GROUP)
-    e, taken, found = _edge_of(groups[todo], temperature[todo], lse[todo], top_p[todo], slack)
-    edge[todo] = e
-    r, g = taken.nonzero(as_tuple=True)  # row by row
-    r, b = todo[r], _members(g, block_max.shape[1], GROUP)  # the blocks of the groups above the edge
-    wide = block_max.shape[1]
-    above = (block_max.take(r[:, None] * wide + b.clamp_max(wide - 1)) / temperature[r, None] > edge[r]) & (b < wide)
-    at, lane = above.nonzero(as_tuple=True)
-    pairs = [(r[at], b[at, lane])]  # (row, block): the blocks above each row's edge
-    todo = todo[~found]
-    if todo.numel():
-        e, taken, found = _edge_of(block_max[todo], temperature[todo], lse[todo], top_p[todo], slack)
+    pairs = []  # (row, block): the blocks whose maximum lies above the row's edge
+    for level in ("groups", "blocks", "tokens"):
+        if todo.numel() == 0:
+            break
+        if level == "groups":
+            maxima = groups[todo]
+        elif level == "blocks":
+            maxima = block_max[todo]
+        else:  # flat rows: their blocks' maxima never hold top_p
+            maxima = logits.index_select(0, rows_t[todo]).float()
+        e, taken, found = _edge_of(maxima, temperature[todo], best[todo], lse[todo], top_p[todo], slack)
         edge[todo] = e
-        r, b = taken.nonzero(as_tuple=True)
-        pairs.append((todo[r], b))
+        if level == "groups":  # the blocks of the groups taken, whose maximum lies above the edge
+            r, g = taken.nonzero(as_tuple=True)
+            r, b = todo[r], _members(g, block_max.shape[1], GROUP)
+            at, lane = (_pick(block_max, r, b) / temperature[r, None] > edge[r]).nonzero(as_tuple=True)
+            pairs.append((r[at], b[at, lane]))
+        elif level == "blocks":
+            r, b = taken.nonzero(as_tuple=True)
+            pairs.append((todo[r], b))
+        else:
+            whole.append(todo[found])
+            redo.append(todo[~found])
         todo = todo[~found]
-    if todo.numel():  # flat rows: their blocks' maxima never hold top_p either
-        e, _, found = _edge_of(logits.index_select(0, rows_t[todo]).float(), temperature[todo], lse[todo],
-                               top_p[todo], slack)
-        edge[todo] = e
-        whole.append(todo[found])
-        redo.append(todo[~found])
-    r, b = (torch.cat(c) for c in zip(*pairs))
-    blocks = torch.bincount(r, minlength=n)
-    many = blocks * BLOCK * 8 >= vocab  # their blocks cover much of the row: read it whole
+    r, b = (torch.cat(c) for c in zip(*pairs)) if pairs else (todo, todo)
+    count = torch.bincount(r, minlength=n)  # blocks above the edge
+    many = count * BLOCK * 8 >= vocab  # they cover much of the row: read it whole
     whole = torch.cat(whole + [torch.arange(n)[many]])
-    keep = ~many[r]
-    r, b = r[keep], b[keep]
-    go = torch.arange(n)[(blocks > 0) & ~many]
+    go = torch.arange(n)[(count > 0) & ~many]
     if go.numel():
         local = torch.empty(n, dtype=torch.long)
         local[go] = torch.arange(go.numel())
-        r, by_row = local[r].sort(stable=True)  # the levels' pairs, row by row
+        keep = ~many[r]
+        r, by_row = local[r[keep]].sort(stable=True)  # the levels' pairs, row by row
         got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[go],
-                                slack, (r, b[by_row]))
+                                slack, (r, b[keep][by_row]))
         choice[go] = got
         redo.append(go[~sure])
     if whole.numel():
@@ -374,32 +359,83 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
 
 
 def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logsumexp(logits[rows] / T) [n, 1], the largest x / T [n, 1] and the maximum of every block
-    [n, nb (+1)], a chunk of rows at a
-    time (`_row_chunks`): the chunk's block maxima in one op, then, a row at a time with one thread,
-    x / T - m, exp and sum in a buffer that stays in the cache.
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logsumexp(logits[rows] / T) [n, 1], the largest x / T [n, 1], the maximum of every block [n, nb (+1)]
+    and of every group of blocks [n, nb // GROUP (+1)]: the block maxima of every row in one op
+    (`_row_chunks`: rows that lie together), then, a row at a time with one thread, x / T - m, exp and
+    sum in a buffer that stays in the cache.
 
     torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here m comes from the block maxima
     (amax(x / T) = amax(x) / T) and s - m is x / T, then - m: the same bits (one addcdiv, or x * (1 / T),
     would round otherwise). A row's sum does not depend on the rows beside it, except that torch splits
-    a lone row across threads: with several threads, the ops take the chunk whole."""
+    a lone row across threads: with several threads, the ops take chunks of 2 to 17 rows."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
     z = torch.empty(n, 1)
     m = torch.empty(n, 1)
     t = temperature[:, None]
-    step = 1 if torch.get_num_threads() == 1 else n
-    buf = torch.empty(min(step, 17), vocab)  # chunks of several threads hold up to 17 rows
-    for a, b, x in _row_chunks(logits, rows):
+    one = torch.get_num_threads() == 1
+    buf = torch.empty(1 if one else min(n, 17), vocab)
+    group_max = torch.empty(n, block_max.shape[1] // GROUP + (block_max.shape[1] % GROUP > 0))
+    for a, b, x in _row_chunks(logits, rows, n if one else 16):
         x = x.float()
-        block_max[a:b] = _strided_max(x, BLOCK)
-        torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
+        _strided_max(x, BLOCK, out=block_max[a:b])
+        _strided_max(block_max[a:b], GROUP, out=group_max[a:b])
+        torch.div(group_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
+        step = 1 if one else b - a
         for xr, tr, mr, zr in zip(x.split(step), t[a:b].split(step), m[a:b].split(step), z[a:b].split(step)):
             s = torch.div(xr, tr, out=buf[:len(xr)]).sub_(mr)
             torch.sum(s.exp_(), dim=-1, keepdim=True, out=zr)
-    return z.log_().add_(m), m, block_max
+    return z.log_().add_(m), m, block_max, group_max
+
+
+def _row_chunks(logits: torch.Tensor, rows: list[int], most: int = 16):
+    """(a, b, logits[rows[a:b]]): up to `most` rows at a time. With one thread, rows that lie together, as
+    a view; with several, 2 to `most` + 1 rows, copied unless they lie together: every op on a lone row
+    would open a parallel region, where the idle threads spin."""
+    n = len(rows)
+    if torch.get_num_threads() == 1:
+        bounds = [0]
+        for i in range(1, n):
+            if rows[i] != rows[i - 1] + 1 or i - bounds[-1] == most:
+                bounds.append(i)
+    else:
+        bounds = list(range(0, n, max(2, most)))
+        if len(bounds) > 1 and n - bounds[-1] == 1:
+            del bounds[-1]  # no chunk of a lone row
+    bounds.append(n)
+    for a, b in zip(bounds, bounds[1:]):
+        if rows[a:b] == list(range(rows[a], rows[a] + b - a)):
+            yield a, b, logits[rows[a]:rows[a] + b - a]
+        else:
+            yield a, b, logits.index_select(0, torch.tensor(rows[a:b]))
+
+
+def _strided_max(x: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The maximum of each strided group of `size` columns of x [n, w] (the picture above): [n, w // size (+1)]."""
+    n, w = x.shape
+    g, rest = divmod(w, size)
+    out = torch.empty(n, g + (rest > 0), dtype=x.dtype) if out is None else out
+    torch.amax(x[:, :g * size].view(n, size, g), 1, out=out[:, :g])
+    if rest:
+        torch.amax(x[:, g * size:], 1, out=out[:, g])
+    return out
+
+
+def _members(groups: torch.Tensor, w: int, size: int) -> torch.Tensor:
+    """The columns of the strided groups `groups` [...] of `size` over w columns, rising: [..., size]. The
+    short last group's lanes past the last column hold w (see `_pick`)."""
+    g = w // size
+    lane = torch.arange(size)
+    return torch.where(groups[..., None] < g, groups[..., None] + g * lane, g * size + lane).clamp_max_(w)
+
+
+def _pick(x: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """x[rows[i], columns[i, j]] as float32, -inf where the column is past x's last (x: [B, w])."""
+    w = x.shape[-1]
+    got = x.take(rows[:, None] * w + columns.clamp_max(w - 1)).float()
+    return got.masked_fill_(columns >= w, float("-inf"))
 
 
 def _mass_slack(vocab: int) -> float:
@@ -409,27 +445,29 @@ def _mass_slack(vocab: int) -> float:
     return 1e-4 + vocab * 2.0 ** -27
 
 
-def _top_token(logits: torch.Tensor, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """The id of the largest logit of each row, from the block that holds it (the first id of a tie)."""
-    vocab = logits.shape[-1]
-    ids = _members(block, vocab, BLOCK)  # [n, BLOCK]
-    x = logits.take(rows[:, None] * vocab + ids.clamp_max(vocab - 1)).float().masked_fill_(ids >= vocab, float("-inf"))
-    return ids.gather(1, x.argmax(dim=-1, keepdim=True))[:, 0]
+def _top_token(logits: torch.Tensor, block_max: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor,
+               these: torch.Tensor) -> torch.Tensor:
+    """The id of the largest logit of the rows `these`, down from each one's top group to its top block to
+    its top token (the first of a tie within a block)."""
+    blocks = _members(groups[these].argmax(-1), block_max.shape[1], GROUP)  # [k, GROUP]
+    block = blocks.gather(1, _pick(block_max, these, blocks).argmax(-1, keepdim=True))[:, 0]
+    ids = _members(block, logits.shape[-1], BLOCK)  # [k, BLOCK]
+    return ids.gather(1, _pick(logits, rows[these], ids).argmax(-1, keepdim=True))[:, 0]
 
 
-def _edge_of(maxima, temperature, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An edge from the maxima of groups of a row's tokens (tokens alone, blocks or groups of blocks)
+def _edge_of(maxima, temperature, best, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An edge from the maxima of groups of a row's tokens (groups of blocks, blocks, or tokens alone)
     [n, w]: a histogram of the maxima by scaled logit, in bins of 1 / HISTOGRAM_BINS counted down from the
-    row's maximum, each weighing its probability (each group holds at least that). The first bins that
-    weigh top_p + 2 slack are taken; the edge is the largest maximum left (every token above it lies in a
-    taken group; the taken maxima lie above it: a bin never falls as its maximum rises). Returns (edge
-    [n, 1], taken [n, w] bool, found [n]: a row whose maxima never weigh enough takes none)."""
+    row's maximum `best`, each weighing its probability (each group holds at least that). The first bins
+    that weigh top_p + 2 slack are taken; the edge is the largest maximum left (every token above it lies
+    in a taken group; the taken maxima lie above it: a bin never falls as its maximum rises). Returns
+    (edge [n, 1], taken [n, w] bool, found [n]: a row whose maxima never weigh enough takes none)."""
     n, nbins = maxima.shape[0], HISTOGRAM_BINS * 64
     scaled = maxima / temperature[:, None]
-    bins = (scaled.amax(-1, keepdim=True) - scaled).mul_(HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor
-    weight = torch.exp(scaled.double() - lse.double())
-    mass = torch.zeros(n, nbins, dtype=torch.float64).scatter_add_(1, bins, weight)
-    enough = mass.cumsum(-1) >= top_p[:, None].double() + 2 * slack
+    bins = (best - scaled).mul_(HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor
+    # float32 sums: the tokens above the edge are checked in float64 (`_draw_above`)
+    mass = torch.zeros(n, nbins).scatter_add_(1, bins, torch.exp(scaled - lse))
+    enough = mass.double().cumsum(-1) >= top_p[:, None].double() + 2 * slack
     enough[:, -1] = False  # the last bin holds the rest of the row
     found = enough.any(-1)
     taken = bins <= torch.where(found, enough.byte().argmax(-1), -1)[:, None]  # up to the first bin enough
@@ -454,8 +492,8 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float,
     if blocks is not None:  # gather the blocks' tokens
         r, b = blocks
         ids = _members(b, vocab, BLOCK)  # [pairs, BLOCK]
-        s = logits.take(rows[r, None] * vocab + ids.clamp_max(vocab - 1)).float() / temperature[r, None]
-        at, lane = ((s > edge[r]) & (ids < vocab)).nonzero(as_tuple=True)
+        s = _pick(logits, rows[r], ids) / temperature[r, None]
+        at, lane = (s > edge[r]).nonzero(as_tuple=True)
         r, tokens, s = r[at], ids[at, lane], s[at, lane]
     else:  # read the rows whole, where they lie: the logits above edge * T, then those whose x / T is above edge
         low = _float_below(edge.double() * temperature[:, None].double())
@@ -499,28 +537,6 @@ def _float_below(x: torch.Tensor) -> torch.Tensor:
     """The largest float32 at or below each float64 of x: a float32 is above it only when above x."""
     f = x.float()
     return torch.where(f.double() > x, torch.nextafter(f, torch.tensor(float("-inf"))), f)
-
-
-def _row_chunks(logits: torch.Tensor, rows: list[int], most: int = 16):
-    """(a, b, logits[rows[a:b]]): up to `most` rows at a time. With one thread, rows that lie together,
-    as a view; with several, 2 to `most` + 1 rows, copied unless they lie together: every op on a lone row
-    would open a parallel region, where the idle threads spin."""
-    n = len(rows)
-    if torch.get_num_threads() == 1:
-        bounds = [0]
-        for i in range(1, n):
-            if rows[i] != rows[i - 1] + 1 or i - bounds[-1] == most:
-                bounds.append(i)
-    else:
-        bounds = list(range(0, n, max(2, most)))
-        if len(bounds) > 1 and n - bounds[-1] == 1:
-            del bounds[-1]  # no chunk of a lone row
-    bounds.append(n)
-    for a, b in zip(bounds, bounds[1:]):
-        if rows[a:b] == list(range(rows[a], rows[a] + b - a)):
-            yield a, b, logits[rows[a]:rows[a] + b - a]
-        else:
-            yield a, b, logits.index_select(0, torch.tensor(rows[a:b]))
 
 
 def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:
