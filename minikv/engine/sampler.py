@@ -350,11 +350,9 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
         choice[whole] = got
         redo.append(whole[~sure])
     redo = torch.cat(redo)
-    if redo.numel():
+    if redo.numel():  # with torch's own log-sum-exp
         scaled = logits.index_select(0, rows_t[redo]).float() / temperature[redo, None]
-        mine = lse[redo]
-        lse_redo = torch.where(mine.isfinite(), mine, torch.logsumexp(scaled, dim=-1, keepdim=True))
-        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo], lse_redo)
+        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo])
     return choice
 
 
@@ -362,32 +360,42 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logsumexp(logits[rows] / T) [n, 1], the largest x / T [n, 1], the maximum of every block [n, nb (+1)]
     and of every group of blocks [n, nb // GROUP (+1)]: the block maxima of every row in one op
-    (`_row_chunks`: rows that lie together), then, a row at a time with one thread, x / T - m, exp and
-    sum in a buffer that stays in the cache.
+    (`_row_chunks`: rows that lie together), then, a row at a time with one thread, x / T, exp and sum in
+    a buffer that stays in the cache.
 
-    torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here m comes from the block maxima
-    (amax(x / T) = amax(x) / T) and s - m is x / T, then - m: the same bits (one addcdiv, or x * (1 / T),
-    would round otherwise). A row's sum does not depend on the rows beside it, except that torch splits
-    a lone row across threads: with several threads, the ops take chunks of 2 to 17 rows."""
+    s = x / T is divided as the sorted path divides (x * (1 / T) would round otherwise, by more than the
+    slack where s is large). torch.logsumexp takes the maximum m off before exp; here only where exp(s)
+    itself would overflow or lose its largest terms (|m| > 60), so the bits differ from torch's by a
+    rounding: the search allows for it in its slack, and rows left to the sorted path take torch's. A
+    row's sum does not depend on the rows beside it, except that torch splits a lone row across threads:
+    with several threads, the ops take chunks of 2 to 17 rows."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
+    group_max = torch.empty(n, len(block_max[0]) // GROUP + (len(block_max[0]) % GROUP > 0))
     z = torch.empty(n, 1)
     m = torch.empty(n, 1)
     t = temperature[:, None]
+    shift = torch.zeros(n, 1)  # what exp took off: m where exp(x / T) itself overflows or loses its largest terms
     one = torch.get_num_threads() == 1
     buf = torch.empty(1 if one else min(n, 17), vocab)
-    group_max = torch.empty(n, block_max.shape[1] // GROUP + (block_max.shape[1] % GROUP > 0))
     for a, b, x in _row_chunks(logits, rows, n if one else 16):
         x = x.float()
         _strided_max(x, BLOCK, out=block_max[a:b])
         _strided_max(block_max[a:b], GROUP, out=group_max[a:b])
         torch.div(group_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
-        step = 1 if one else b - a
-        for xr, tr, mr, zr in zip(x.split(step), t[a:b].split(step), m[a:b].split(step), z[a:b].split(step)):
-            s = torch.div(xr, tr, out=buf[:len(xr)]).sub_(mr)
-            torch.sum(s.exp_(), dim=-1, keepdim=True, out=zr)
-    return z.log_().add_(m), m, block_max, group_max
+        if one:  # a row at a time
+            for i, xr, tr, zr, mr in zip(range(a, b), x.split(1), t[a:b].split(1), z[a:b].split(1), m[a:b, 0].tolist()):
+                s = torch.div(xr, tr, out=buf)
+                if abs(mr) > 60.0:
+                    shift[i] = mr
+                    s.sub_(mr)
+                torch.sum(s.exp_(), dim=-1, keepdim=True, out=zr)
+        else:  # the chunk whole
+            shift[a:b] = m[a:b]
+            s = torch.div(x, t[a:b], out=buf[:b - a]).sub_(m[a:b])
+            torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
+    return z.log_().add_(shift), m, block_max, group_max
 
 
 def _row_chunks(logits: torch.Tensor, rows: list[int], most: int = 16):
