@@ -306,7 +306,7 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     todo = torch.arange(n)[searchable & ~alone]
     edge = torch.empty(n, 1)
     whole = [todo[:0]]  # rows whose tokens above the edge are read from the whole row
-    pairs = []  # (row, block): the blocks whose maximum lies above the row's edge
+    pairs = [(todo[:0], todo[:0])]  # (row, block): the blocks whose maximum lies above the row's edge
     for level in ("groups", "blocks", "tokens"):
         if todo.numel() == 0:
             break
@@ -330,7 +330,7 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
             whole.append(todo[found])
             redo.append(todo[~found])
         todo = todo[~found]
-    r, b = (torch.cat(c) for c in zip(*pairs)) if pairs else (todo, todo)
+    r, b = (torch.cat(c) for c in zip(*pairs))
     count = torch.bincount(r, minlength=n)  # blocks above the edge
     many = count * BLOCK * 8 >= vocab  # they cover much of the row: read it whole
     whole = torch.cat(whole + [torch.arange(n)[many]])
@@ -505,9 +505,12 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float,
         r, tokens, s = r[at], ids[at, lane], s[at, lane]
     else:  # read the rows whole, where they lie: the logits above edge * T, then those whose x / T is above edge
         low = _float_below(edge.double() * temperature[:, None].double())
-        found = [(r + a, col) for a, b, x in _row_chunks(logits, rows.tolist())
-                 for r, col in [(x > low[a:b]).nonzero(as_tuple=True)]]
-        r, tokens = (torch.cat(c) for c in zip(*found))  # row by row
+        r, tokens = [], []
+        for a, b, x in _row_chunks(logits, rows.tolist()):
+            at, col = (x > low[a:b]).nonzero(as_tuple=True)
+            r.append(at + a)
+            tokens.append(col)
+        r, tokens = torch.cat(r), torch.cat(tokens)  # row by row
         s = logits.take(rows[r] * vocab + tokens).float() / temperature[r]
         above = s > edge[r, 0]
         r, tokens, s = r[above], tokens[above], s[above]
