@@ -365,10 +365,11 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
 
     s = x / T is divided as the sorted path divides (x * (1 / T) would round otherwise, by more than the
     slack where s is large). torch.logsumexp takes the maximum m off before exp; here only where exp(s)
-    itself would overflow or lose its largest terms (|m| > 60), so the bits differ from torch's by a
-    rounding: the search allows for it in its slack, and rows left to the sorted path take torch's. A
-    row's sum does not depend on the rows beside it, except that torch splits a lone row across threads:
-    with several threads, the ops take chunks of 2 to 17 rows."""
+    itself would overflow or lose its largest terms (|m| > 60: there the bits are torch's). Elsewhere
+    they differ from torch's by a rounding: the search allows for it in its slack, and rows left to the
+    sorted path take torch's. A row's sum does not depend on the rows beside it, except that torch splits
+    a lone row across threads: with several threads, the ops take chunks of 2 to 17 rows (and always
+    take m off)."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
