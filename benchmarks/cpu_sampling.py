@@ -21,8 +21,9 @@ five runs take turns --repeats rounds:
     reference  the sorted path on the same rows
     exp_pass   torch.exp of the logits into a buffer: one pass of exp, which any exact top-p draw needs
                (every token's probability enters the normaliser), the floor of a sampled step
-    lse_pass   the sampler's own pass over the vocabulary (block maxima, then x / T - m, exp and sum a
-               row at a time in a buffer): sampled minus this is the work on the nucleus
+    lse_pass   the sampler's own pass over the vocabulary (the block maxima of every row in one op, then
+               x / T, exp and sum a row at a time in a buffer): sampled minus this is the work on the
+               nucleus
 
 The medians give the ratios to greedy (the goal: sampled at most 1.1x) and to argmax (greedy before).
 With several threads, libgomp's idle threads spin between parallel regions (OMP_WAIT_POLICY, recorded);
@@ -35,15 +36,19 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import minikv.engine.sampler as sampler
-from minikv import SamplingParams
-from minikv.bench import environment
-from minikv.engine.sampler import draw_keys, filtered_probs, sample
+if __name__ == "__main__":  # run as a script: minikv from this checkout, installed or not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import minikv.engine.sampler as sampler  # noqa: E402
+from minikv import SamplingParams  # noqa: E402
+from minikv.bench import environment  # noqa: E402
+from minikv.engine.sampler import draw_keys, filtered_probs, sample  # noqa: E402
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.95}
 

@@ -268,10 +268,12 @@ def _sample_nucleus(scaled: torch.Tensor, key: torch.Tensor, top_p: torch.Tensor
 #     block c < nb:  ids c, c + nb, c + 2 nb, ..., c + (BLOCK - 1) nb        nb = V // BLOCK
 #     block nb:      ids BLOCK * nb .. V - 1  (V % BLOCK of them; none when BLOCK divides V)
 #
-# Every token above a block's maximum lies in a block of larger maximum, so a row's most likely tokens lie
-# in its blocks of largest maxima, and each block holds at least its maximum's probability.
+# and the blocks, one level up, as groups of GROUP blocks split the same way (`_strided_max`,
+# `_members`). Every token above a block's maximum lies in a block of larger maximum, in a group of
+# larger maximum, and each block or group holds at least its maximum's probability.
 BLOCK = 16
-BLOCK_LEVELS = (64, 1024, None)  # blocks of largest maxima a row looks among (None: all, sorted)
+GROUP = 8
+HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
 
 
@@ -281,104 +283,168 @@ def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torc
     vocabulary and no sort of it. The log-sum-exp and each block's maximum come from
     `_lse_and_block_max`. A row whose most likely token alone holds top_p draws that token. Any other
     finds an edge, a scaled logit above which its tokens surely hold top_p of its mass (plus the slack,
-    see `_draw_above`): first among its 64, 1,024, then all blocks of largest maxima (each block holds
-    at least its maximum's probability: the fewest blocks whose maxima are enough, the edge is the
-    maximum of the next); for a row so flat that the maxima never are, from a histogram of its mass
-    (`_edge_of_mass`). `_draw_above` draws among the tokens above the edge. The rows it cannot vouch
+    see `_draw_above`), from the maxima of its groups of blocks; a row whose groups' maxima never hold
+    top_p, from its blocks'; one whose blocks' never do either, from its tokens (`_edge_of`).
+    `_draw_above` draws among the tokens above the edge, gathered from the blocks whose maximum lies
+    above it, or read from the whole row when those blocks cover much of it. The rows it cannot vouch
     for (a draw near the nucleus' edge or a near tie, a maximum that is not finite, top_p within the
     slack of 1) are drawn by `_sample_nucleus` itself."""
-    vocab = logits.shape[-1]
-    lse, block_max = _lse_and_block_max(logits, rows, temperature)
-    block_scores = block_max / temperature[:, None]  # max(x) / T = max(x / T): division keeps the order
+    n, vocab = len(rows), logits.shape[-1]
+    lse, best, block_max, groups = _lse_and_block_max(logits, rows, temperature)
     rows_t = torch.tensor(rows, dtype=torch.long)
     slack = _mass_slack(vocab)
-    choice = torch.empty(len(rows), dtype=torch.long)
-    # rows still to draw; the others go to the reference: a maximum that is not finite, or a top_p so
-    # close to 1 that no tokens short of the whole vocabulary surely hold it
+    choice = torch.empty(n, dtype=torch.long)
+    # rows to search; the others go to the reference: a maximum that is not finite, or a top_p so close
+    # to 1 that no tokens short of the whole vocabulary surely hold it
     searchable = lse[:, 0].isfinite() & (top_p.double() + 2 * slack < 1.0)
-    redo = [torch.arange(len(rows))[~searchable]]  # rows for the reference
+    redo = [torch.arange(n)[~searchable]]  # rows for the reference
     # a row whose most likely token alone holds top_p + 2 slack draws it whatever the noise: every other
     # token has that much mass before it (and no other token ties with it: it holds more than half)
-    best, block = block_scores.max(dim=-1)
-    alone = searchable & (torch.exp(best.double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
+    alone = searchable & (torch.exp(best[:, 0].double() - lse[:, 0].double()) >= top_p.double() + 2 * slack)
     if alone.any():
-        choice[alone] = _top_token(logits, rows_t[alone], block[alone])
-    todo = torch.arange(len(rows))[searchable & ~alone]
-    for k in BLOCK_LEVELS:
+        choice[alone] = _top_token(logits, block_max, groups, rows_t, torch.arange(n)[alone])
+    todo = torch.arange(n)[searchable & ~alone]
+    edge = torch.empty(n, 1)
+    whole = [todo[:0]]  # rows whose tokens above the edge are read from the whole row
+    pairs = [(todo[:0], todo[:0])]  # (row, block): the blocks whose maximum lies above the row's edge
+    for level in ("groups", "blocks", "tokens"):
         if todo.numel() == 0:
             break
-        mine = block_scores[todo]
-        if k is None or k + 1 >= mine.shape[1]:
-            best, blocks = mine.sort(dim=-1, descending=True)  # all of them, largest maxima first
+        if level == "groups":
+            maxima = groups[todo]
+        elif level == "blocks":
+            maxima = block_max[todo]
+        else:  # flat rows: their blocks' maxima never hold top_p
+            maxima = logits.index_select(0, rows_t[todo]).float()
+        e, taken, found = _edge_of(maxima, temperature[todo], best[todo], lse[todo], top_p[todo], slack)
+        edge[todo] = e
+        if level == "groups":  # the blocks of the groups taken, whose maximum lies above the edge
+            r, g = taken.nonzero(as_tuple=True)
+            r, b = todo[r], _members(g, block_max.shape[1], GROUP)
+            at, lane = (_pick(block_max, r, b) / temperature[r, None] > edge[r]).nonzero(as_tuple=True)
+            pairs.append((r[at], b[at, lane]))
+        elif level == "blocks":
+            r, b = taken.nonzero(as_tuple=True)
+            pairs.append((todo[r], b))
         else:
-            best, blocks = mine.topk(k + 1, dim=-1)  # [n, k + 1]
-        # each block holds at least its best token: the first j blocks hold at least this much mass
-        held = torch.exp(best[:, :-1].double() - lse[todo].double()).cumsum(-1)
-        enough = held >= top_p[todo, None].double() + 2 * slack
-        found = enough.any(-1)
-        need = enough.byte().argmax(-1) + 1  # blocks taken: the first j whose maxima are enough
-        edge = best.gather(1, need[:, None])  # the first block left out: every token above it is taken
-        split = best.gather(1, need[:, None] - 1)[:, 0] == edge[:, 0]  # a tie across the edge of blocks
-        ready = found & ~split
-        go = todo[ready]
-        if go.numel():
-            j = int(need[ready].max())
-            taken = blocks[ready, :j] if j * BLOCK * 8 < vocab else None  # None: read the rows whole
-            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[ready],
-                                    slack, taken)
-            choice[go] = got
-            redo.append(go[~sure])
-        redo.append(todo[found & split])
+            whole.append(todo[found])
+            redo.append(todo[~found])
         todo = todo[~found]
-    if todo.numel():  # flat rows: their blocks' maxima alone never hold top_p
-        edge, found = _edge_of_mass(logits, rows_t[todo], temperature[todo], lse[todo], top_p[todo], slack)
-        go = todo[found]
-        if go.numel():
-            got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[found],
-                                    slack, None)
-            choice[go] = got
-            redo.append(go[~sure])
-        todo = todo[~found]
-    redo = torch.cat(redo + [todo])
-    if redo.numel():
+    r, b = (torch.cat(c) for c in zip(*pairs))
+    count = torch.bincount(r, minlength=n)  # blocks above the edge
+    many = count * BLOCK * 8 >= vocab  # they cover much of the row: read it whole
+    whole = torch.cat(whole + [torch.arange(n)[many]])
+    go = torch.arange(n)[(count > 0) & ~many]
+    if go.numel():
+        local = torch.empty(n, dtype=torch.long)
+        local[go] = torch.arange(go.numel())
+        keep = ~many[r]
+        r, by_row = local[r[keep]].sort(stable=True)  # the levels' pairs, row by row
+        got, sure = _draw_above(logits, rows_t[go], temperature[go], lse[go], key[go], top_p[go], edge[go],
+                                slack, (r, b[keep][by_row]))
+        choice[go] = got
+        redo.append(go[~sure])
+    if whole.numel():
+        got, sure = _draw_above(logits, rows_t[whole], temperature[whole], lse[whole], key[whole], top_p[whole],
+                                edge[whole], slack, None)
+        choice[whole] = got
+        redo.append(whole[~sure])
+    redo = torch.cat(redo)
+    if redo.numel():  # with torch's own log-sum-exp
         scaled = logits.index_select(0, rows_t[redo]).float() / temperature[redo, None]
-        mine = lse[redo]
-        lse_redo = torch.where(mine.isfinite(), mine, torch.logsumexp(scaled, dim=-1, keepdim=True))
-        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo], lse_redo)
+        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo])
     return choice
 
 
 def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logsumexp(logits[rows] / T) [n, 1] and the maximum of every block [n, nb (+1)], a few rows at a time.
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logsumexp(logits[rows] / T) [n, 1], the largest x / T [n, 1], the maximum of every block [n, nb (+1)]
+    and of every group of blocks [n, nb // GROUP (+1)]: the block maxima of every row in one op
+    (`_row_chunks`: rows that lie together), then, a row at a time with one thread, x / T, exp and sum in
+    a buffer that stays in the cache.
 
-    torch.logsumexp(s) is amax(s) = m, then log(sum(exp(s - m))) + m; here m comes from the block maxima
-    (amax(x / T) = amax(x) / T) and s - m is x / T, then - m, in a buffer of a few rows that stays in the
-    cache (one addcdiv rounds the same way but runs slower). A row's sum does not depend on the rows
-    beside it, except that torch splits a lone row across threads: with several threads, chunks hold two
-    rows or more."""
+    s = x / T is divided as the sorted path divides (x * (1 / T) would round otherwise, by more than the
+    slack where s is large). torch.logsumexp takes the maximum m off before exp; here only where exp(s)
+    itself would overflow or lose its largest terms (|m| > 60: there the bits are torch's). Elsewhere
+    they differ from torch's by a rounding: the search allows for it in its slack, and rows left to the
+    sorted path take torch's. A row's sum does not depend on the rows beside it, except that torch splits
+    a lone row across threads: with several threads, the ops take chunks of 2 to 17 rows (and always
+    take m off)."""
     n, vocab = len(rows), logits.shape[-1]
     nb, tail = divmod(vocab, BLOCK)
     block_max = torch.empty(n, nb + (tail > 0))
+    group_max = torch.empty(n, len(block_max[0]) // GROUP + (len(block_max[0]) % GROUP > 0))
     z = torch.empty(n, 1)
     m = torch.empty(n, 1)
     t = temperature[:, None]
-    step = 1 if torch.get_num_threads() == 1 else max(2, min(n, 16))
-    bounds = list(range(0, n, step)) + [n]
-    if step > 1 and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        del bounds[-2]  # no chunk of a lone row (see above)
-    consecutive = rows == list(range(rows[0], rows[0] + n))
-    buf = torch.empty(max(b - a for a, b in zip(bounds, bounds[1:])), vocab)
-    for a, b in zip(bounds, bounds[1:]):
-        x = logits[rows[a]:rows[a] + b - a] if consecutive else logits.index_select(0, torch.tensor(rows[a:b]))
+    shift = torch.zeros(n, 1)  # what exp took off: m where exp(x / T) itself overflows or loses its largest terms
+    one = torch.get_num_threads() == 1
+    buf = torch.empty(1 if one else min(n, 17), vocab)
+    for a, b, x in _row_chunks(logits, rows, n if one else 16):
         x = x.float()
-        torch.amax(x[:, :nb * BLOCK].view(b - a, BLOCK, nb), 1, out=block_max[a:b, :nb])
-        if tail:
-            block_max[a:b, nb] = x[:, nb * BLOCK:].amax(1)
-        torch.div(block_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
-        s = torch.div(x, t[a:b], out=buf[:b - a]).sub_(m[a:b])
-        torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
-    return z.log_().add_(m), block_max
+        _strided_max(x, BLOCK, out=block_max[a:b])
+        _strided_max(block_max[a:b], GROUP, out=group_max[a:b])
+        torch.div(group_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
+        if one:  # a row at a time
+            for i, xr, tr, zr, mr in zip(range(a, b), x.split(1), t[a:b].split(1), z[a:b].split(1), m[a:b, 0].tolist()):
+                s = torch.div(xr, tr, out=buf)
+                if abs(mr) > 60.0:
+                    shift[i] = mr
+                    s.sub_(mr)
+                torch.sum(s.exp_(), dim=-1, keepdim=True, out=zr)
+        else:  # the chunk whole
+            shift[a:b] = m[a:b]
+            s = torch.div(x, t[a:b], out=buf[:b - a]).sub_(m[a:b])
+            torch.sum(s.exp_(), dim=-1, keepdim=True, out=z[a:b])
+    return z.log_().add_(shift), m, block_max, group_max
+
+
+def _row_chunks(logits: torch.Tensor, rows: list[int], most: int = 16):
+    """(a, b, logits[rows[a:b]]): up to `most` rows at a time. With one thread, rows that lie together, as
+    a view; with several, 2 to `most` + 1 rows, copied unless they lie together: every op on a lone row
+    would open a parallel region, where the idle threads spin."""
+    n = len(rows)
+    if torch.get_num_threads() == 1:
+        bounds = [0]
+        for i in range(1, n):
+            if rows[i] != rows[i - 1] + 1 or i - bounds[-1] == most:
+                bounds.append(i)
+    else:
+        bounds = list(range(0, n, max(2, most)))
+        if len(bounds) > 1 and n - bounds[-1] == 1:
+            del bounds[-1]  # no chunk of a lone row
+    bounds.append(n)
+    for a, b in zip(bounds, bounds[1:]):
+        if rows[a:b] == list(range(rows[a], rows[a] + b - a)):
+            yield a, b, logits[rows[a]:rows[a] + b - a]
+        else:
+            yield a, b, logits.index_select(0, torch.tensor(rows[a:b]))
+
+
+def _strided_max(x: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The maximum of each strided group of `size` columns of x [n, w] (the picture above): [n, w // size (+1)]."""
+    n, w = x.shape
+    g, rest = divmod(w, size)
+    out = torch.empty(n, g + (rest > 0), dtype=x.dtype) if out is None else out
+    torch.amax(x[:, :g * size].view(n, size, g), 1, out=out[:, :g])
+    if rest:
+        torch.amax(x[:, g * size:], 1, out=out[:, g])
+    return out
+
+
+def _members(groups: torch.Tensor, w: int, size: int) -> torch.Tensor:
+    """The columns of the strided groups `groups` [...] of `size` over w columns, rising: [..., size]. The
+    short last group's lanes past the last column hold w (see `_pick`)."""
+    g = w // size
+    lane = torch.arange(size)
+    return torch.where(groups[..., None] < g, groups[..., None] + g * lane, g * size + lane).clamp_max_(w)
+
+
+def _pick(x: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """x[rows[i], columns[i, j]] as float32, -inf where the column is past x's last (x: [B, w])."""
+    w = x.shape[-1]
+    got = x.take(rows[:, None] * w + columns.clamp_max(w - 1)).float()
+    return got.masked_fill_(columns >= w, float("-inf"))
 
 
 def _mass_slack(vocab: int) -> float:
@@ -388,89 +454,101 @@ def _mass_slack(vocab: int) -> float:
     return 1e-4 + vocab * 2.0 ** -27
 
 
-def _top_token(logits: torch.Tensor, rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """The id of the largest logit of each row, from the block that holds it (the first id of a tie)."""
-    vocab = logits.shape[-1]
-    nb = vocab // BLOCK
-    lane = torch.arange(BLOCK)
-    ids = torch.where(block[:, None] < nb, block[:, None] + nb * lane, nb * BLOCK + lane)  # [n, BLOCK]
-    x = logits.take(rows[:, None] * vocab + ids.clamp_max(vocab - 1)).float().masked_fill_(ids >= vocab, float("-inf"))
-    return ids.gather(1, x.argmax(dim=-1, keepdim=True))[:, 0]  # a block's ids rise lane by lane
+def _top_token(logits: torch.Tensor, block_max: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor,
+               these: torch.Tensor) -> torch.Tensor:
+    """The id of the largest logit of the rows `these`, down from each one's top group to its top block to
+    its top token (the first of a tie within a block)."""
+    blocks = _members(groups[these].argmax(-1), block_max.shape[1], GROUP)  # [k, GROUP]
+    block = blocks.gather(1, _pick(block_max, these, blocks).argmax(-1, keepdim=True))[:, 0]
+    ids = _members(block, logits.shape[-1], BLOCK)  # [k, BLOCK]
+    return ids.gather(1, _pick(logits, rows[these], ids).argmax(-1, keepdim=True))[:, 0]
 
 
-HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
+def _edge_of(maxima, temperature, best, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An edge from the maxima of groups of a row's tokens (groups of blocks, blocks, or tokens alone)
+    [n, w]: a histogram of the maxima by scaled logit, in bins of 1 / HISTOGRAM_BINS counted down from the
+    row's maximum `best`, each weighing its probability (each group holds at least that). The first bins
+    that weigh top_p + 2 slack are taken; the edge is the largest maximum left (every token above it lies
+    in a taken group; the taken maxima lie above it: a bin never falls as its maximum rises). Returns
+    (edge [n, 1], taken [n, w] bool, found [n]: a row whose maxima never weigh enough takes none)."""
+    n, nbins = maxima.shape[0], HISTOGRAM_BINS * 64
+    scaled = maxima / temperature[:, None]
+    bins = (best - scaled).mul_(HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor
+    # float32 sums: the tokens above the edge are checked in float64 (`_draw_above`)
+    mass = torch.zeros(n, nbins).scatter_add_(1, bins, torch.exp(scaled - lse))
+    enough = mass.double().cumsum(-1) >= top_p[:, None].double() + 2 * slack
+    enough[:, -1] = False  # the last bin holds the rest of the row
+    found = enough.any(-1)
+    taken = bins <= torch.where(found, enough.byte().argmax(-1), -1)[:, None]  # up to the first bin enough
+    return scaled.masked_fill_(taken, float("-inf")).amax(-1, keepdim=True), taken, found
 
 
-def _edge_of_mass(logits, rows, temperature, lse, top_p, slack: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows whose blocks' maxima never hold top_p (a flat row, thousands of tokens in its nucleus): a
-    histogram of the mass over bins of the scaled logit, counted down from the row's maximum; the edge
-    is the largest scaled logit past the first bins that hold top_p + 2 slack. The bin of a token never
-    falls as its logit rises, so the tokens above the edge are those bins'. Returns (edge [n, 1], found [n])."""
-    n = len(rows)
-    nbins = HISTOGRAM_BINS * 64
-    s = logits.index_select(0, rows).float() / temperature[:, None]
-    bins = ((s.amax(-1, keepdim=True) - s) * HISTOGRAM_BINS).clamp_(max=nbins - 1).long()  # floor: >= 0
-    mass = torch.bincount((bins + nbins * torch.arange(n)[:, None]).flatten(),
-                          weights=torch.exp(s - lse).flatten().double(), minlength=n * nbins).view(n, nbins)
-    enough = mass.cumsum(-1) >= top_p[:, None].double() + 2 * slack
-    enough[:, -1] = False  # the last bin holds the rest of the vocabulary
-    last = enough.byte().argmax(-1, keepdim=True)  # the last bin taken
-    edge = s.masked_fill_(bins <= last, float("-inf")).amax(-1, keepdim=True)
-    return edge, enough.any(-1)
+def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float,
+                blocks: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw among each row's tokens above `edge` [n, 1], which lie in the (row, block) pairs `blocks` (None:
+    read the rows whole). Returns (choice, sure): sure when the sorted path draws the same token.
 
-
-def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float, blocks: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw among each row's tokens above `edge` [n, 1], which lie in its `blocks` [n, j] (None: read the
-    rows whole). Returns (choice, sure): sure when the sorted path draws the same token.
-
-    The tokens are ordered as the sorted path orders them (scaled logit descending, id ascending) and the
-    mass before each summed exactly (float64). The sorted path's own sums are rounded, off by at most
-    `slack`: a token whose mass before is below top_p - slack is surely in its nucleus, one at or above
-    top_p + slack surely out, the few between are unsure. The noise is the sorted path's, so when the best
-    score among the sure and unsure tokens is a sure token's, clear of the next score, it is the token
-    the sorted path draws whichever of the unsure tokens it keeps."""
+    The sorted path orders the tokens (scaled logit descending, id ascending), keeps those whose mass
+    before is below top_p and draws the best score (scaled logit + noise) among them. Its sums are
+    rounded, off by at most `slack`. Here the best score among the tokens above the edge, a set that
+    holds the nucleus, is looked at, with the mass before it summed exactly (float64):
+      below top_p - slack    surely in the nucleus: the best of a set that holds the nucleus is the best
+                             of the nucleus, the sorted path's token when clear of the next score
+      top_p + slack or more  surely out, and so is every token after it: drop them, look again
+      between               unsure: the row goes to the sorted path
+    The noise is the sorted path's; its logs may be an ulp apart, so a near tie is not sure either."""
     n, vocab = len(rows), logits.shape[-1]
-    nb = vocab // BLOCK
-    if blocks is not None:  # a few blocks: gather their tokens
-        lane = torch.arange(BLOCK)
-        ids = torch.where(blocks[..., None] < nb, blocks[..., None] + nb * lane, nb * BLOCK + lane).flatten(1)
-        valid = ids < vocab  # the short last block
-        ids = ids.clamp_max(vocab - 1)
-        s = logits.take(rows[:, None] * vocab + ids).float() / temperature[:, None]
-        above = valid & (s > edge)  # blocks past a row's own need lie at or below its edge
-    else:  # read the rows whole, in order, rather than scattered
-        ids = None
-        s = logits.index_select(0, rows).float() / temperature[:, None]
-        above = s > edge
-    # the tokens above the edge, packed to the left:
-    # [0, count)  a row's tokens above its edge     [count, c)  padding
-    r, at = above.nonzero(as_tuple=True)  # row by row
-    tokens = at if ids is None else ids[r, at]
-    s = s[r, at]
-    count = torch.bincount(r, minlength=n)
-    c = int(count.max())
-    at = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
-    live = torch.arange(c) < count[:, None]
-    s = torch.full((n, c), float("-inf")).index_put_((r, at), s)
-    ids = torch.zeros(n, c, dtype=torch.long).index_put_((r, at), tokens)
+    if blocks is not None:  # gather the blocks' tokens
+        r, b = blocks
+        ids = _members(b, vocab, BLOCK)  # [pairs, BLOCK]
+        s = _pick(logits, rows[r], ids) / temperature[r, None]
+        at, lane = (s > edge[r]).nonzero(as_tuple=True)
+        r, tokens, s = r[at], ids[at, lane], s[at, lane]
+    else:  # read the rows whole, where they lie: the logits above edge * T, then those whose x / T is above edge
+        low = _float_below(edge.double() * temperature[:, None].double())
+        r, tokens = [], []
+        for a, b, x in _row_chunks(logits, rows.tolist()):
+            at, col = (x > low[a:b]).nonzero(as_tuple=True)
+            r.append(at + a)
+            tokens.append(col)
+        r, tokens = torch.cat(r), torch.cat(tokens)  # row by row
+        s = logits.take(rows[r] * vocab + tokens).float() / temperature[r]
+        above = s > edge[r, 0]
+        r, tokens, s = r[above], tokens[above], s[above]
     # the sorted path's order (scaled logit descending, id ascending) as one int64 key per token: the
     # float's bits made monotonic (+ 0.0: -0.0 orders as 0.0), then the id reversed
     bits = (s + 0.0).view(torch.int32).long()
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    order = ((bits << 32) | (0xFFFFFFFF - ids)).masked_fill_(~live, torch.iinfo(torch.long).min)
-    at = order.sort(dim=-1, descending=True).indices  # most likely first, padding last
-    ids, s, live = ids.gather(1, at), s.gather(1, at), live.gather(1, at)
-    probs = torch.exp(s.double() - lse.double()).masked_fill_(~live, 0.0)
-    before = probs.cumsum(-1) - probs
-    maybe = live & (before < top_p[:, None].double() + slack)
-    surely = live & (before < top_p[:, None].double() - slack)
-    scores = (s - torch.log(-torch.log(uniform_noise(key, ids)))).masked_fill_(~maybe, float("-inf"))
-    best, win = scores.max(dim=-1)
+    order = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - tokens)
+    probs = torch.exp(s.double() - lse[r, 0].double())
+    scores = s - torch.log(-torch.log(uniform_noise(key[r], tokens[:, None])[:, 0]))
+    # packed to the left:  [0, count)  a row's tokens above its edge     [count, c)  padding
+    count = torch.bincount(r, minlength=n)
+    at = (r, torch.arange(r.numel()) - (count.cumsum(0) - count)[r])
+    shape = (n, max(1, int(count.max())))
+    order = torch.full(shape, torch.iinfo(torch.long).min).index_put_(at, order)
+    probs = torch.zeros(shape, dtype=torch.float64).index_put_(at, probs)
+    scores = torch.full(shape, float("-inf")).index_put_(at, scores)
+    # the tokens above the edge hold the nucleus when they hold top_p + slack: every token after them has
+    # that much mass before it (the edge is chosen so; a tie of scaled maxima at the edge may spoil it)
+    enough = probs.sum(-1) >= top_p.double() + slack
+    while True:
+        best, win = scores.max(dim=-1)
+        after = order <= order.gather(1, win[:, None])  # the best token and those after it
+        before = probs.masked_fill(after, 0.0).sum(-1)
+        out = before >= top_p.double() + slack
+        if not out.any():
+            break
+        scores.masked_fill_(out[:, None] & after, float("-inf"))  # the nucleus' first token never goes
     second = scores.scatter(1, win[:, None], float("-inf")).amax(-1)
-    # the sorted path computes the same scores, its logs possibly an ulp apart: a near tie is not sure
     clear = best - second > 1e-5 * (1.0 + best.abs())
-    return ids.gather(1, win[:, None])[:, 0], surely.gather(1, win[:, None])[:, 0] & clear
+    choice = torch.zeros(shape, dtype=torch.long).index_put_(at, tokens).gather(1, win[:, None])[:, 0]
+    return choice, enough & (before < top_p.double() - slack) & clear
+
+
+def _float_below(x: torch.Tensor) -> torch.Tensor:
+    """The largest float32 at or below each float64 of x: a float32 is above it only when above x."""
+    f = x.float()
+    return torch.where(f.double() > x, torch.nextafter(f, torch.tensor(float("-inf"))), f)
 
 
 def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:
