@@ -157,20 +157,14 @@ class BlockManager:
             self.tier_loads.forget(seq)
 
     def incref(self, block: int) -> None:
-        if self.ref_count[block] < 1:
-            if self.prefix_cache is None or not self.prefix_cache.holds(block):
-                raise RuntimeError(f"block {block} is free; cannot share it")
-            self.allocator.take(block)  # an unused cached block: back in use, content and all
-        self.ref_count[block] += 1
-        self.num_refs += 1
+        self.share((block,))
 
-    def _share(self, blocks: list[int]) -> None:
+    def share(self, blocks) -> None:
         """incref of every block, in bulk (a hit of 8,192 tokens takes 512 blocks at once): the unused
         cached ones leave the free pool, then every count goes up."""
         ref_count = self.ref_count
-        unused = [b for b in blocks if ref_count[b] < 1]
-        for b in unused:
-            if not self.prefix_cache.holds(b):
+        for b in [b for b in blocks if ref_count[b] < 1]:
+            if self.prefix_cache is None or not self.prefix_cache.holds(b):
                 raise RuntimeError(f"block {b} is free; cannot share it")
             self.allocator.take(b)  # an unused cached block: back in use, content and all
         for b in blocks:
@@ -187,9 +181,7 @@ class BlockManager:
 
     def fork(self, parent: CachedRequest, child: CachedRequest) -> None:
         """The child shares every block of the parent (copy-on-write happens on the next write)."""
-        for block in parent.block_table:
-            if block != NO_BLOCK:
-                self.incref(block)
+        self.share([b for b in parent.block_table if b != NO_BLOCK])
         child.block_table = list(parent.block_table)
         self.num_forks += 1
         self._track_peaks()
@@ -345,7 +337,7 @@ class BlockManager:
             return loaded.num_tokens
         if self.prefix_cache is None or seq.block_table:
             return None
-        self._share(hit.blocks)
+        self.share(hit.blocks)
         seq.block_table = list(hit.blocks)
         if hit.loads:
             hit = self.tier_loads.load_now(seq, hit)
