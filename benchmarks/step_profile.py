@@ -153,22 +153,6 @@ def device_profile(llm, steps: int) -> dict:
             "host_sync_ops_ms": per_step(sorted(host_ops.items(), key=lambda kv: -kv[1])[:8])}
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write), median of 5."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * 2**30 / statistics.median(times[1:])
-
-
 def bytes_floor(llm, context: int, running: int) -> dict:
     """The least time a decode step can take: every weight read once (a tied embedding once, as the LM
     head) and every running sequence's K/V read once, at the card's copy bandwidth. `context`: the
@@ -177,7 +161,9 @@ def bytes_floor(llm, context: int, running: int) -> dict:
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     pool = llm.core.pool
     kv_per_token = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k_cache.element_size()
-    bw = copy_bandwidth()
+    from minikv.bench.throughput import measure_limits
+
+    bw = measure_limits("cuda")["copy_bytes_per_s"]  # the same 1 GiB copy the throughput floor uses
     kv = context * kv_per_token
     return {"weights_bytes": weights, "kv_bytes": kv, "running_seqs": running, "context_tokens": context,
             "copy_bandwidth_bytes_s": round(bw), "floor_ms": round((weights + kv) / bw * 1e3, 4)}
