@@ -16,6 +16,8 @@ from minikv import LLM, SamplingParams
 from minikv.engine.parallel import TensorParallelError
 from minikv.model.tensor_parallel import HeadShard, shard_all, shard_heads
 
+from test_serve import wait_until
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "KV caching speeds up decoding because"]
@@ -115,14 +117,11 @@ def test_each_rank_pool_holds_its_share_of_the_kv_heads(tp, reference):
     assert sorted(h for r in ranks for h in r["q_heads"]) == list(range(9))
 
 
-def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
     return False
 
 
@@ -137,7 +136,7 @@ def test_a_killed_or_hung_worker_fails_the_engine_within_the_timeout(tp):
         with pytest.raises(TensorParallelError, match="rank.*build a new LLM"):
             llm.generate(PROMPTS[:1], GREEDY)
         assert time.monotonic() - start < TIMEOUT + 60  # bounded: the timeout, with room for a busy machine
-        assert _wait_gone(worker)  # every worker ended, the stopped one too
+        wait_until(lambda: _gone(worker), f"worker {worker} ended (the stopped one too)", timeout_s=30.0, poll_s=0.05)
         with pytest.raises(TensorParallelError, match="failed"):  # and every later step fails at once
             llm.generate(PROMPTS[:1], GREEDY)
         assert llm.stats()["tensor_parallel"]["alive"] is False
