@@ -19,6 +19,7 @@ from minikv.attention.metadata import AttentionMetadata  # noqa: E402
 from minikv.cache.blocks.pool import new_pool  # noqa: E402
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
 from minikv.kernels import decode_attention as dec  # noqa: E402
+from minikv.kernels.query_rows_attention import paged_query_rows_attention  # noqa: E402
 from minikv.checks.decode_kernel import scattered_block_tables  # noqa: E402
 import triton  # noqa: E402, I001  (after minikv.kernels: on a CPU it picks the interpreter)
 import triton.language as tl  # noqa: E402
@@ -262,6 +263,49 @@ def test_prefill_float16_matches_references():
     out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
                                   meta.max_query_len, out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_query_rows_match_references_for_hits_chunk_tails_and_decode_rows(group, num_splits):
+    """Few new tokens per sequence, the rows of one sequence sharing a program (4 rows per program, so
+    a 10-row run takes three, the last short): a hit's suffix after a long cached prefix, a chunk's
+    tail, decode rows, a one-token prompt. 16 splits leave some splits empty for short contexts; with
+    3 or 16, the rows at positions 62..65 straddle a split's start at 64, so rows 62 and 63 have no key
+    in that split (lse -inf, weight 0)."""
+    query_lens = [10, 1, 4, 1, 7]
+    seq_lens = [150, 33, 66, 1, 7]
+    q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 16, 2, group, torch.float32,
+                                                    seed=group + num_splits)
+    out = paged_query_rows_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                     meta.max_query_len, meta.max_seq_len, num_splits=num_splits, rows=4,
+                                     out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, "vs float64")
+
+
+def test_query_rows_under_graph_bounds_padding_rows_and_float16():
+    """As a CUDA graph's static buffers pass them: host bounds above the real lengths (max_query_len of
+    the bucket, max_seq_len of the model), a padding sequence and rows with no token at all."""
+    query_lens, seq_lens = [5, 2, 9], [70, 18, 9]  # the last: the padding row's tokens at positions 0..8
+    q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 8, 2, 3, torch.float16, seed=5)
+    qsl = torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(2)])  # two rows with no token
+    lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.long)])
+    tabs = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=tables.dtype)])
+    out = paged_query_rows_attention(q, k_cache, v_cache, tabs, qsl, lens, SCALE, max_query_len=16,
+                                     max_seq_len=512, rows=4, out=poisoned(q.shape, q.dtype))
+    assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
+
+
+def test_query_rows_read_a_quantized_pool_as_the_decode_kernel_does():
+    from minikv.cache.blocks.quant import dequantize_block, quantize_block
+    query_lens, seq_lens = [6, 1], [45, 20]
+    q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 16, 2, 2, torch.float32, seed=9)
+    (kq, ks, kz), (vq, vs, vz) = (quantize_block(x, torch.int8) for x in (k_cache, v_cache))
+    out = paged_query_rows_attention(q, kq, vq, tables, meta.query_start_loc, meta.seq_lens, SCALE,
+                                     meta.max_query_len, meta.max_seq_len, num_splits=2, rows=4,
+                                     k_scale=ks, v_scale=vs, k_zero=kz, v_zero=vz, out=poisoned(q.shape, q.dtype))
+    want = reference(q, dequantize_block(kq, ks, kz), dequantize_block(vq, vs, vz), tables, meta)
+    assert_close(out, want, 1e-5, "int8 pool vs its dequantized values")
 
 
 @pytest.mark.parametrize("kv_layout", ["nhd", "hnd"])

@@ -99,13 +99,15 @@ def test_the_pool_layouts_index_alike_and_store_the_heads_in_their_own_order(tin
 
 
 @pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
-@pytest.mark.parametrize("kv_layout", ["hnd", "nhd"])
-def test_triton_backend_generates_the_same_greedy_tokens_as_the_torch_paged_backend(tiny, kv_layout):
+@pytest.mark.parametrize("kv_layout, query_rows_impl", [("hnd", "grouped"), ("nhd", "decode")])
+def test_triton_backend_generates_the_same_greedy_tokens_as_the_torch_paged_backend(tiny, kv_layout, query_rows_impl):
+    """Every step here has at most 12 new tokens per sequence: the query-row path, by either kernel."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, tiny.config.vocab_size, (n,), generator=g).tolist() for n in (19, 1, 8, 30)]
     want, want_logits = greedy_run(tiny.model, make_backend(PagedBackend, tiny.config), prompts, 6, chunk=12)
-    have, have_logits = greedy_run(tiny.model, make_backend(TritonPagedBackend, tiny.config, kv_layout=kv_layout),
-                                   prompts, 6, chunk=12)
+    backend = make_backend(TritonPagedBackend, tiny.config, kv_layout=kv_layout)
+    backend.query_rows_impl = query_rows_impl
+    have, have_logits = greedy_run(tiny.model, backend, prompts, 6, chunk=12)
     assert have == want
     assert (have_logits - want_logits).abs().max() < 1e-3
 

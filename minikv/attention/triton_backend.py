@@ -8,6 +8,8 @@ metadata as `PagedBackend` (rung 4); only `forward` changes:
                              decode rows mixed in)
     paged_decode_attention   also a step of few new tokens per sequence (at most query_rows_max: a
       one row per token      prefix hit's suffix, a chunk's tail), each token a row over keys [0, pos]
+    paged_query_rows_attention  the same steps with query_rows_impl = "grouped": a sequence's rows
+                             share each K/V tile they read (measured, not the default: see below)
 
 Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read once, from the
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
@@ -43,6 +45,7 @@ from minikv.attention.paged import PagedBackend
 from minikv.cache.blocks.pool import KVPool
 from minikv.cache.blocks.quant import quantize_block
 from minikv.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from minikv.kernels.query_rows_attention import paged_query_rows_attention
 
 
 class TritonPagedBackend(PagedBackend):
@@ -54,8 +57,16 @@ class TritonPagedBackend(PagedBackend):
     # split ranges cut per sequence on the device (True) or from max_seq_len on the host (False);
     # None = per sequence exactly when the host does not know the lengths (a CUDA graph's buffers)
     decode_split_per_seq: bool | None = None
-    # steps whose longest query run is at most this many tokens go through the decode kernel, one row per token
+    # steps whose longest query run is at most this many tokens are query-row steps (`_query_rows`)
     query_rows_max: int = 32
+    # those steps: "decode" (the decode kernel, one row per token) or "grouped" (paged_query_rows_attention,
+    # a sequence's rows share K/V reads; never with a sliding window or a learner's inner loop). Measured on
+    # an H100 (benchmarks/RESULTS.md, 2026-11-27): per layer 1.6x faster at an 8k hit, 0.8x at 2k, but a
+    # whole hit's device time unchanged at 8k and 0.16 ms longer at 2k (its merge reads 66 splits' partial
+    # rows), so "decode" stays the default
+    query_rows_impl: str = "decode"
+    # "grouped" split count; None = chosen per step (query_rows_num_splits in minikv/kernels/query_rows_attention.py)
+    query_rows_num_splits: int | None = None
 
     def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0, decode_inner_loop=None):
         if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
@@ -69,7 +80,16 @@ class TritonPagedBackend(PagedBackend):
         prompt) through the split-K decode kernel, each new token its own row: the token at position p reads
         its sequence's block table over keys [0, p] (causal by construction). The prefill kernel gives such a
         step one program per (sequence, head) walking the whole context alone; here the context is cut into
-        splits across the GPU, and a row's K/V reads hit the cache its neighbours' rows just filled."""
+        splits across the GPU, and a row's K/V reads hit the cache its neighbours' rows just filled.
+
+        With query_rows_impl "grouped" the rows of one sequence go further and share their reads:
+        paged_query_rows_attention gives one program up to 16 of them over one KV head, each K/V tile
+        loaded once for all of them (a hit's 32 rows read its context twice, not 32 times)."""
+        if (self.query_rows_impl == "grouped" and not self.sliding_window and self.decode_inner_loop is None):
+            return paged_query_rows_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                              meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
+                                              num_splits=self.query_rows_num_splits, k_scale=k_scale,
+                                              v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
         if "query_rows" not in meta.step_memo:  # once per step, for every layer
             meta.step_memo["query_rows"] = (meta.block_tables.index_select(0, meta.token_seq), meta.token_pos + 1)
         tables, lens = meta.step_memo["query_rows"]
