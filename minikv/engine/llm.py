@@ -328,10 +328,12 @@ class LLM:
 
     def request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                 tenant: str | None = None) -> EngineRequest:
-        """One prompt as the core takes it: tokenized and checked."""
+        """One prompt as the core takes it: tokenized, its form checked (a list of ints, a dict's keys, a
+        salt); the core checks the ids' range and the length when it takes it (`core.new_sequence`)."""
         if self.core.closed:
             raise RuntimeError(CLOSED_MESSAGE)
-        ids, text, salt = self.encode(prompt)
+        # the ids' range is the core's check (new_sequence, which every request meets next), made once
+        ids, text, salt = parse_prompt(prompt, self.tokenizer, self.config.vocab_size, check_range=False)
         return EngineRequest(ids, params if params is not None else SamplingParams(), request_id, salt, text, tenant)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
