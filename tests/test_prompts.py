@@ -143,3 +143,29 @@ def test_token_ids_are_checked_in_bulk_not_one_python_call_per_token():
         sys.setprofile(None)
     assert got == ids and got is not ids
     assert calls < 50, f"{calls} calls to validate 10,000 ids: a per-token loop is back"
+
+
+@pytest.mark.parametrize("ids, bad", [
+    ([0, 4999], None), ([True, 3], None), ([np.int64(3), 4], None), ([3] * 9000 + [4999], None),
+    ([5000], 5000), ([-1, 3], -1), ([3, 2**64], 2**64), ([2**70], 2**70), ([3] * 9000 + [-7], -7),
+])
+def test_the_range_check_takes_one_c_pass_and_names_the_first_bad_id(ids, bad):
+    """check_token_range reads the ids as unsigned 64-bit ints in one C pass (a negative id, one past 2**64
+    or a non-integer raises there) and falls back to min / max, which name the id; the border of the core
+    (new_sequence) is where it runs, once per request."""
+    from minikv.engine.prompts import check_token_range
+
+    if bad is None:
+        check_token_range(ids, 5000)
+    else:
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 5000\)"):
+            check_token_range(ids, 5000)
+
+
+def test_a_bad_id_is_refused_by_the_core_when_llm_request_leaves_the_range_to_it(tiny):
+    request = tiny.request([5, 6, 10**6], SamplingParams(max_tokens=2))  # its form is fine: the range is the core's
+    with pytest.raises(ValueError, match="token id 1000000 is outside the vocabulary"):
+        tiny.core.add(request)
+    with pytest.raises(ValueError, match="token id 1000000 is outside the vocabulary"):
+        tiny.generate([[5, 6, 7], [5, 6, 10**6]], SamplingParams(max_tokens=2))
+    assert not tiny.has_unfinished()  # neither request of the batch was queued

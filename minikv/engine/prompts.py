@@ -10,8 +10,11 @@ truncated (1.7 is not token 1), a string of digits is not a list of ids, True is
 """
 from __future__ import annotations
 
+from array import array
 from numbers import Integral, Number
 from typing import Any
+
+import numpy as np
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
@@ -94,6 +97,11 @@ def check_token_range(ids: list[int], vocab_size: int) -> None:
     """At least one id, and every id in [0, vocab_size): a ValueError naming the first that is not."""
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
+    try:  # the common case in one C pass: unsigned 64-bit ints (a negative or non-integer id raises), their max
+        if int(np.frombuffer(array("Q", ids), dtype=np.uint64).max()) < vocab_size:
+            return
+    except (TypeError, OverflowError, ValueError):
+        pass
     if min(ids) < 0 or max(ids) >= vocab_size:  # (two C loops, not one Python comparison per token)
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
