@@ -53,11 +53,57 @@ def timed(fn, iters: int, per_graph: int = 20) -> float:
     return statistics.median(times)
 
 
+def mixed_step(single_rows: int, context: int, tail_rows: int, iters: int) -> list[dict]:
+    """`single_rows` sequences of one query row each (decodes beside a short prompt), then one sequence of
+    `tail_rows` rows, every context `context` keys: the decode kernel a row per token against the grouped
+    kernel (default settings), after a float64 check of both."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    query_lens = [1] * single_rows + ([tail_rows] if tail_rows else [])
+    B, T, nblocks = len(query_lens), sum(query_lens), -(-context // BLOCK)
+    k_cache = torch.randn(B * nblocks + 8, BLOCK, KV_HEADS, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(B * nblocks + 8, device=dev, generator=g)[:B * nblocks].view(B, nblocks)
+    q = torch.randn(T, HEADS, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
+    scale = HEAD_DIM ** -0.5
+    qsl = torch.tensor([0] + query_lens, device=dev).cumsum(0)
+    seq_lens = torch.full((B,), context, device=dev)
+    token_seq = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(query_lens, device=dev))
+    token_pos = torch.cat([torch.arange(context - n, context, device=dev) for n in query_lens])
+    want = torch.empty(T, HEADS, HEAD_DIM, dtype=torch.float64, device=dev)
+    for t in range(T):
+        b, p = int(token_seq[t]), int(token_pos[t])
+        keys = k_cache[tables[b]].reshape(-1, KV_HEADS, HEAD_DIM)[:p + 1].double()
+        vals = v_cache[tables[b]].reshape(-1, KV_HEADS, HEAD_DIM)[:p + 1].double()
+        keys, vals = (x.repeat_interleave(HEADS // KV_HEADS, 1) for x in (keys, vals))
+        want[t] = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[t].double(), keys) * scale).softmax(-1),
+                               vals)
+    row_tables, row_lens = tables.index_select(0, token_seq), token_pos + 1
+
+    def decode_rows():
+        return paged_decode_attention(q, k_cache, v_cache, row_tables, row_lens, scale, max_seq_len=context,
+                                      split_per_seq=True)
+
+    def grouped():
+        return qr.paged_query_rows_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, max(query_lens),
+                                             context)
+    out = []
+    for name, fn in (("decode kernel, a row per token", decode_rows), ("grouped (defaults)", grouped)):
+        err = (fn().double() - want).abs().max().item()
+        if err > 2e-2:
+            raise SystemExit(f"mixed {name}: max error {err:.3e} against float64")
+        out.append({"scenario": f"{single_rows} one-row sequences + one of {tail_rows} rows, {context} keys each",
+                    "variant": name, "median_us": timed(fn, iters), "max_abs_error": err})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=8192, help="cached tokens before the new ones")
     ap.add_argument("--rows", type=int, default=32, help="new tokens (query rows)")
     ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--mixed", action="store_true", help="also steps of many one-row sequences (decodes beside a "
+                    "short prompt)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -127,9 +173,15 @@ def main(argv=None) -> int:
     for r in rows_out:
         print(f"  {r['variant']:45} {r['median_us']:8.2f} us  {base / r['median_us']:5.2f}x   "
               f"err {r['max_abs_error']:.1e}")
+    mixed = []
+    if args.mixed:
+        for single, context, tail in ((32, 2048, 0), (128, 1024, 16), (255, 1024, 1)):
+            mixed += mixed_step(single, context, tail, args.iters)
+        for r in mixed:
+            print(f"  {r['scenario']}: {r['variant']:32} {r['median_us']:8.2f} us   err {r['max_abs_error']:.1e}")
     if args.out:
         record = {"benchmark": "query_rows_gpu", **environment(), "context": args.context, "rows": R,
-                  "default_splits": splits_default, "config": qr.QUERY_ROWS_CONFIG, "results": rows_out}
+                  "default_splits": splits_default, "config": qr.QUERY_ROWS_CONFIG, "results": rows_out, "mixed": mixed}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

@@ -25,6 +25,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import minikv.kernels.query_rows_attention as qr  # noqa: E402
 from minikv import LLM, SamplingParams  # noqa: E402
 from minikv.bench import environment  # noqa: E402
 from minikv.bench.prefix_ttft import build_prompts  # noqa: E402
@@ -48,11 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prefixes", default="2048,8192")
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--splits", default="auto,8,16,32")
+    ap.add_argument("--rows", default="16", help="query rows per group of the grouped kernel, comma-separated")
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     ckpt = str(make_random_checkpoint(QWEN25_05B_SHAPE, Path(tempfile.mkdtemp()) / "qwen"))
-    variants = [("decode", None)] + [("grouped", None if s == "auto" else int(s)) for s in args.splits.split(",")]
+    variants = [("decode", None, None)] + [("grouped", None if s == "auto" else int(s), int(r))
+                                           for r in args.rows.split(",") for s in args.splits.split(",")]
+    variants.append(("decode", None, None))  # again last: the card's drift over the run
     results = []
     for prefix in map(int, args.prefixes.split(",")):
         max_len = prefix + args.suffix + 4
@@ -61,8 +65,9 @@ def main(argv=None) -> int:
         prompts = build_prompts(None, llm.config.vocab_size, prefix, args.suffix, 2)
         sp = SamplingParams(max_tokens=1, ignore_eos=True)
         graphs, want = llm.runner.step_graphs, None
-        for impl, splits in variants:
+        for impl, splits, rows in variants:
             llm.backend.query_rows_impl, llm.backend.query_rows_num_splits = impl, splits
+            qr.QUERY_ROWS_CONFIG["rows"] = rows or 16
             graphs.graphs.clear()  # captured afresh with this variant's kernels
             llm.reset_prefix_cache()
             llm.generate(prompts[0], sp)  # caches the prefix (and its own suffix, which the hit does not share)
@@ -72,11 +77,13 @@ def main(argv=None) -> int:
             if out.token_ids != want:
                 raise SystemExit(f"{impl} splits={splits}: tokens differ from the decode kernel's at {prefix}")
             bucket = graphs.bucket(args.suffix)
-            ms = replay_ms(graphs.graphs[bucket], args.replays)
-            results.append({"prefix": prefix, "impl": impl, "splits": splits or "auto", "step_device_ms": ms})
+            ms = replay_ms(graphs.graphs[(bucket, "grouped") if impl == "grouped" else bucket], args.replays)
+            results.append({"prefix": prefix, "impl": impl, "rows": rows, "splits": splits or "auto",
+                            "step_device_ms": ms})
             base = next(r["step_device_ms"] for r in results if r["prefix"] == prefix)
-            print(f"[query rows] prefix {prefix}: {impl:8} splits {str(splits or 'auto'):>5}: hit step "
-                  f"{ms:.3f} ms on the device ({base / ms:.2f}x the decode kernel's)", flush=True)
+            print(f"[query rows] prefix {prefix}: {impl:8} rows {str(rows or '-'):>3} splits "
+                  f"{str(splits or 'auto'):>5}: hit step {ms:.3f} ms on the device "
+                  f"({base / ms:.2f}x the decode kernel's)", flush=True)
         llm.close()
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "query_rows_step_gpu", **environment(),

@@ -166,6 +166,51 @@ def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_
     assert llm.stats()["prefix_cache"]["hits"] >= 2 * 24  # both later requests hit the shared prefix
 
 
+@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
+def test_a_hit_of_one_long_sequence_takes_the_grouped_kernel_and_a_mixed_step_the_decode_kernel(monkeypatch):
+    """query_rows_impl "auto": a step of at most grouped_max_seqs sequences whose contexts are all at least
+    grouped_min_context long runs paged_query_rows_attention (the bucket's "grouped" graph), any other
+    query-row step the decode kernel; the tokens are those of the decode kernel alone."""
+    import minikv.attention.triton_backend as tb
+    shared = list(range(20, 60))  # five blocks of 8
+    prompts = [shared + [5, 6, 7], shared + [9, 3], [3, 4], shared + list(range(60, 71)), [8, 9, 10]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 2, 3, 2, 4)]
+    ref = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
+    ref.backend.query_rows_impl = "decode"
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    llm = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
+    llm.backend.grouped_min_context = 40  # the hits' contexts here (the engine's default: 4,096)
+    llm.runner.step_graphs = graphs = _step_graphs(llm)
+    grouped, steps = [], []  # grouped kernel calls; (sequences, kernel chosen, grouped calls) of each step
+    kernel, run, kernel_for = tb.paged_query_rows_attention, graphs.run, graphs.kernel_for
+    monkeypatch.setattr(tb, "paged_query_rows_attention", lambda *a, **k: grouped.append(1) or kernel(*a, **k))
+
+    def counted(inputs):
+        before = len(grouped)
+        out = run(inputs)
+        steps.append((inputs.num_seqs, kernel_for(graphs.bucket(inputs.input_ids.numel()), inputs),
+                      len(grouped) - before))
+        return out
+    graphs.run = counted
+    layers = llm.config.num_layers
+    assert [o.token_ids for o in llm.generate(prompts[:1], params[:1])] == want[:1]  # fills the cache
+    steps.clear()
+    assert [o.token_ids for o in llm.generate(prompts[1:2], params[1:2])] == want[1:2]
+    assert steps[0][:2] == (1, "grouped"), steps  # the hit: 3 new tokens of one sequence over 43 keys
+    if CAPTURE:  # a replayed graph calls no Python: the grouped kernel is in the bucket's "grouped" graph
+        assert (16, "grouped") in graphs.graphs
+    else:  # the kernel ran in every layer
+        assert steps[0][2] == layers, steps
+    steps.clear()
+    assert [o.token_ids for o in llm.generate(prompts[2:], params[2:])] == want[2:]
+    assert any(b > 2 for b, _, _ in steps), steps
+    assert all(k == "decode" and g == 0 for b, k, g in steps if b > 2), steps  # the decode kernel
+    assert llm.backend.query_rows_kernel(num_seqs=2, min_context=2) == "decode"
+    assert llm.backend.query_rows_kernel(num_seqs=3, min_context=500) == "decode"
+    assert llm.backend.query_rows_kernel(num_seqs=2, min_context=40) == "grouped"
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_step_padding_stores_nothing_and_larger_steps_run_eagerly():
     llm = _tiny_llm(max_num_seqs=4)
     graphs = _step_graphs(llm, max_tokens=16)

@@ -8,8 +8,9 @@ metadata as `PagedBackend` (rung 4); only `forward` changes:
                              decode rows mixed in)
     paged_decode_attention   also a step of few new tokens per sequence (at most query_rows_max: a
       one row per token      prefix hit's suffix, a chunk's tail), each token a row over keys [0, pos]
-    paged_query_rows_attention  the same steps with query_rows_impl = "grouped": a sequence's rows
-                             share each K/V tile they read (measured, not the default: see below)
+    paged_query_rows_attention  those steps of at most 2 sequences over contexts of 4,096 keys or more
+                             (a long prefix hit, a long prompt's last chunk): a sequence's rows share
+                             each K/V tile they read (query_rows_impl "auto", `query_rows_kernel`)
 
 Nothing is gathered into a padded [B, max_seq_len] copy: every K/V byte is read once, from the
 pool. On a CPU the kernels run in Triton's interpreter (slow, for learning and tests); there the
@@ -59,14 +60,20 @@ class TritonPagedBackend(PagedBackend):
     decode_split_per_seq: bool | None = None
     # steps whose longest query run is at most this many tokens are query-row steps (`_query_rows`)
     query_rows_max: int = 32
-    # those steps: "decode" (the decode kernel, one row per token) or "grouped" (paged_query_rows_attention,
-    # a sequence's rows share K/V reads; never with a sliding window or a learner's inner loop). Measured on
-    # an H100 (benchmarks/RESULTS.md, 2026-11-27): per layer 1.6x faster at an 8k hit, 0.8x at 2k, but a
-    # whole hit's device time unchanged at 8k and 0.16 ms longer at 2k (its merge reads 66 splits' partial
-    # rows), so "decode" stays the default
-    query_rows_impl: str = "decode"
+    # those steps: "decode" (the decode kernel, one row per token), "grouped" (paged_query_rows_attention, a
+    # sequence's rows share K/V reads; never with a sliding window or a learner's inner loop) or "auto": grouped
+    # for a step of few sequences over a long context (`query_rows_kernel`), decode otherwise
+    query_rows_impl: str = "auto"
     # "grouped" split count; None = chosen per step (query_rows_num_splits in minikv/kernels/query_rows_attention.py)
     query_rows_num_splits: int | None = None
+    # "auto" takes the grouped kernel for at most this many sequences, all contexts at least this long.
+    # Measured on an H100 (benchmarks/RESULTS.md, 2026-11-27): a hit's step of 32 rows over 8k keys 1.13x,
+    # 4k 1.04x, 2k 0.98x; 32 to 255 one-row sequences 2.8-3.9x slower than the decode kernel (each program
+    # walks several groups in turn)
+    grouped_max_seqs: int = 2
+    grouped_min_context: int = 4096
+    # set while a CUDA graph is captured (its host lengths are only bounds): the kernel that graph records
+    query_rows_capture: str | None = None
 
     def __init__(self, pool: KVPool, sliding_window: int | None = None, sink_tokens: int = 0, decode_inner_loop=None):
         if pool.device.type != "cuda" and pool.dtype == torch.bfloat16:
@@ -74,6 +81,21 @@ class TritonPagedBackend(PagedBackend):
                              "wrong; use dtype float32 or float16 there (bfloat16 is fine on a GPU)")
         super().__init__(pool, sliding_window, sink_tokens)
         self.decode_inner_loop = decode_inner_loop  # None: the kernel's own online-softmax step
+
+    def query_rows_kernel(self, meta: PagedMetadata | None = None, num_seqs: int | None = None,
+                          min_context: int | None = None) -> str:
+        """"grouped" or "decode": the kernel of a query-row step, from query_rows_impl; "auto" decides from the
+        step's sequences and their shortest context, given (StepGraphs, which picks a graph) or read from the
+        metadata's host lengths. Without those (a graph being captured) it is the capture's choice."""
+        if self.sliding_window or self.decode_inner_loop is not None:
+            return "decode"
+        if self.query_rows_impl != "auto":
+            return self.query_rows_impl
+        if num_seqs is None:
+            if meta is None or meta.seq_lens_list is None:  # a graph's bounds: what its capture records
+                return self.query_rows_capture or "decode"
+            num_seqs, min_context = meta.num_seqs, min(meta.seq_lens_list)
+        return "grouped" if num_seqs <= self.grouped_max_seqs and min_context >= self.grouped_min_context else "decode"
 
     def _query_rows(self, q, k_cache, v_cache, meta: PagedMetadata, scale: float, k_scale, v_scale, k_zero, v_zero):
         """A step of few new tokens per sequence (a prefix hit's suffix, a chunk's tail, decodes beside a short
@@ -85,7 +107,7 @@ class TritonPagedBackend(PagedBackend):
         With query_rows_impl "grouped" the rows of one sequence go further and share their reads:
         paged_query_rows_attention gives one program up to 16 of them over one KV head, each K/V tile
         loaded once for all of them (a hit's 32 rows read its context twice, not 32 times)."""
-        if (self.query_rows_impl == "grouped" and not self.sliding_window and self.decode_inner_loop is None):
+        if self.query_rows_kernel(meta) == "grouped":
             return paged_query_rows_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
                                               num_splits=self.query_rows_num_splits, k_scale=k_scale,

@@ -211,7 +211,8 @@ class StepGraphs:
         self.block_tables = torch.zeros(rows, self.max_blocks, **long)  # padding rows read block 0
         self.logits_indices = torch.zeros(self.samples_of(t_max), **long)
         self.logits = logits
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # t_b -> its graph; (t_b, "grouped") -> the same bucket with the grouped query-row kernel (`kernel_for`)
+        self.graphs: dict[int | tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.memory_pool = memory_pool if memory_pool is not None or not capture else torch.cuda.graph_pool_handle()
 
     def samples_of(self, t_b: int) -> int:
@@ -245,11 +246,32 @@ class StepGraphs:
                            slot_mapping=self.slot_mapping[:t_b],
                            logits_indices=self.logits_indices[:self.samples_of(t_b)])
 
-    def _forward(self, t_b: int) -> None:
+    def kernel_for(self, t_b: int, inputs: BatchInputs | None = None) -> str | None:
+        """The query-row kernel a step of bucket t_b runs with ("grouped" or "decode"; None: the bucket's
+        steps are not query-row steps, or the backend has no choice). The backend decides from the step's
+        host lengths, which a graph's static buffers do not hold: so each choice is a graph of its own."""
+        choose = getattr(self.backend, "query_rows_kernel", None)
+        if choose is None or t_b > getattr(self.backend, "query_rows_max", 0):
+            return None
+        if inputs is None or inputs.seq_lens_list is None:
+            return "decode"
+        return choose(num_seqs=inputs.num_seqs, min_context=min(inputs.seq_lens_list))
+
+    @staticmethod
+    def _key(t_b: int, kernel: str | None) -> int | tuple[int, str]:
+        return (t_b, kernel) if kernel == "grouped" else t_b
+
+    def _forward(self, t_b: int, kernel: str | None = None) -> None:
         inputs = self.static_inputs(t_b)
         meta = self.backend.prepare_metadata(inputs)
-        self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_indices=inputs.logits_indices,
-                   logits_out=self.logits[:inputs.logits_indices.numel()])
+        if kernel is not None:  # recorded with this kernel: the static buffers' lengths are only bounds
+            self.backend.query_rows_capture = kernel
+        try:
+            self.model(inputs.input_ids, inputs.positions, meta, self.backend, logits_indices=inputs.logits_indices,
+                       logits_out=self.logits[:inputs.logits_indices.numel()])
+        finally:
+            if kernel is not None:
+                self.backend.query_rows_capture = None
 
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         """One step of T = inputs.input_ids.numel() tokens over B sequences: the logits [S, vocab] of its
@@ -283,12 +305,14 @@ class StepGraphs:
         self.block_tables[B:rows] = 0
         self.logits_indices[:S].copy_(inputs.logits_indices)
         self.logits_indices[S:self.samples_of(t_b)] = 0
+        kernel = self.kernel_for(t_b, inputs)
         if not self.capture:
-            self._forward(t_b)
+            self._forward(t_b, kernel)
         else:
-            if t_b not in self.graphs:
-                self.graphs[t_b] = self._capture(t_b)
-            self.graphs[t_b].replay()
+            key = self._key(t_b, kernel)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(t_b, kernel)
+            self.graphs[key].replay()
         return self.logits[:S]
 
     def capture_all(self) -> None:
@@ -301,8 +325,12 @@ class StepGraphs:
             self.seq_lens[:rows] = 0
             self.seq_lens[0] = t_b
             self.block_tables.zero_()
-            if t_b not in self.graphs:
-                self.graphs[t_b] = self._capture(t_b)
+            kernels = {self.kernel_for(t_b)}
+            if kernels != {None} and getattr(self.backend, "query_rows_impl", None) in ("auto", "grouped"):
+                kernels.add("grouped")
+            for kernel in kernels:
+                if self._key(t_b, kernel) not in self.graphs:
+                    self.graphs[self._key(t_b, kernel)] = self._capture(t_b, kernel)
 
-    def _capture(self, t_b: int) -> torch.cuda.CUDAGraph:
-        return capture_graph(lambda: self._forward(t_b), self.device, self.memory_pool)
+    def _capture(self, t_b: int, kernel: str | None = None) -> torch.cuda.CUDAGraph:
+        return capture_graph(lambda: self._forward(t_b, kernel), self.device, self.memory_pool)

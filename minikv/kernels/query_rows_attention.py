@@ -147,10 +147,11 @@ def _query_rows_split_kernel(
             tl.store(part_lse_ptr + part, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=m_ok)
 
 
-# launch settings on a GPU and the split heuristic. Measured on an H100 (benchmarks/query_rows_gpu.py,
-# a hit's 32 rows over 8,224 and over 2,080 keys): 16 rows a group, 4 warps; about 2 programs per SM,
-# no split under 64 positions (8 splits over 2,080 keys took 13.3 us, 16-64 splits 9.4-10.2).
-QUERY_ROWS_CONFIG = {"rows": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+# launch settings on a GPU and the split heuristic. Measured on an H100 (benchmarks/query_rows_gpu.py and
+# query_rows_step_gpu.py, a hit's 32 rows over 2k to 8k keys): groups of 8 rows (a 64-row tile with
+# 7 heads a row) beat 16 and 32 at every length, 4 warps; about 2 programs per SM, no split under 64
+# positions (8 splits over 2,080 keys took 13.3 us, 16-64 splits 9.4-10.2).
+QUERY_ROWS_CONFIG = {"rows": 8, "block_n": 32, "num_warps": 4, "num_stages": 2}
 QUERY_ROWS_PROGRAMS_PER_SM = 2
 QUERY_ROWS_MIN_SPLIT = 64  # positions
 
