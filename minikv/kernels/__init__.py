@@ -3,6 +3,8 @@
     store_kvcache            write this step's K/V into their pool slots (the slot mapping)
     paged_decode_attention   one query token per sequence, K/V read through the block table, split-K
     paged_prefill_attention  causal varlen attention of new tokens over their paged context
+    paged_query_rows_attention  (query_rows_attention.py) few new tokens of a sequence over a long paged
+                             context, split-K, the rows sharing each K/V tile (a long prefix hit's step)
     fused_add_rms_norm       residual add + RMSNorm of a decoder layer, one read and one write per row
     rotary_qkv               the merged q/k/v projection split, with the rotary embedding on q and k
     silu_and_mul             SwiGLU's SiLU(gate) * up over the merged gate/up projection
