@@ -148,38 +148,21 @@ def test_token_buckets_double_from_16_up_to_the_limit_and_max_model_len():
 
 
 @pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
-def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_tokens():
+def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_tokens(monkeypatch):
     """Prefix hits (a short suffix over a cached prefix), chunked prompts and prompts beside decodes run
-    through the padded step buffers: same tokens as eager steps, and every block comes back."""
+    through the padded step buffers: same tokens as eager steps, and every block comes back.
+
+    The query-row kernel is chosen per step (query_rows_impl "auto"): with grouped_min_context lowered to
+    this test's contexts, a hit of one sequence takes paged_query_rows_attention (the bucket's "grouped"
+    graph) and a step of more sequences the decode kernel, the same tokens as the decode kernel alone
+    (`want`: the default threshold, 4,096 keys, keeps every step here on the decode kernel)."""
+    import minikv.attention.triton_backend as tb
     shared = list(range(20, 44))  # three blocks of 8: cached after the first request
     prompts = [shared + [5, 6, 7], shared + [9], list(range(50, 70)), [3, 4], shared + list(range(60, 71))]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 2, 2, 3, 2)]
     want = [o.token_ids for o in _tiny_llm(max_num_seqs=4, prefix_caching="hash").generate(prompts, params)]
     llm = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
-    llm.runner.step_graphs = graphs = _step_graphs(llm)
-    assert [o.token_ids for o in llm.generate([prompts[0]], [params[0]])] == want[:1]  # fills the cache
-    assert [o.token_ids for o in llm.generate(prompts[1:], params[1:])] == want[1:]
-    sizes = {t for t, _ in graphs.calls}
-    assert any(t <= 16 for t in sizes) and any(16 < t <= 32 for t in sizes), graphs.calls  # both buckets ran
-    assert any(b > 1 for _, b in graphs.calls), graphs.calls  # a mixed step of several sequences
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-    assert llm.stats()["prefix_cache"]["hits"] >= 2 * 24  # both later requests hit the shared prefix
-
-
-@pytest.mark.slow  # over 6 s on a 2-core machine: make test runs it, make test-fast leaves it out
-def test_a_hit_of_one_long_sequence_takes_the_grouped_kernel_and_a_mixed_step_the_decode_kernel(monkeypatch):
-    """query_rows_impl "auto": a step of at most grouped_max_seqs sequences whose contexts are all at least
-    grouped_min_context long runs paged_query_rows_attention (the bucket's "grouped" graph), any other
-    query-row step the decode kernel; the tokens are those of the decode kernel alone."""
-    import minikv.attention.triton_backend as tb
-    shared = list(range(20, 60))  # five blocks of 8
-    prompts = [shared + [5, 6, 7], shared + [9, 3], [3, 4], shared + list(range(60, 71)), [8, 9, 10]]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 2, 3, 2, 4)]
-    ref = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
-    ref.backend.query_rows_impl = "decode"
-    want = [o.token_ids for o in ref.generate(prompts, params)]
-    llm = _tiny_llm(max_num_seqs=4, prefix_caching="hash")
-    llm.backend.grouped_min_context = 40  # the hits' contexts here (the engine's default: 4,096)
+    llm.backend.grouped_min_context = 24
     llm.runner.step_graphs = graphs = _step_graphs(llm)
     grouped, steps = [], []  # grouped kernel calls; (sequences, kernel chosen, grouped calls) of each step
     kernel, run, kernel_for = tb.paged_query_rows_attention, graphs.run, graphs.kernel_for
@@ -192,23 +175,28 @@ def test_a_hit_of_one_long_sequence_takes_the_grouped_kernel_and_a_mixed_step_th
                       len(grouped) - before))
         return out
     graphs.run = counted
-    layers = llm.config.num_layers
-    assert [o.token_ids for o in llm.generate(prompts[:1], params[:1])] == want[:1]  # fills the cache
+    assert [o.token_ids for o in llm.generate([prompts[0]], [params[0]])] == want[:1]  # fills the cache
     steps.clear()
-    assert [o.token_ids for o in llm.generate(prompts[1:2], params[1:2])] == want[1:2]
-    assert steps[0][:2] == (1, "grouped"), steps  # the hit: 3 new tokens of one sequence over 43 keys
+    assert [o.token_ids for o in llm.generate([prompts[1]], [params[1]])] == want[1:2]
+    assert steps[0][:2] == (1, "grouped"), steps  # the hit: 1 new token of one sequence over 25 keys
     if CAPTURE:  # a replayed graph calls no Python: the grouped kernel is in the bucket's "grouped" graph
         assert (16, "grouped") in graphs.graphs
     else:  # the kernel ran in every layer
-        assert steps[0][2] == layers, steps
+        assert steps[0][2] == llm.config.num_layers, steps
     steps.clear()
     assert [o.token_ids for o in llm.generate(prompts[2:], params[2:])] == want[2:]
-    assert any(b > 2 for b, _, _ in steps), steps
-    assert all(k == "decode" and g == 0 for b, k, g in steps if b > 2), steps  # the decode kernel
-    assert llm.backend.query_rows_kernel(num_seqs=2, min_context=2) == "decode"
-    assert llm.backend.query_rows_kernel(num_seqs=3, min_context=500) == "decode"
-    assert llm.backend.query_rows_kernel(num_seqs=2, min_context=40) == "grouped"
+    assert any(b > 2 for b, _, _ in steps) and all(k == "decode" and g == 0 for b, k, g in steps if b > 2), steps
+    sizes = {t for t, _ in graphs.calls}
+    assert any(t <= 16 for t in sizes) and any(16 < t <= 32 for t in sizes), graphs.calls  # both buckets ran
+    assert any(b > 1 for _, b in graphs.calls), graphs.calls  # a mixed step of several sequences
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.stats()["prefix_cache"]["hits"] >= 2 * 24  # both later requests hit the shared prefix
+    backend = llm.backend
+    assert [backend.query_rows_kernel(num_seqs=n, min_context=c) for n, c in ((2, 2), (3, 500), (2, 24))] == [
+        "decode", "decode", "grouped"]
+    backend.query_rows_impl = "groupd"
+    with pytest.raises(ValueError, match="use 'auto'"):
+        backend.query_rows_kernel(num_seqs=1, min_context=40)
 
 
 def test_step_padding_stores_nothing_and_larger_steps_run_eagerly():

@@ -67,9 +67,9 @@ class TritonPagedBackend(PagedBackend):
     # "grouped" split count; None = chosen per step (query_rows_num_splits in minikv/kernels/query_rows_attention.py)
     query_rows_num_splits: int | None = None
     # "auto" takes the grouped kernel for at most this many sequences, all contexts at least this long.
-    # Measured on an H100 (benchmarks/RESULTS.md, 2026-11-27): a hit's step of 32 rows over 8k keys 1.13x,
-    # 4k 1.04x, 2k 0.98x; 32 to 255 one-row sequences 2.8-3.9x slower than the decode kernel (each program
-    # walks several groups in turn)
+    # Measured on an H100 (benchmarks/RESULTS.md, 2026-11-27): a hit's whole step of 32 rows over 8k keys
+    # 1.13x, 4k 1.03x, 2k 0.97x; 32 to 255 one-row sequences 2.8-3.9x slower than the decode kernel (each
+    # program walks several groups in turn)
     grouped_max_seqs: int = 2
     grouped_min_context: int = 4096
     # set while a CUDA graph is captured (its host lengths are only bounds): the kernel that graph records
@@ -89,6 +89,9 @@ class TritonPagedBackend(PagedBackend):
         metadata's host lengths. Without those (a graph being captured) it is the capture's choice."""
         if self.sliding_window or self.decode_inner_loop is not None:
             return "decode"
+        if self.query_rows_impl not in ("auto", "grouped", "decode"):
+            raise ValueError(f"query_rows_impl is {self.query_rows_impl!r}; use 'auto' (the grouped kernel for few "
+                             "sequences over long contexts), 'grouped' or 'decode'")
         if self.query_rows_impl != "auto":
             return self.query_rows_impl
         if num_seqs is None:
@@ -104,9 +107,10 @@ class TritonPagedBackend(PagedBackend):
         step one program per (sequence, head) walking the whole context alone; here the context is cut into
         splits across the GPU, and a row's K/V reads hit the cache its neighbours' rows just filled.
 
-        With query_rows_impl "grouped" the rows of one sequence go further and share their reads:
-        paged_query_rows_attention gives one program up to 16 of them over one KV head, each K/V tile
-        loaded once for all of them (a hit's 32 rows read its context twice, not 32 times)."""
+        When `query_rows_kernel` says "grouped" (query_rows_impl "auto": a long hit's step) the rows of one
+        sequence go further and share their reads: paged_query_rows_attention gives one program up to 8 of
+        them over one KV head, each K/V tile loaded once for all of them (a hit's 32 rows read its context
+        4 times, not 32)."""
         if self.query_rows_kernel(meta) == "grouped":
             return paged_query_rows_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
