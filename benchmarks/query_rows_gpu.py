@@ -85,8 +85,7 @@ def mixed_step(single_rows: int, context: int, tail_rows: int, iters: int) -> li
                                       split_per_seq=True)
 
     def grouped():
-        return qr.paged_query_rows_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, max(query_lens),
-                                             context)
+        return qr.paged_query_rows_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, context)
     out = []
     for name, fn in (("decode kernel, a row per token", decode_rows), ("grouped (defaults)", grouped)):
         err = (fn().double() - want).abs().max().item()
@@ -146,18 +145,18 @@ def main(argv=None) -> int:
     for rows in (8, 16, 32):
         for warps in (4, 8):
             def grouped(rows=rows, warps=warps):
-                return qr.paged_query_rows_attention(q, k_cache, v_cache, table, qsl, seq_lens, scale, R, L,
+                return qr.paged_query_rows_attention(q, k_cache, v_cache, table, qsl, seq_lens, scale, L,
                                                      rows=rows, num_warps=warps)
             variants[f"grouped rows={rows} warps={warps}"] = grouped
     for rows in (16,):
         def graph_shape(rows=rows):
-            return qr.paged_query_rows_attention(q, k_cache, v_cache, g_tables, g_qsl, g_lens, scale, 32, L + 4,
+            return qr.paged_query_rows_attention(q, k_cache, v_cache, g_tables, g_qsl, g_lens, scale, L + 4,
                                                  rows=rows)
         variants[f"grouped rows={rows}, the graph's call shape"] = graph_shape
     splits_default = qr.query_rows_num_splits(-(-R // qr.QUERY_ROWS_CONFIG["rows"]), KV_HEADS, L, dev)
     for splits in sorted({16, 32, 64, 128} - {splits_default}):
         def with_splits(splits=splits):
-            return qr.paged_query_rows_attention(q, k_cache, v_cache, table, qsl, seq_lens, scale, R, L,
+            return qr.paged_query_rows_attention(q, k_cache, v_cache, table, qsl, seq_lens, scale, L,
                                                  num_splits=splits)
         variants[f"grouped default rows, {splits} splits"] = with_splits
     rows_out = []

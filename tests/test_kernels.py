@@ -277,21 +277,21 @@ def test_query_rows_match_references_for_hits_chunk_tails_and_decode_rows(group,
     q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 16, 2, group, torch.float32,
                                                     seed=group + num_splits)
     out = paged_query_rows_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                     meta.max_query_len, meta.max_seq_len, num_splits=num_splits, rows=4,
+                                     meta.max_seq_len, num_splits=num_splits, rows=4,
                                      out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, "vs float64")
 
 
 def test_query_rows_under_graph_bounds_padding_rows_and_float16():
-    """As a CUDA graph's static buffers pass them: host bounds above the real lengths (max_query_len of
-    the bucket, max_seq_len of the model), a padding sequence and rows with no token at all."""
+    """As a CUDA graph's static buffers pass them: a host bound above the real lengths (max_seq_len of the
+    model), a padding sequence and rows with no token at all."""
     query_lens, seq_lens = [5, 2, 9], [70, 18, 9]  # the last: the padding row's tokens at positions 0..8
     q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 8, 2, 3, torch.float16, seed=5)
     qsl = torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(2)])  # two rows with no token
     lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.long)])
     tabs = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=tables.dtype)])
-    out = paged_query_rows_attention(q, k_cache, v_cache, tabs, qsl, lens, SCALE, max_query_len=16,
-                                     max_seq_len=512, rows=4, out=poisoned(q.shape, q.dtype))
+    out = paged_query_rows_attention(q, k_cache, v_cache, tabs, qsl, lens, SCALE, max_seq_len=512, rows=4,
+                                     out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
 
 
@@ -301,7 +301,7 @@ def test_query_rows_read_a_quantized_pool_as_the_decode_kernel_does():
     q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, 16, 2, 2, torch.float32, seed=9)
     (kq, ks, kz), (vq, vs, vz) = (quantize_block(x, torch.int8) for x in (k_cache, v_cache))
     out = paged_query_rows_attention(q, kq, vq, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                     meta.max_query_len, meta.max_seq_len, num_splits=2, rows=4,
+                                     meta.max_seq_len, num_splits=2, rows=4,
                                      k_scale=ks, v_scale=vs, k_zero=kz, v_zero=vz, out=poisoned(q.shape, q.dtype))
     want = reference(q, dequantize_block(kq, ks, kz), dequantize_block(vq, vs, vz), tables, meta)
     assert_close(out, want, 1e-5, "int8 pool vs its dequantized values")

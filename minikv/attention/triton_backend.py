@@ -113,7 +113,7 @@ class TritonPagedBackend(PagedBackend):
         4 times, not 32)."""
         if self.query_rows_kernel(meta) == "grouped":
             return paged_query_rows_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                              meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
+                                              meta.seq_lens, scale, meta.max_seq_len,
                                               num_splits=self.query_rows_num_splits, k_scale=k_scale,
                                               v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
         if "query_rows" not in meta.step_memo:  # once per step, for every layer

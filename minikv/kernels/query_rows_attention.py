@@ -173,8 +173,8 @@ def paged_query_rows_attention(
     query_start_loc: torch.Tensor,  # [B + 1] offsets of each sequence's rows in q
     seq_lens: torch.Tensor,  # [B] context after this step (its new tokens' K/V already stored)
     scale: float,
-    max_query_len: int,  # host bound of the longest query run
-    max_seq_len: int,  # host bound of the longest context (sets the split count only)
+    max_seq_len: int,  # host bound of the longest context (sets the split count only; the groups and their
+    #   ranges are read on the device, so no bound of the query runs is needed)
     num_splits: int | None = None,
     rows: int | None = None,
     block_n: int | None = None,
