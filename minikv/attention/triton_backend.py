@@ -111,7 +111,9 @@ class TritonPagedBackend(PagedBackend):
         sequence go further and share their reads: paged_query_rows_attention gives one program up to 8 of
         them over one KV head, each K/V tile loaded once for all of them (a hit's 32 rows read its context
         4 times, not 32)."""
-        if self.query_rows_kernel(meta) == "grouped":
+        if "query_rows_kernel" not in meta.step_memo:  # once per step, for every layer
+            meta.step_memo["query_rows_kernel"] = self.query_rows_kernel(meta)
+        if meta.step_memo["query_rows_kernel"] == "grouped":
             return paged_query_rows_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, scale, meta.max_seq_len,
                                               num_splits=self.query_rows_num_splits, k_scale=k_scale,
