@@ -15,33 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minikv.kernels.query_rows_attention as qr  # noqa: E402
+from benchmarks.fused_ops_gpu import replay_ms  # noqa: E402  (a graph's replays, medians of CUDA events)
 from minikv import LLM, SamplingParams  # noqa: E402
 from minikv.bench import environment  # noqa: E402
 from minikv.bench.prefix_ttft import build_prompts  # noqa: E402
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint  # noqa: E402
-
-
-def replay_ms(graph, replays: int) -> float:
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:

@@ -272,6 +272,21 @@ def check_inner_loop(fn):
     return fn
 
 
+def check_paged_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What every paged attention kernel reads: q [..., num_heads, head_dim] and the caches
+    [num_blocks, block_size, num_kv_heads, head_dim] of one layout, num_kv_heads dividing num_heads,
+    head_dim contiguous. A ValueError naming the mismatch otherwise."""
+    num_heads, head_dim = q.shape[-2:]
+    num_kv_heads, kd = k_cache.shape[2:]
+    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
+                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+
+
 @functools.lru_cache(maxsize=None)
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: a kernel may start while the one before it finishes (Hopper on,
@@ -331,13 +346,7 @@ def paged_decode_attention(
     units, -inf for an empty split whose part_out is never written) instead of `_decode_merge_kernel`."""
     B, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape
-    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
-                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    check_paged_layout(q, k_cache, v_cache)
     if block_tables.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                          f"need one row per sequence ({B})")

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minikv.kernels.decode_attention import check_paged_layout
 from minikv.kernels.quant import load_kv_tiles, quant_args
 
 
@@ -160,13 +161,7 @@ def paged_prefill_attention(
     """Causal varlen attention of the new tokens over their paged context: [T, num_heads, head_dim]."""
     T, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape
-    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
-                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    check_paged_layout(q, k_cache, v_cache)
     k_scale, v_scale, k_zero, v_zero, stride_sb, stride_ss, stride_sh, quant, has_zero = quant_args(
         k_scale, v_scale, k_cache, k_zero, v_zero)
     B = seq_lens.shape[0]

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv.kernels.decode_attention import _decode_merge_kernel, _num_sms, supports_pdl
+from minikv.kernels.decode_attention import _decode_merge_kernel, _num_sms, check_paged_layout, supports_pdl
 from minikv.kernels.quant import load_kv_tiles, quant_args
 
 
@@ -191,13 +191,7 @@ def paged_query_rows_attention(
     one sequence sharing their K/V reads: [T, num_heads, head_dim] (the same as paged_prefill_attention)."""
     T, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kd = k_cache.shape
-    if kd != head_dim or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must share one "
-                         f"[num_blocks, block_size, num_kv_heads, {head_dim}] layout")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    check_paged_layout(q, k_cache, v_cache)
     B = seq_lens.shape[0]
     if query_start_loc.shape[0] != B + 1 or block_tables.shape[0] != B:
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} needs B + 1 entries and block_tables "
