@@ -23,7 +23,7 @@ from minikv.engine.config import EngineConfig  # noqa: E402
 from minikv.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from minikv.kernels import fused_add_rms_norm, rotary_qkv, silu_and_mul  # noqa: E402
 from minikv.model.config import ModelConfig  # noqa: E402
-from minikv.model.llama import LlamaForCausalLM, RMSNorm, apply_rope  # noqa: E402
+from minikv.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, uninitialised_weights  # noqa: E402
 from minikv.model.loader import load_model  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -116,6 +116,35 @@ def test_merged_projections_are_views_that_load_save_tie_and_survive_a_dtype_mov
     twin = copy.deepcopy(model).model.layers[0].mlp  # so does a copy
     assert twin.up_proj.weight.untyped_storage().data_ptr() == twin.gate_up_weight.untyped_storage().data_ptr()
     torch.testing.assert_close(twin.gate_up_weight, mlp.gate_up_weight, atol=0, rtol=0)
+
+
+def test_a_model_built_for_a_checkpoint_merges_without_copying_and_loads_into_the_merged_matrix():
+    """Inside uninitialised_weights() the merged matrices are allocated, not copied from memory that holds
+    nothing yet; the checkpoint then lands in them through the views. Outside, a merge keeps the values."""
+    from minikv.model import llama
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with uninitialised_weights():
+            assert llama._uninitialised
+            raise RuntimeError("inside")
+    assert not llama._uninitialised  # restored after an error too
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(small_qwen2())
+    with uninitialised_weights():
+        model = LlamaForCausalLM(small_qwen2())
+    attn = model.model.layers[1].self_attn
+    assert all(p.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+               for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    model.load_state_dict(source.state_dict())
+    for name in ("qkv_weight", "qkv_bias"):
+        torch.testing.assert_close(getattr(attn, name), getattr(source.model.layers[1].self_attn, name), atol=0, rtol=0)
+    torch.testing.assert_close(model.model.layers[1].mlp.gate_up_weight, source.model.layers[1].mlp.gate_up_weight,
+                               atol=0, rtol=0)
+    mlp = source.model.layers[0].mlp  # outside the context a merge copies: the merged rows are the old values
+    up = mlp.up_proj.weight.detach().clone()
+    mlp.gate_up_weight = None
+    mlp.merge_projections()
+    torch.testing.assert_close(mlp.gate_up_weight[-up.shape[0]:], up, atol=0, rtol=0)
 
 
 def greedy_tokens(model, fused_ops: bool, prompts, max_tokens: int = 4, **options) -> list[list[int]]:

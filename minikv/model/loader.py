@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import weakref
@@ -17,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from minikv.model.config import ModelConfig
 from minikv.model.dtype import parse_dtype
 from minikv.model.gguf import converted_gguf
-from minikv.model.llama import LlamaForCausalLM
+from minikv.model.llama import LlamaForCausalLM, uninitialised_weights  # noqa: F401 - re-exported
 from minikv.model.named import NAMED_MODELS, TINY_RANDOM_CONFIG, cache_dir, prepare_smollm2
 
 
@@ -179,19 +177,6 @@ def load_model(name_or_path: str | os.PathLike, device: str | torch.device = "cp
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer = load_tokenizer(ckpt) if ckpt is not None else None
     return LoadedModel(model, cfg, tokenizer, name_or_path)
-
-
-@contextlib.contextmanager
-def uninitialised_weights():
-    """Linear and embedding layers built in here skip their random initialisation (their memory is left
-    as allocated), as transformers does before it loads a checkpoint: drawing 135M random numbers that
-    the checkpoint then overwrites took 1.6 s of SmolLM2's 2 s of model building."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 # tokenizer classes that are transformers' generic fast tokenizer, whose whole behaviour is in
