@@ -249,6 +249,84 @@ def test_an_evicted_block_leaves_the_local_index():
     bm.check([])
 
 
+def long_chain_manager(num_blocks: int = 32) -> Manager:
+    bm = manager("hash", num_blocks=num_blocks)
+    bm.prefix_cache.span = 2  # spans of two blocks: a chain of 8 blocks is 4 spans
+    return bm
+
+
+def test_a_long_hit_is_walked_a_span_at_a_time_and_matches_the_sha256_walk(monkeypatch):
+    """A verified chain becomes spans; the next lookups walk them (no sha256 before the first new block)
+    and find exactly the blocks the one-block-at-a-time sha256 walk finds, where the chains part too."""
+    bm = long_chain_manager()
+    cache = bm.prefix_cache
+    shared = list(range(8 * BS))
+    bm.free(run(bm, shared + [1, 2, 3]))
+    assert cache.match(shared).num_tokens == 8 * BS and len(cache.spans) == 4
+    calls, made = counted_sha256(monkeypatch), []
+    for probe in (shared + [7], shared[:5 * BS] + [9] * 3 * BS, shared[:5 * BS + 1] + [9] * 3 * BS, shared[:3]):
+        calls.clear()
+        hit = cache.match(probe)
+        made.append(len(calls))
+        assert hit.blocks == cache._match_each(probe, None, len(probe) // BS)[0].blocks, probe
+    assert made == [0, 1, 1, 0]  # two spans and a block of the third walked, then one sha256: the first new block
+    bm.check([])
+
+
+def test_a_span_whose_block_left_the_cache_is_never_walked():
+    bm = long_chain_manager(num_blocks=10)
+    cache = bm.prefix_cache
+    shared = list(range(8 * BS))
+    bm.free(run(bm, shared + [1]))
+    assert cache.match(shared).num_tokens == 8 * BS and len(cache.spans) == 4
+    bm.free(run(bm, list(range(200, 200 + 5 * BS))))  # 5 of 10 blocks: 2 empty ones, then the chain's last 3
+    assert cache.match(shared).num_tokens == 5 * BS  # the third span lost its second block: the walk stops there
+    bm.check([])  # a stale span is allowed (skipped), a wrong one is not
+    span = next(iter(cache.spans.values()))
+    span.data = bytes(len(span.data))
+    with pytest.raises(AssertionError, match="does not hold its entries' chain"):
+        bm.check([])
+
+
+def test_a_span_under_another_chains_key_is_refused_by_its_parent():
+    """Two chains with the same bytes in their second span: one's span put under the other's key (what a
+    64-bit collision would do) holds the right bytes but hangs from another parent, so the walk refuses it."""
+    bm = long_chain_manager()
+    cache = bm.prefix_cache
+    tail = list(range(500, 500 + 2 * BS))
+    a, b = list(range(2 * BS)) + tail, list(range(100, 100 + 2 * BS)) + tail
+    blocks_a, blocks_b = run(bm, a + [1]).block_table[:4], run(bm, b + [1]).block_table[:4]
+    assert cache.match(a).blocks == blocks_a and cache.match(b).blocks == blocks_b
+    (key_a,) = [k for k, sp in cache.spans.items() if sp.blocks == blocks_a[2:]]
+    (span_b,) = [sp for sp in cache.spans.values() if sp.blocks == blocks_b[2:]]
+    cache.spans[key_a] = span_b
+    assert cache.match(a).blocks == blocks_a and cache.match(b).blocks == blocks_b
+
+
+def test_the_engine_hands_the_prefix_cache_the_prompts_bytes_from_its_range_check(monkeypatch):
+    """new_sequence keeps the ids' bytes its range check made; the hash chain hashes those instead of
+    converting the ids again, and a sequence without them (or with bytes of another length) converts."""
+    from minikv.cache.prefix import hash_chain
+    from minikv.engine.prompts import check_token_range
+
+    ids = list(range(3 * BS + 1))
+    assert check_token_range(ids, 1000) == id_bytes(ids)
+    assert check_token_range([1.0, 2.0], 1000) is None  # not what the C pass takes: nothing kept
+    llm = paged()
+    seq = llm.core.new_sequence(llm.request(ids, GREEDY))
+    assert seq.prompt_bytes == id_bytes(ids)
+    converted = []
+    monkeypatch.setattr(hash_chain, "id_bytes", lambda t: converted.append(len(t)) or id_bytes(t))
+    llm.generate([ids, ids], GREEDY)
+    assert converted == []  # every lookup hashed the kept bytes
+    bm = manager("hash")
+    bm.free(run(bm, ids))
+    converted.clear()
+    seq = Sequence(ids + [5], SamplingParams())
+    seq.prompt_bytes = id_bytes(ids)  # bytes of another prompt length: not used
+    assert bm.match_prefix(seq).num_tokens == 3 * BS and converted == [3 * BS]
+
+
 def test_engine_with_a_colliding_hash_still_gives_the_uncached_tokens():
     prompts = [tokens(9, s) for s in range(4)]
     ref = [o.token_ids for o in paged().generate(prompts, GREEDY)]

@@ -31,11 +31,14 @@ FAMILIES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 51, 52, 53], [90, 
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
-    @initialize(design=st.sampled_from(["hash", "radix"]), eviction=st.sampled_from(["lru", "fifo"]))
-    def setup(self, design, eviction):
+    @initialize(design=st.sampled_from(["hash", "radix"]), eviction=st.sampled_from(["lru", "fifo"]),
+                span=st.sampled_from([1, 2, 32]))
+    def setup(self, design, eviction, span):
         self.bm = BlockManager(NUM_BLOCKS, BS)
         self.bm.attach_prefix_cache(make_prefix_cache(design, BS, eviction))
         self.cache = self.bm.prefix_cache
+        if design == "hash":  # short spans: the hash chain's lookups walk spans of one or two blocks too
+            self.cache.span = span
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # preempted (recompute): no blocks, will be admitted again
         self.content: dict[int, tuple] = {}

@@ -446,7 +446,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (or a list of them, one per prompt), "
                              f"got {type(params).__name__} {params!r}")
-        check_token_range(ids, self.model_config.vocab_size)
+        id_bytes = check_token_range(ids, self.model_config.vocab_size)
         self.check_length(len(ids))
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} can never match: model {self.model_config.model_type!r} "
@@ -457,6 +457,7 @@ class EngineCore:
         if self.is_paged:
             self._check_fits_beside_pins(ids, request.cache_salt, params)
         seq = Sequence(ids, params, request_id=request.request_id, cache_salt=request.cache_salt, prompt=request.prompt)
+        seq.prompt_bytes = id_bytes  # the prefix cache's hash chain reads these instead of converting the ids again
         seq.tenant = request.tenant
         seq.seed = params.seed if params.seed is not None else new_seed(self._generator)
         if params.n > 1:

@@ -10,6 +10,7 @@ truncated (1.7 is not token 1), a string of digits is not a list of ids, True is
 """
 from __future__ import annotations
 
+import sys
 from array import array
 from numbers import Integral, Number
 from typing import Any
@@ -93,16 +94,24 @@ def parse_prompt(prompt: Any, tokenizer, vocab_size: int, check_range: bool = Tr
     return ids, text, salt
 
 
-def check_token_range(ids: list[int], vocab_size: int) -> None:
-    """At least one id, and every id in [0, vocab_size): a ValueError naming the first that is not."""
+def check_token_range(ids: list[int], vocab_size: int) -> bytes | None:
+    """At least one id, and every id in [0, vocab_size): a ValueError naming the first that is not.
+
+    Returns the ids as 8 little-endian bytes each (`id_bytes`' form, what the hash chain's keys hash),
+    made by the same C pass that checked them; None where that pass could not take them (then nothing
+    is saved, and the prefix cache converts them itself)."""
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     try:  # the common case in one C pass: unsigned 64-bit ints (a negative or non-integer id raises), their max
-        if int(np.frombuffer(array("Q", ids), dtype=np.uint64).max()) < vocab_size:
-            return
+        packed = array("Q", ids)
+        if int(np.frombuffer(packed, dtype=np.uint64).max()) < vocab_size:
+            if sys.byteorder == "big":
+                packed.byteswap()
+            return packed.tobytes()
     except (TypeError, OverflowError, ValueError):
         pass
     if min(ids) < 0 or max(ids) >= vocab_size:  # (two C loops, not one Python comparison per token)
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
                          "use ids from this model's tokenizer")
+    return None

@@ -35,6 +35,7 @@ class Sequence:
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_bytes: bytes | None = None  # the prompt's ids as 8 little-endian bytes each, where known
         self.output_token_ids: list[int] = []
         self.params = params
         self.cache_salt = cache_salt

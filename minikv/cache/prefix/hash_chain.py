@@ -24,6 +24,7 @@ prefix is what the next request is most likely to share.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -132,6 +133,18 @@ class CachedBlock:
             self.token_bytes = id_bytes(self.token_ids)  # a hit compares a whole chain's bytes at once
 
 
+SPAN = 32  # blocks of one entry of the lookup's span index (512 tokens at block size 16)
+
+
+@dataclass
+class Span:
+    """`span` consecutive cached blocks of one chain, from a block index that is a multiple of it: a long
+    hit is walked a span at a time. Made from a verified chain, and valid while every entry is cached."""
+    entries: list[CachedBlock]
+    blocks: list[int]
+    data: bytes  # the entries' id bytes, compared with the request's on every walk through the span
+
+
 class FreeQueueSeam:
     """A learner's free block queue (exercise 06d: append, remove, popleft, len, in, iter; least recently
     used first) behind the interface HashChainCache uses (EvictionQueue's). With LRU the priority pushed
@@ -186,6 +199,7 @@ class HashChainCache(PrefixCache):
     unused cached blocks in place of the cache's own EvictionQueue (LRU only)."""
 
     design = "hash"
+    span = SPAN  # blocks of one span of the lookup's index (a class attribute: the tests take shorter spans)
 
     def __init__(self, block_size: int, eviction: str = "lru", hash_fn: HashFn = hash_block,
                  free_queue: Callable[[], object] | None = None):
@@ -201,6 +215,7 @@ class HashChainCache(PrefixCache):
         self._seq_keys: dict[int, list[BlockHash]] = {}  # seq_id -> keys of its full blocks so far
         self._looked_up: dict[int, tuple] = {}  # seq_id -> (salt, keys, blocks) of its last lookup's hit, for insert
         self.local: dict[int, CachedBlock] = {}  # the lookup's own index: local chain key -> entry (see _match)
+        self.spans: dict[int, Span] = {}  # the same index SPAN blocks at a time: (local key before, bytes) -> span
         self.num_collisions = 0
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -218,7 +233,7 @@ class HashChainCache(PrefixCache):
     def match(self, token_ids: TokenIds, salt: str | None = None, max_tokens: int | None = None) -> PrefixMatch:
         return self._match(token_ids, salt, max_tokens)[0]
 
-    def _match(self, token_ids: TokenIds, salt: str | None, max_tokens: int | None
+    def _match(self, token_ids: TokenIds, salt: str | None, max_tokens: int | None, data: bytes | None = None
                ) -> tuple[PrefixMatch, list[BlockHash]]:
         """The match, and the keys of its blocks (what `insert` would hash again for the same tokens).
 
@@ -230,15 +245,21 @@ class HashChainCache(PrefixCache):
         there, and the sha256 walk goes on only from where the local one stopped (one sha256 for the
         first block past a hit). An entry the local walk finds must still be in the cache, and what the
         found chain hashed is compared with the request at once, bytes and parents: a local key that
-        collides costs a sha256 walk, never another prefix's K/V."""
+        collides costs a sha256 walk, never another prefix's K/V.
+
+        The local walk takes SPAN blocks at a step where it can (`spans`, made from chains already
+        verified): an 8,192-token hit is 16 spans, not 512 blocks. `data`: the ids' bytes, where the
+        caller has them already (the prompt's, from the engine's range check)."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         bs, n = self.block_size, limit // self.block_size
         if self.hash_fn is not hash_block or n == 0:
             return self._match_each(token_ids, salt, n)
-        width, data = 8 * bs, id_bytes(token_ids[:n * bs])
-        found, local = self._walk_local(data, n, salt)
-        if found and not self._is_chain_of(found, data, salt):
-            found, local = [], _local_root(salt)  # a local key collided: the sha256 walk decides alone
+        width = 8 * bs
+        data = data[:n * width] if data is not None and len(data) >= n * width else id_bytes(token_ids[:n * bs])
+        found, local, spanned = self._walk_local(data, n, salt)
+        if len(found) > spanned and not self._is_chain_of(found, data, salt, spanned):
+            del found[spanned:]  # a local key collided past the spans: the sha256 walk decides from there
+            local = found[-1].local_key if found else _local_root(salt)
         walked = len(found)
         parent = found[-1].key if found else None
         for key in _chain(data[walked * width:], bs, n - walked, () if found else extra_keys(0, salt), parent):
@@ -247,7 +268,7 @@ class HashChainCache(PrefixCache):
                 break
             found.append(entry)
         if len(found) > walked:
-            if not self._is_chain_of(found, data, salt):
+            if not self._is_chain_of(found, data, salt, walked):
                 return self._match_each(token_ids, salt, len(found))
             for i in range(walked, len(found)):  # found by sha256: the local index learns them
                 local = hash((local, data[i * width:(i + 1) * width]))
@@ -255,28 +276,60 @@ class HashChainCache(PrefixCache):
                 self.local[local] = found[i]
             if len(self.local) > 2 * len(self.by_block) + 1024:  # entries dropped by a subclass's own evict
                 self.local = {k: e for k, e in self.local.items() if self.by_block.get(e.block) is e}
+        if len(found) >= spanned + self.span:
+            self._add_spans(found, data, salt, spanned)
         return PrefixMatch([e.block for e in found], len(found) * bs), [e.key for e in found]
 
-    def _walk_local(self, data: bytes, num_blocks: int, salt: str | None) -> tuple[list[CachedBlock], int]:
+    def _walk_local(self, data: bytes, num_blocks: int, salt: str | None) -> tuple[list[CachedBlock], int, int]:
         """The entries the local index holds for the chain of `data`, up to the first block it lacks (or
-        whose entry has left the cache), and the local key of the last one found."""
+        whose entry has left the cache), the local key of the last one found, and how many of them came
+        in whole spans (checked already: their bytes, their parents, every entry still cached)."""
         width, get, by_block = 8 * self.block_size, self.local.get, self.by_block
-        found, key = [], _local_root(salt)
-        for start in range(0, num_blocks * width, width):
+        found: list[CachedBlock] = []
+        key, span_blocks = _local_root(salt), self.span
+        step = span_blocks * width
+        for start in range(0, num_blocks // span_blocks * step, step):
+            chunk = data[start:start + step]
+            span = self.spans.get(hash((key, chunk)))
+            if (span is None or span.data != chunk or not all(map(operator.is_, map(by_block.get, span.blocks),
+                                                                   span.entries))
+                    or span.entries[0].parent != (found[-1].key if found else None)
+                    or (not found and span.entries[0].extra != extra_keys(0, salt))):
+                break
+            found += span.entries
+            key = span.entries[-1].local_key
+        spanned = len(found)
+        for start in range(spanned * width, num_blocks * width, width):
             entry = get(hash((key, data[start:start + width])))
             if entry is None or by_block.get(entry.block) is not entry:
                 break
             found.append(entry)
             key = entry.local_key
-        return found, key
+        return found, key, spanned
 
-    def _is_chain_of(self, found: list[CachedBlock], data: bytes, salt: str | None) -> bool:
+    def _add_spans(self, found: list[CachedBlock], data: bytes, salt: str | None, start: int) -> None:
+        """Spans for the verified chain `found` (every entry with its local key), from block `start` (a
+        multiple of the span) on. Spans whose entries left the cache are dropped when they outnumber the rest."""
+        width, n = 8 * self.block_size, self.span
+        for i in range(start, len(found) - n + 1, n):
+            entries = found[i:i + n]
+            before = found[i - 1].local_key if i else _local_root(salt)
+            chunk = data[i * width:(i + n) * width]
+            self.spans[hash((before, chunk))] = Span(entries, [e.block for e in entries], chunk)
+        if len(self.spans) > 2 * (len(self.by_block) // n) + 64:
+            by_block = self.by_block
+            self.spans = {k: sp for k, sp in self.spans.items() if all(by_block.get(e.block) is e for e in sp.entries)}
+
+    def _is_chain_of(self, found: list[CachedBlock], data: bytes, salt: str | None, start: int = 0) -> bool:
         """Do these entries hold exactly the chain of `data` (its first len(found) blocks) with this salt?
-        Their ids, their parents' keys and their extra keys, compared for the whole chain at once."""
-        keys = [e.key for e in found]
-        return (b"".join([e.token_bytes for e in found]) == data[:len(found) * 8 * self.block_size]
-                and [e.parent for e in found] == [None, *keys[:-1]]
-                and found[0].extra == extra_keys(0, salt) and not any(e.extra for e in found[1:]))
+        Their ids, their parents' keys and their extra keys, compared for the whole chain at once; from
+        block `start` on where the blocks before it were checked already."""
+        width, part = 8 * self.block_size, found[start:]
+        keys = [e.key for e in found[max(start - 1, 0):]]
+        return (b"".join([e.token_bytes for e in part]) == data[start * width:len(found) * width]
+                and [e.parent for e in part] == ([None] if start == 0 else []) + keys[:len(part) - (start == 0)]
+                and (start > 0 or found[0].extra == extra_keys(0, salt))
+                and not any(e.extra for e in found[max(start, 1):]))
 
     def _match_each(self, token_ids: TokenIds, salt: str | None, num_blocks: int
                     ) -> tuple[PrefixMatch, list[BlockHash]]:
@@ -301,7 +354,11 @@ class HashChainCache(PrefixCache):
             return PrefixMatch()
         if type(self).match is not HashChainCache.match:  # a subclass's own match decides (a lab's, a learner's)
             return super().lookup(seq)
-        hit, keys = self._match(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
+        prompt, data = getattr(seq, "prompt_token_ids", None), getattr(seq, "prompt_bytes", None)
+        if data is not None and prompt is not None and len(data) == 8 * len(prompt) >= 8 * (seq.num_tokens - 1):
+            hit, keys = self._match(prompt, seq.cache_salt, seq.num_tokens - 1, data)  # the prompt's bytes, kept
+        else:
+            hit, keys = self._match(seq.token_ids, seq.cache_salt, seq.num_tokens - 1)
         if keys:
             self._looked_up[seq.seq_id] = (seq.cache_salt, keys, hit.blocks)
             while len(self._looked_up) > 1024:  # sequences looked up and never inserted: keep the newest
@@ -417,6 +474,7 @@ class HashChainCache(PrefixCache):
         self.table.clear()
         self.by_block.clear()
         self.local.clear()
+        self.spans.clear()
         self.free_queue = self._new_free_queue()
         self._seq_keys.clear()
         self._looked_up.clear()
@@ -439,6 +497,12 @@ class HashChainCache(PrefixCache):
             if self.by_block.get(entry.block) is not entry or entry.local_key != key:
                 raise AssertionError(f"the local index holds block {entry.block}, which left the cache or sits "
                                      "under another local key")
+        for span in self.spans.values():  # a span with an entry gone is stale (never walked), else it is exact
+            entries = span.entries
+            if all(self.by_block.get(e.block) is e for e in entries) and (
+                    b"".join(e.token_bytes for e in entries) != span.data or span.blocks != [e.block for e in entries]
+                    or any(e.parent != p.key for p, e in zip(entries, entries[1:]))):
+                raise AssertionError(f"a span from block {span.blocks[0]} does not hold its entries' chain")
         for b in self.free_queue.ordered():
             if self.free_queue.priority(b) != self._priority(self.by_block[b]):
                 raise AssertionError(f"block {b} sits in the free queue with a stale {self.eviction} time")
