@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed-stamp
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # pytest workers; each runs torch on one thread (two threads per process on two cores thrash). One worker
 # more than the two cores: kernels starting, servers answering and the browser test leave a worker waiting
-# about an eighth of the time, and the third fills it (2 cores, the same tree back to back: 674 s against 766 s)
+# about an eighth of the time, and the third fills it (2 cores: 674 s against 766 s for one tree back to back,
+# 673 s against 683 s for a later one; the machine's own speed moves a run by up to a minute)
 JOBS   ?= 3
 
 .PHONY: lab lint test test-fast model bench clean
