@@ -288,6 +288,20 @@ def test_a_span_whose_block_left_the_cache_is_never_walked():
         bm.check([])
 
 
+def test_spans_whose_blocks_left_the_cache_are_dropped():
+    """Spans are made on every long hit and go stale as their blocks are evicted: the index keeps about as
+    many as are live, not one per chain ever seen."""
+    bm = long_chain_manager(num_blocks=10)
+    cache = bm.prefix_cache
+    for i in range(120):  # 120 chains of 4 blocks through a pool of 10: each made 2 spans on its second run
+        chain = list(range(1000 * i, 1000 * i + 4 * BS))
+        bm.free(run(bm, chain + [1]))
+        bm.free(run(bm, chain + [2]))
+    live = sum(all(cache.by_block.get(e.block) is e for e in sp.entries) for sp in cache.spans.values())
+    assert live >= 2 and len(cache.spans) <= 2 * live + 64 + 2
+    bm.check([])
+
+
 def test_a_span_under_another_chains_key_is_refused_by_its_parent():
     """Two chains with the same bytes in their second span: one's span put under the other's key (what a
     64-bit collision would do) holds the right bytes but hangs from another parent, so the walk refuses it."""

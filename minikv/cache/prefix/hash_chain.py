@@ -216,6 +216,7 @@ class HashChainCache(PrefixCache):
         self._looked_up: dict[int, tuple] = {}  # seq_id -> (salt, keys, blocks) of its last lookup's hit, for insert
         self.local: dict[int, CachedBlock] = {}  # the lookup's own index: local chain key -> entry (see _match)
         self.spans: dict[int, Span] = {}  # the same index SPAN blocks at a time: (local key before, bytes) -> span
+        self._live_spans = 0  # spans left by the last prune of those whose entries left the cache
         self.num_collisions = 0
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -316,9 +317,10 @@ class HashChainCache(PrefixCache):
             before = found[i - 1].local_key if i else _local_root(salt)
             chunk = data[i * width:(i + n) * width]
             self.spans[hash((before, chunk))] = Span(entries, [e.block for e in entries], chunk)
-        if len(self.spans) > 2 * (len(self.by_block) // n) + 64:
+        if len(self.spans) > 2 * self._live_spans + 64:  # (a count that doubles between prunes: amortised O(1))
             by_block = self.by_block
             self.spans = {k: sp for k, sp in self.spans.items() if all(by_block.get(e.block) is e for e in sp.entries)}
+            self._live_spans = len(self.spans)
 
     def _is_chain_of(self, found: list[CachedBlock], data: bytes, salt: str | None, start: int = 0) -> bool:
         """Do these entries hold exactly the chain of `data` (its first len(found) blocks) with this salt?
@@ -475,6 +477,7 @@ class HashChainCache(PrefixCache):
         self.by_block.clear()
         self.local.clear()
         self.spans.clear()
+        self._live_spans = 0
         self.free_queue = self._new_free_queue()
         self._seq_keys.clear()
         self._looked_up.clear()
