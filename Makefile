@@ -5,11 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
-# pytest workers; each runs torch on one thread (two threads per process on two cores thrash). One worker
-# more than the two cores: kernels starting, servers answering and the browser test leave a worker waiting
-# about an eighth of the time, and the third fills it (2 cores: 674 s against 766 s for one tree back to back,
-# 673 s against 683 s for a later one; the machine's own speed moves a run by up to a minute)
-JOBS   ?= 3
+# pytest workers; each runs torch on one thread (two threads per process on two cores thrash). A third
+# worker was tried on 2 cores, in three pairs of runs: its wall time moved either way (674 against 766 s,
+# 673 against 683, 715 against 669) and its CPU time was 6% lower, 6% higher and 14% higher
+JOBS   ?= 2
 
 .PHONY: lab lint test test-fast model bench clean
 
