@@ -28,8 +28,9 @@ from minikv.bench import environment
 from minikv.bench.prefix_ttft import build_prompts
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ratios_gpu import turns  # noqa: E402
+if __name__ == "__main__":  # run as a script: the checkout's root on the path (as query_rows_step_gpu.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.ratios_gpu import turns  # noqa: E402  (off first, then hash and radix in alternating order)
 
 PHASES = [  # (label, path to the object from the LLM, method)
     ("request", "", "request"),
