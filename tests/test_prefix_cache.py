@@ -326,13 +326,14 @@ def test_the_engine_hands_the_prefix_cache_the_prompts_bytes_from_its_range_chec
     ids = list(range(3 * BS + 1))
     assert check_token_range(ids, 1000) == id_bytes(ids)
     assert check_token_range([1.0, 2.0], 1000) is None  # not what the C pass takes: nothing kept
-    llm = paged()
+    llm = paged("hash")
     seq = llm.core.new_sequence(llm.request(ids, GREEDY))
     assert seq.prompt_bytes == id_bytes(ids)
     converted = []
     monkeypatch.setattr(hash_chain, "id_bytes", lambda t: converted.append(len(t)) or id_bytes(t))
-    llm.generate([ids, ids], GREEDY)
-    assert converted == []  # every lookup hashed the kept bytes
+    first, second = (llm.generate(ids, GREEDY)[0] for _ in range(2))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 3 * BS)
+    assert converted and set(converted) == {BS}  # insert hashed its new blocks; no lookup converted the prompt
     bm = manager("hash")
     bm.free(run(bm, ids))
     converted.clear()
