@@ -1,12 +1,14 @@
 """pytest configuration for the whole checkout (the tests' own fixtures are in tests/conftest.py).
 
-`make test` runs every exercise and solution notebook through nbval, and tests/test_classroom.py grades
-each of them with the course's checks: every solution scores full marks, every untouched exercise fails
-at its checks with a message and nowhere else. The notebooks' check cells are those same checks
-(minikv/classroom/course.json is rendered from exercises/, tests/test_classroom.py holds them equal), so
-nbval would run each of them a second time: about a minute of a two-core run. Where this session grades a
-notebook, nbval runs every cell of it but its check cells. Run alone (`pytest --nbval solutions/...`),
-a notebook keeps its check cells.
+`make test` runs every notebook through nbval, and tests/test_classroom.py grades every exercise and
+solution notebook with the course's checks: every solution scores full marks with no cell raising, every
+untouched exercise fails at its checks with a message and nowhere else. The grader runs every cell of the
+notebook (the learner's cells, then the course's setup and check cells, which are the notebook's: course.json
+is rendered from exercises/), and the grading tests compare what each cell printed with its stored output,
+as nbval compares it (`assert_prints_as_stored`). nbval would run the same notebook a second time, in a
+kernel of its own: about two minutes of CPU of a two-core run. So where this session grades a notebook,
+nbval leaves it to the grading test. Run alone (`pytest --nbval solutions/...`), a notebook goes through
+nbval, every cell of it.
 """
 from __future__ import annotations
 
@@ -28,9 +30,8 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
-        cell = getattr(item, "cell", None)  # an nbval item: one code cell of a notebook
         path = Path(str(item.fspath))
-        if cell is not None and (path.parent.name, path.name) in graded and "check" in cell.metadata.get("tags", ()):
+        if getattr(item, "cell", None) is not None and (path.parent.name, path.name) in graded:  # an nbval cell
             drop.append(item)
         else:
             keep.append(item)

@@ -160,6 +160,33 @@ def test_a_hanging_cell_stops_at_the_notebooks_time_limit(tmp_path, capsys):
     assert "did not run: check 2 was still running" in result["message"]
 
 
+def test_the_grader_keeps_what_each_cell_printed_and_the_grading_tests_hold_it_to_the_stored_outputs(tmp_path):
+    """The grading tests stand in for nbval on the notebooks they grade (the root conftest.py): what each
+    cell printed, the learner's cells and the course's setup cells run only before its checks alike, must
+    be the notebook's stored output as nbval compares it."""
+    nb = notebook(tmp_path / "pr.ipynb", ("print('early', 2 + 1)", []), ("def f():\n    return 1", ["exercise"]),
+                  ("assert f() == 1\nprint('checked')", ["check"]), ("print('late', 7)", []))
+    g = grade_notebook(nb, reference=nb)
+    assert g.passed
+    assert g.outputs == {0: "early 3\n", 1: "", 3: "late 7\n"}  # cell 3 ran only in the course's phase
+    assert "outputs" not in g.to_dict()
+
+    def stored(early: str, late_output):
+        book = nbformat.read(nb, as_version=4)
+        book.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=early)]
+        book.cells[3].outputs = [late_output]
+        nbformat.write(book, nb)
+
+    stored("early 3\n", nbformat.v4.new_output("stream", name="stdout", text="late 7\n"))
+    assert_prints_as_stored(nb, g)
+    stored("early 3\n", nbformat.v4.new_output("stream", name="stdout", text="late 8\n"))
+    with pytest.raises(AssertionError, match="cell 3"):
+        assert_prints_as_stored(nb, g)
+    stored("early 3\n", nbformat.v4.new_output("execute_result", data={"text/plain": "7"}, execution_count=4))
+    with pytest.raises(AssertionError, match="the grader only what it prints"):
+        assert_prints_as_stored(nb, g)
+
+
 def test_exit_in_a_learners_cell_ends_only_that_cell(tmp_path):
     nb = notebook(tmp_path / "ex.ipynb", ("def f():\n    return 1\nexit()", ["exercise"]),
                   ("assert f() == 1\nprint('ok')", ["check"]), ("import sys\nsys.exit(3)", ["check"]),
@@ -428,12 +455,53 @@ def fastest(course_grades, n: int) -> list[str]:
                   + course_grades["exercises", name].seconds)[:n]
 
 
+def stored_prints(path: Path) -> dict[int, str]:
+    """What nbval would compare in each code cell of `path`: its stored printed text (stdout and stderr),
+    sanitized as nbval sanitizes it (tests/nbval_sanitize.cfg). Cells nbval ignores or skips, check cells
+    and cells that must raise are left out; a compared output other than printed text fails here, since
+    the grader sees only what a cell prints."""
+    from test_notebook_markers import markers, sanitizers  # tests/ is on the path
+
+    patterns, found = sanitizers(), {}
+    for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        kinds = markers(cell)[0]
+        if cell.cell_type != "code" or not cell.get("outputs") or kinds & {"ignore", "skip", "raises"} \
+                or "check" in _tags(cell):
+            continue
+        kinds_out = {o.output_type for o in cell.outputs}
+        assert kinds_out == {"stream"}, (f"{path.name} cell {index}: nbval compares its {sorted(kinds_out)} "
+                                         "outputs, the grader only what it prints: print it, or mark the cell "
+                                         "# NBVAL_IGNORE_OUTPUT")
+        found[index] = sanitized("".join(o.text for o in cell.outputs), patterns)
+    return found
+
+
+def sanitized(text: str, patterns) -> str:
+    for regex, replace in patterns:
+        text = regex.sub(replace, text)
+    return text
+
+
+def assert_prints_as_stored(path: Path, g) -> None:
+    """The graded run printed what the notebook stores, cell by cell, as nbval would have compared it
+    (where a session grades a notebook, nbval leaves it to this: the root conftest.py)."""
+    from test_notebook_markers import sanitizers
+
+    patterns = sanitizers()
+    stored = stored_prints(path)
+    for index, want in stored.items():
+        assert index in g.outputs, f"{path.name} cell {index}: the grader did not run it"
+        assert sanitized(g.outputs[index], patterns) == want, f"{path.name} cell {index}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [p.name for p in SOLVED])
 def test_every_solution_passes_minikv_check(course_grades, name):
     g = course_grades["solutions", name]
     assert g.passed, g.report()
     assert g.points == g.max_points > 0
+    assert not g.notes, g.notes  # no other cell raised
+    assert_prints_as_stored(ROOT / "solutions" / name, g)
 
 
 @pytest.mark.slow
@@ -446,6 +514,7 @@ def test_every_untouched_exercise_fails_minikv_check_with_a_message(course_grade
     for c in g.checks:
         assert not c.passed and c.message.strip(), f"check {c.number}: {c.message!r}"
         assert "Traceback" not in c.message
+    assert_prints_as_stored(ROOT / "exercises" / name, g)
 
 
 @pytest.mark.slow

@@ -75,6 +75,10 @@ class Grade:
     seconds: float = 0.0
     attempted: bool = True      # False: every exercise cell is still the course's stub
     review: list[str] = field(default_factory=list)  # code of the learner's a teacher should read (no score change)
+    # what each cell printed (the end of it), by its index in the notebook: the learner's cells, and the
+    # course's setup cells that only the second phase ran; the course's tests compare it with the stored
+    # outputs (not written to the results: `to_dict` leaves it out)
+    outputs: dict[int, str] = field(default_factory=dict)
 
     @property
     def points(self) -> float:
@@ -117,7 +121,7 @@ class Grade:
                            "message": self.message})
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "checks"}
+        d = {k: v for k, v in vars(self).items() if k not in ("checks", "outputs")}
         d["checks"] = [vars(c) for c in self.checks]
         return d
 
@@ -293,6 +297,7 @@ class Plan:
     attempted: bool
     review: list[str]
     untouched: bool                 # every code cell is one of the course's, the stubs as handed out
+    setup_at: dict[int, int]        # a course setup cell (its position in the course) -> its index in the notebook
 
 
 def plan(path: Path, reference: Path | None = None) -> Plan:
@@ -333,7 +338,14 @@ def plan(path: Path, reference: Path | None = None) -> Plan:
     ref = find_reference(path, reference)
     if ref is not None and ref.resolve() == path.resolve():
         untouched = False  # a notebook graded against itself (its own checks) runs
-    return Plan(entry, run, where, notes, attempted, review, untouched)
+    setup_at = {}  # the course's setup cells in the notebook: by cell id, else by code
+    for k, c in enumerate(entry.cells):
+        if c.role == "setup":
+            same = [x.index for x in cells if x.id and x.id == c.id] or \
+                   [x.index for x in cells if normalised(x.source) == normalised(c.source)]
+            if same:
+                setup_at[k] = same[0]
+    return Plan(entry, run, where, notes, attempted, review, untouched, setup_at)
 
 
 class _Reader(threading.Thread):
@@ -451,6 +463,7 @@ def _start_fresh(package: Path, work: str, events_fd: int) -> subprocess.Popen:
 def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out: bool, timeout: float,
              log_tail: str, changed_on_disk: bool = False) -> None:
     cells: dict[int, dict] = {}
+    setups: dict[int, str] = {}  # notebook index -> what the course's setup cell printed
     checks: dict[int, dict] = {}
     running, done, fatal, odd = None, False, None, []
     for e in events.events:
@@ -462,6 +475,10 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
             running = str(e["running"])
         elif "cell" in e and isinstance(e["cell"], dict):
             cells.setdefault(e["cell"].get("index"), e["cell"])
+        elif "setup" in e and isinstance(e["setup"], dict):
+            at = p.setup_at.get(e["setup"].get("cell"))
+            if at is not None:
+                setups.setdefault(at, str(e["setup"].get("output") or ""))
         elif "answer" in e and isinstance(e["answer"], dict):
             a = e["answer"]
             if a.get("engine"):
@@ -487,6 +504,7 @@ def _collect(grade: Grade, p: Plan, events: _Reader, code: int | None, timed_out
     if odd:
         grade.flags.append("the grader's results channel was written by the notebook's code ("
                            + "; ".join(sorted(set(odd))) + "): its checks score 0")
+    grade.outputs = setups | {i: str(rec.get("output") or "") for i, rec in cells.items() if isinstance(i, int)}
     for c in p.cells:
         rec = cells.get(c.index)
         if rec and rec.get("error") and "raises-exception" not in c.tags:

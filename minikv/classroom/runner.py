@@ -6,7 +6,8 @@
 
 PLAN.json    {"cwd", "env", "memory", "threads", "cells": [{"index", "source", "role"}], "course": {...}}
 FD           a pipe to the grader: one JSON line per event, written as it happens:
-             {"running": "cell 4"}, {"cell": {...}}, {"answer": {...}}, {"check": {...}}, {"done": true}
+             {"running": "cell 4"}, {"cell": {...}}, {"setup": {...}}, {"answer": {...}}, {"check": {...}},
+             {"done": true}
 
 Two phases:
 1. the learner's cells, in order, as a kernel runs them (never their check cells: those are the course's);
@@ -172,7 +173,8 @@ def main(fd: int) -> int:
     for k, cell in enumerate(course["cells"]):
         if cell["role"] == "setup":
             send({"running": f"the course's setup cell {k}"})
-            error, _, _ = _run(cell["source"], f"<course cell {k}>", course_ns, None)
+            error, output, _ = _run(cell["source"], f"<course cell {k}>", course_ns, None)
+            send({"setup": {"cell": k, "output": output}})
             if error is not None and broken_setup is None:
                 broken_setup = f"the course's setup cell {k} failed: {error}"
         elif cell["role"] == "exercise":
