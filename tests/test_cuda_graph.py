@@ -199,6 +199,27 @@ def test_small_prefill_and_mixed_steps_through_static_buffers_generate_the_same_
         backend.query_rows_kernel(num_seqs=1, min_context=40)
 
 
+@pytest.mark.parametrize("impl, window, grouped", [("auto", None, True), ("grouped", None, True),
+                                                    ("decode", None, False), ("auto", 32, False)])
+def test_capture_all_records_a_grouped_graph_only_where_a_step_can_choose_the_grouped_kernel(
+        impl, window, grouped, monkeypatch):
+    """A bucket of query-row steps gets its decode-kernel graph, and a "grouped" one only where the backend
+    may choose that kernel: not with query_rows_impl "decode", nor under a sliding window (where the backend
+    always runs the decode kernel, so a grouped graph would record the same kernels again, never replayed)."""
+    llm = _tiny_llm(max_num_seqs=4, sliding_window=window)
+    llm.backend.query_rows_impl = impl
+    graphs = _step_graphs(llm)
+    recorded = []
+    monkeypatch.setattr(graphs, "_capture", lambda t_b, kernel=None: recorded.append((t_b, kernel)) or object())
+    graphs.capture_all()
+    rows = [t for t in graphs.buckets if t <= llm.backend.query_rows_max]
+    assert rows, (graphs.buckets, llm.backend.query_rows_max)  # some buckets are query-row steps
+    want = {(t, "decode") for t in rows} | {(t, None) for t in graphs.buckets if t not in rows}
+    want |= {(t, "grouped") for t in rows} if grouped else set()
+    assert sorted(recorded, key=str) == sorted(want, key=str)
+    assert set(graphs.graphs) == {graphs._key(t, k) for t, k in want}
+
+
 def test_step_padding_stores_nothing_and_larger_steps_run_eagerly():
     llm = _tiny_llm(max_num_seqs=4)
     graphs = _step_graphs(llm, max_tokens=16)

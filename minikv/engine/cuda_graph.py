@@ -48,6 +48,7 @@ Larger steps (long prompts, big chunks) stay eager: their launches are a small p
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -257,6 +258,16 @@ class StepGraphs:
             return "decode"
         return choose(num_seqs=inputs.num_seqs, min_context=min(inputs.seq_lens_list))
 
+    def kernels_of(self, t_b: int) -> set[str | None]:
+        """Every kernel a step of bucket t_b may run with (`kernel_for`): the graphs `capture_all` records. The
+        backend is asked about its extremes, one sequence over the longest context and many over none, so a
+        grouped graph is recorded only where a step can choose it (not under a sliding window, say)."""
+        kernels = {self.kernel_for(t_b)}
+        if kernels != {None}:
+            kernels |= {self.backend.query_rows_kernel(num_seqs=n, min_context=c)
+                        for n, c in ((1, sys.maxsize), (sys.maxsize, 0))}
+        return kernels
+
     @staticmethod
     def _key(t_b: int, kernel: str | None) -> int | tuple[int, str]:
         return (t_b, kernel) if kernel == "grouped" else t_b
@@ -325,10 +336,7 @@ class StepGraphs:
             self.seq_lens[:rows] = 0
             self.seq_lens[0] = t_b
             self.block_tables.zero_()
-            kernels = {self.kernel_for(t_b)}
-            if kernels != {None} and getattr(self.backend, "query_rows_impl", None) in ("auto", "grouped"):
-                kernels.add("grouped")
-            for kernel in kernels:
+            for kernel in self.kernels_of(t_b):
                 if self._key(t_b, kernel) not in self.graphs:
                     self.graphs[self._key(t_b, kernel)] = self._capture(t_b, kernel)
 
