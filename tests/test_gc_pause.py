@@ -1,6 +1,7 @@
 """generate() keeps the garbage collector off the objects that lived before it (gc.freeze), and gives
 them back to it afterwards, whatever happens; a heap the caller froze stays the caller's."""
 import gc
+import queue
 import threading
 
 import pytest
@@ -99,4 +100,50 @@ def test_the_server_loop_keeps_its_start_up_heap_frozen_until_it_stops(llm):
     finally:
         loop.stop()
     assert seen and seen[-1][0] == "end" and all(count > 0 for _, count in seen), seen
+    assert gc.get_freeze_count() == 0
+
+
+class Pipe:
+    """What the engine process's loop uses of a multiprocessing queue, in this process (`on_put` sees
+    every message as the loop sends it)."""
+
+    def __init__(self, on_put=None):
+        self.q, self.on_put = queue.Queue(), on_put
+
+    def get(self, timeout=None):
+        return self.q.get(timeout=timeout)
+
+    def get_nowait(self):
+        return self.q.get_nowait()
+
+    def put(self, msg):
+        if self.on_put is not None:
+            self.on_put(msg)
+        self.q.put(msg)
+
+    def cancel_join_thread(self):
+        pass
+
+
+def test_the_engine_process_steps_with_its_start_up_heap_frozen_and_thaws_when_it_stops():
+    """The server's EngineCore process (minikv/serve/core_process.py) freezes what lived once its engine
+    was built, as generate() does: no full collection walks the model between its steps. Its loop runs
+    here, in this thread, on queues of this process."""
+    from minikv.engine.core import EngineRequest
+    from minikv.serve.core_process import _core_loop
+
+    commands, seen = Pipe(), []
+
+    def sent(msg):
+        if msg[0] == "events":
+            seen.append(gc.get_freeze_count())
+            if any(e[4] is not None for e in msg[1]):  # a finish reason: the request is done, stop the loop
+                commands.put(("stop",))
+
+    results = Pipe(on_put=sent)
+    commands.put(("add", EngineRequest([1, 2, 3], PARAMS, "r1", None, None, None)))
+    assert gc.get_freeze_count() == 0
+    _core_loop("tiny-random", dict(kv_backend="paged", block_size=4, num_blocks=32), commands, results, True)
+    assert seen and all(count > 0 for count in seen), seen
+    assert [m[0] for m in list(results.q.queue)][-1] == "stopped"
     assert gc.get_freeze_count() == 0

@@ -36,6 +36,7 @@ from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 from minikv.engine.core import EngineEvent, EngineRequest
+from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.prompts import parse_prompt
 from minikv.engine.sampling_params import SamplingParams
 
@@ -85,6 +86,12 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
     except BaseException as e:  # noqa: BLE001  the server says why and exits
         results.put(("start_failed", type(e).__name__, str(e), traceback.format_exc()))
         return
+    with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
+        _serve_commands(core, view, commands, results)
+
+
+def _serve_commands(core, view, commands, results) -> None:
+    """Take commands, step while there is work, send each step's events, until told to stop."""
     parent = mp.parent_process()
     while True:
         try:
