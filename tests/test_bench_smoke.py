@@ -112,7 +112,8 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
             decode_profile.main(["--out", "never-made"])
 
 
-@pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s")])
+@pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s"),
+                                          ("serve_prefix_ab_gpu", "--loads")])
 def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
     """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
     Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
