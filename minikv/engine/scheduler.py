@@ -347,15 +347,18 @@ class Scheduler:
     # ---- after the model ran --------------------------------------------------------------------
     def update(self, batch: ScheduledBatch) -> None:
         bm, fair = self.bm, self.fair
-        each = fair is not None or bm.prefix_cache is not None or bm.sliding_window is not None
+        cache, window, bs = bm.prefix_cache is not None, bm.sliding_window is not None, bm.block_size
+        each = fair is not None or cache or window
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens):
             seq.num_computed_tokens = start + n
             if not each:  # no tenants to charge, no prefix cache, no window: nothing more per sequence
                 continue
             if fair is not None and seq.output_token_ids and start + n == seq.num_tokens - 1:
                 fair.generated(seq)  # it sampled a token this step
-            bm.cache_blocks(seq)  # its newly full blocks join the prefix cache (if on)
-            bm.free_outside_window(seq)  # blocks no later query sees go back (a sliding window)
+            if cache and (start + n) // bs > start // bs:  # a block filled up: it joins the prefix cache
+                bm.cache_blocks(seq)  # (a decode fills one every block_size steps: the other steps ask nothing)
+            if window:
+                bm.free_outside_window(seq)  # blocks no later query sees go back
         for seq in [s for s in self.running if s.is_finished]:
             self.finish(seq)
         for seq in [s for s in self.waiting if s.is_finished]:  # a fork that finished on its first token
