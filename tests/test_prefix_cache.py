@@ -740,3 +740,22 @@ def test_a_long_hit_hashes_its_prefix_once_and_caches_the_same_blocks():
     # here), never the hit (22 hashes before lookup kept its keys)
     assert len(calls) == 11 + 1, len(calls)
     assert llm.view.prefix_stats()["cached_blocks"] == plain.view.prefix_stats()["cached_blocks"]
+
+
+@pytest.mark.parametrize("design", ["hash", "radix"])
+def test_the_scheduler_hands_a_sequence_to_the_cache_only_in_a_step_that_filled_one_of_its_blocks(design):
+    """A decode fills a block every block_size steps: the steps between ask the cache nothing, and every
+    full block is cached all the same, the same blocks as a cache asked every step would hold."""
+    llm = LLM("tiny-random", kv_backend="paged", block_size=4, num_blocks=64, prefix_caching=design,
+              async_scheduling=False)
+    bm, calls, steps = llm.block_manager, [], []
+    cache_blocks = bm.cache_blocks
+    bm.cache_blocks = lambda seq: calls.append(seq.num_computed_tokens) or cache_blocks(seq)
+    llm.add_observer(types.SimpleNamespace(on_step=lambda llm, batch, events: steps.append(1)))
+    prompt = list(range(10, 30))  # 20 tokens: the prefill fills blocks 0-4
+    out = llm.generate(prompt, SamplingParams(max_tokens=11, ignore_eos=True))[0]
+    assert len(steps) == 11  # the prefill, then 10 decodes (computed 21 .. 30)
+    assert calls == [20, 24, 28], calls  # the steps that filled a block: 20 (blocks 0-4), 24, 28
+    assert len(bm.prefix_cache.cached_blocks()) == 7  # blocks 0-6 of the 30 computed tokens
+    again = llm.generate(prompt + out.token_ids[:9], SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens == 28  # the decoded blocks were cached: a later request finds them
