@@ -143,7 +143,13 @@ def test_the_engine_process_steps_with_its_start_up_heap_frozen_and_thaws_when_i
     results = Pipe(on_put=sent)
     commands.put(("add", EngineRequest([1, 2, 3], PARAMS, "r1", None, None, None)))
     assert gc.get_freeze_count() == 0
-    _core_loop("tiny-random", dict(kv_backend="paged", block_size=4, num_blocks=32), commands, results, True)
+    watchdog = threading.Timer(120, commands.put, [("stop",)])  # whatever goes wrong, the loop ends
+    watchdog.start()
+    try:
+        _core_loop("tiny-random", dict(kv_backend="paged", block_size=4, num_blocks=32), commands, results, True)
+    finally:
+        watchdog.cancel()
+    assert [m[1][0][0] for m in results.q.queue if m[0] == "answers"] == ["accepted"]
     assert seen and all(count > 0 for count in seen), seen
     assert [m[0] for m in list(results.q.queue)][-1] == "stopped"
     assert gc.get_freeze_count() == 0
