@@ -10,9 +10,11 @@ process and card, tokens checked before anything is timed.
    to first token of off / hash / radix at 8,192 and 2,048 prefix tokens. Ratio = off / cached.
    Goals: >= 10x at 8,192, >= 5x at 2,048, a hit < 3 ms.
 2. server vs engine: the nano-vllm workload (256 requests, prompts and outputs 100-1,024, EOS
-   ignored; greedy) offline through `LLM(ckpt).generate`, then through `minikv serve --model ckpt`
-   (its own process) with 256 streaming clients at once; output tok/s and TTFT p50 of each.
-   Goal: server >= 0.85 of offline.
+   ignored; greedy) through `minikv serve --model ckpt` (its own process) with 256 streaming clients
+   at once, then offline through `LLM(ckpt).generate`, --serve-loads times each (default 3: one load
+   moves by up to 15% from the next); output tok/s and TTFT p50, the medians and every run.
+   Goals: server >= 0.85 of offline, TTFT p50 <= 1.5x. (The server runs its default hash prefix
+   cache, `LLM(ckpt)` none: NOTES_step_profile.md measures what that costs.)
 3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
 
 Prints one table of ratios and writes a JSON record (device, versions, commit, every raw figure).
@@ -81,42 +83,64 @@ def prefix_hits(ckpt: str, prefix_len: int, requests: int = 8, suffix_len: int =
 CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients are never what is measured
 
 
-def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = ()) -> dict:
+def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
+                      reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES) -> dict:
+    """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
+    `loads` times offline through `LLM(ckpt)` (warmed alike): every run, and each side's medians. One
+    load of one server moves by up to 15% from the next (NOTES_step_profile.md): a ratio from one load
+    each cannot tell 0.80 from 0.90."""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
-    reqs = workload()  # [(prompt ids, output length)]: the nano-vllm workload
+    if loads < 1:
+        raise ValueError(f"loads is {loads}; measure at least one load of each side")
+    reqs = reqs if reqs is not None else workload()  # [(prompt ids, output length)]: the nano-vllm workload
     # the server first, in its own process, so that its pool is fitted to an empty card
     server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
+    served = []
     try:
         name = server_name(server)
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
-        load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(reqs)]
-        results, duration = run_load(server.url, name, load, processes=CLIENT_PROCESSES)
+        for _ in range(loads):
+            load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(reqs)]
+            results, duration = run_load(server.url, name, load, processes=processes)
+            ok = [r for r in results if r.ok]
+            tokens = sum(r.output_tokens for r in ok)
+            served.append({"seconds": duration, "output_tokens": tokens, "tok_s": tokens / duration,
+                           "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
+                           "errors": sorted({r.error for r in results if not r.ok})[:3]})
     finally:
         server.stop()
     llm = LLM(ckpt)
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    offline_s = time.perf_counter() - t0
-    offline_tokens = sum(len(o.token_ids) for o in outs)
-    offline_ttft = [o.time_to_first_token for o in outs]
+    offline = []
+    for _ in range(loads):
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        offline.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
+                        "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50)})
     llm.close()
     del llm, outs
     gc.collect()
-    torch.cuda.empty_cache()
-    ok = [r for r in results if r.ok]
-    served_tokens = sum(r.output_tokens for r in ok)
-    return {"offline": {"seconds": offline_s, "output_tokens": offline_tokens, "tok_s": offline_tokens / offline_s,
-                        "ttft_p50_s": pct(offline_ttft, 50)},
-            "server": {"seconds": duration, "output_tokens": served_tokens, "tok_s": served_tokens / duration,
-                       "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
-                       "errors": sorted({r.error for r in results if not r.ok})[:3]},
-            "output_tokens_equal": served_tokens == offline_tokens}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+    return {"loads": loads,
+            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline},
+            "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
+                       "failed": sum(r["failed"] for r in served),
+                       "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
+            "output_tokens_equal": all(r["output_tokens"] == o["output_tokens"] for r in served for o in offline)}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def server_name(server) -> str:
@@ -163,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--parts", default="prefix,serve,second", help="comma-separated: prefix, serve, second")
     ap.add_argument("--server-args", default="", help="more `minikv serve` flags, e.g. --no-engine-process")
+    ap.add_argument("--serve-loads", type=int, default=3, help="loads of the server, and offline runs (medians)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device; this script measures the GPU ratios (run it on the GPU machine)", file=sys.stderr)
@@ -182,13 +207,17 @@ def main(argv: list[str] | None = None) -> int:
                              f"hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
                              f"tokens identical {r['tokens_identical'][k]}"))
     if "serve" in parts:
-        r = offline_vs_server(ckpt, tmp, args.server_args.split())
+        r = offline_vs_server(ckpt, tmp, args.server_args.split(), loads=args.serve_loads)
         record["serve"] = r
+        each = lambda side, k, f: " / ".join(f.format(x[k]) for x in r[side]["runs"])  # noqa: E731
         rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
-                     f"server {r['server']['tok_s']:,.0f}, offline {r['offline']['tok_s']:,.0f} tok/s, "
+                     f"medians of {r['loads']}: server {r['server']['tok_s']:,.0f} "
+                     f"({each('server', 'tok_s', '{:,.0f}')}), "
+                     f"offline {r['offline']['tok_s']:,.0f} ({each('offline', 'tok_s', '{:,.0f}')}) tok/s, "
                      f"failed {r['server']['failed']}"))
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
-                     f"server {r['server']['ttft_p50_s']:.2f} s, offline {r['offline']['ttft_p50_s']:.2f} s"))
+                     f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
+                     f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))
     if "second" in parts:
         r = second_engine(ckpt)
         record["second_engine"] = r

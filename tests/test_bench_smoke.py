@@ -154,3 +154,19 @@ def test_the_floor_counts_weights_per_step_and_each_tokens_context_once():
     assert one["kv_bytes_read"] == kv * (11 + 12)  # the two output tokens see 11 and 12 positions
     assert one["memory_s"] == (3 * one["params"] * 2 + one["kv_bytes_read"]) / 1e9
     assert one["prefill_compute_s"] == 2 * 10 * L * per_layer / 1e12
+
+
+@pytest.mark.slow  # starts `minikv serve` as a process: seconds
+def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tiny_workload(tmp_path):
+    """benchmarks/ratios_gpu.py's server-against-offline part, end to end on the CPU: every load of the
+    server and every offline run is kept, the medians are of them, and the served tokens equal offline's."""
+    ratios = research_script("ratios_gpu")
+    reqs = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 4), ([13, 14, 15, 16], 5)]
+    r = ratios.offline_vs_server("tiny-random", tmp_path, loads=2, reqs=reqs, processes=1)
+    assert r["loads"] == 2 and len(r["server"]["runs"]) == len(r["offline"]["runs"]) == 2
+    assert r["server"]["failed"] == 0 and r["output_tokens_equal"], r
+    assert all(run["output_tokens"] == 15 for run in r["server"]["runs"] + r["offline"]["runs"])
+    for side in ("server", "offline"):
+        assert r[side]["tok_s"] == pytest.approx(sum(run["tok_s"] for run in r[side]["runs"]) / 2)  # median of 2
+    with pytest.raises(ValueError, match="at least one load"):
+        ratios.offline_vs_server("tiny-random", tmp_path, loads=0, reqs=reqs)
