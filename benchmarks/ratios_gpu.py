@@ -12,7 +12,8 @@ process and card, tokens checked before anything is timed.
 2. server vs engine: the nano-vllm workload (256 requests, prompts and outputs 100-1,024, EOS
    ignored; greedy) through `minikv serve --model ckpt` (its own process) with 256 streaming clients
    at once, then offline through `LLM(ckpt).generate`, --serve-loads times each (default 3: one load
-   moves by up to 15% from the next); output tok/s and TTFT p50, the medians and every run.
+   moves by up to 15% from the next; load k's prompts rotated by k tokens, so that no load finds an
+   earlier one's in the server's prefix cache); output tok/s and TTFT p50, the medians and every run.
    Goals: server >= 0.85 of offline, TTFT p50 <= 1.5x. (The server runs its default hash prefix
    cache, `LLM(ckpt)` none: NOTES_step_profile.md measures what that costs.)
 3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
@@ -86,9 +87,9 @@ CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients ar
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
                       reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES) -> dict:
     """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
-    `loads` times offline through `LLM(ckpt)` (warmed alike): every run, and each side's medians. One
-    load of one server moves by up to 15% from the next (NOTES_step_profile.md): a ratio from one load
-    each cannot tell 0.80 from 0.90."""
+    `loads` times offline through `LLM(ckpt)` (warmed alike), load k's prompts rotated by k tokens on both
+    sides (`rotated`): every run, and each side's medians. One load of one server moves by up to 15% from
+    the next (NOTES_step_profile.md): a ratio from one load each cannot tell 0.80 from 0.90."""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
     if loads < 1:
@@ -100,8 +101,8 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     try:
         name = server_name(server)
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
-        for _ in range(loads):
-            load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(reqs)]
+        for k in range(loads):
+            load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
             results, duration = run_load(server.url, name, load, processes=processes)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
@@ -115,10 +116,10 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
     offline = []
-    for _ in range(loads):
+    for k in range(loads):
         sync()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate([p for p, _ in rotated(reqs, k)], params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
@@ -136,6 +137,13 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
                        "failed": sum(r["failed"] for r in served),
                        "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
             "output_tokens_equal": all(r["output_tokens"] == o["output_tokens"] for r in served for o in offline)}
+
+
+def rotated(reqs: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], int]]:
+    """Load k's requests: each prompt rotated by k tokens (the same lengths, the same work), so that no load
+    finds an earlier load's prompts in the server's prefix cache (`minikv serve` runs one by default, the
+    offline engine none)."""
+    return [(p[k % len(p):] + p[:k % len(p)], n) for p, n in reqs]
 
 
 def sync() -> None:

@@ -170,3 +170,6 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
         assert r[side]["tok_s"] == pytest.approx(sum(run["tok_s"] for run in r[side]["runs"]) / 2)  # median of 2
     with pytest.raises(ValueError, match="at least one load"):
         ratios.offline_vs_server("tiny-random", tmp_path, loads=0, reqs=reqs)
+    # load k's prompts are rotated by k tokens: the same lengths and outputs, never an earlier load's prompt
+    assert ratios.rotated(reqs, 0) == reqs
+    assert ratios.rotated(reqs, 1) == [([6, 7, 8, 9, 5], 6), ([11, 12, 10], 4), ([14, 15, 16, 13], 5)]
