@@ -144,6 +144,10 @@ class Span:
     blocks: list[int]
     data: bytes  # the entries' id bytes, compared with the request's on every walk through the span
 
+    def cached_in(self, by_block: dict[int, CachedBlock]) -> bool:
+        """Is every entry still the cached one of its block? (A span with one gone is stale: never walked.)"""
+        return all(map(operator.is_, map(by_block.get, self.blocks), self.entries))
+
 
 class FreeQueueSeam:
     """A learner's free block queue (exercise 06d: append, remove, popleft, len, in, iter; least recently
@@ -292,8 +296,7 @@ class HashChainCache(PrefixCache):
         for start in range(0, num_blocks // span_blocks * step, step):
             chunk = data[start:start + step]
             span = self.spans.get(hash((key, chunk)))
-            if (span is None or span.data != chunk or not all(map(operator.is_, map(by_block.get, span.blocks),
-                                                                   span.entries))
+            if (span is None or span.data != chunk or not span.cached_in(by_block)
                     or span.entries[0].parent != (found[-1].key if found else None)
                     or (not found and span.entries[0].extra != extra_keys(0, salt))):
                 break
@@ -319,7 +322,7 @@ class HashChainCache(PrefixCache):
             self.spans[hash((before, chunk))] = Span(entries, [e.block for e in entries], chunk)
         if len(self.spans) > 2 * self._live_spans + 64:  # (a count that doubles between prunes: amortised O(1))
             by_block = self.by_block
-            self.spans = {k: sp for k, sp in self.spans.items() if all(by_block.get(e.block) is e for e in sp.entries)}
+            self.spans = {k: sp for k, sp in self.spans.items() if sp.cached_in(by_block)}
             self._live_spans = len(self.spans)
 
     def _is_chain_of(self, found: list[CachedBlock], data: bytes, salt: str | None, start: int = 0) -> bool:
@@ -502,7 +505,7 @@ class HashChainCache(PrefixCache):
                                      "under another local key")
         for span in self.spans.values():  # a span with an entry gone is stale (never walked), else it is exact
             entries = span.entries
-            if all(self.by_block.get(e.block) is e for e in entries) and (
+            if span.cached_in(self.by_block) and (
                     b"".join(e.token_bytes for e in entries) != span.data or span.blocks != [e.block for e in entries]
                     or any(e.parent != p.key for p, e in zip(entries, entries[1:]))):
                 raise AssertionError(f"a span from block {span.blocks[0]} does not hold its entries' chain")
