@@ -455,14 +455,14 @@ def fastest(course_grades, n: int) -> list[str]:
                   + course_grades["exercises", name].seconds)[:n]
 
 
-def stored_prints(path: Path) -> dict[int, str]:
+def stored_prints(path: Path, patterns) -> dict[int, str]:
     """What nbval would compare in each code cell of `path`: its stored printed text (stdout and stderr),
-    sanitized as nbval sanitizes it (tests/nbval_sanitize.cfg). Cells nbval ignores or skips, check cells
-    and cells that must raise are left out; a compared output other than printed text fails here, since
-    the grader sees only what a cell prints."""
-    from test_notebook_markers import markers, sanitizers  # tests/ is on the path
+    sanitized with `patterns` as nbval sanitizes it (tests/nbval_sanitize.cfg). Cells nbval ignores or
+    skips, check cells and cells that must raise are left out; a compared output other than printed text
+    fails here, since the grader sees only what a cell prints."""
+    from test_notebook_markers import markers, sanitized  # tests/ is on the path
 
-    patterns, found = sanitizers(), {}
+    found = {}
     for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
         kinds = markers(cell)[0]
         if cell.cell_type != "code" or not cell.get("outputs") or kinds & {"ignore", "skip", "raises"} \
@@ -476,20 +476,13 @@ def stored_prints(path: Path) -> dict[int, str]:
     return found
 
 
-def sanitized(text: str, patterns) -> str:
-    for regex, replace in patterns:
-        text = regex.sub(replace, text)
-    return text
-
-
 def assert_prints_as_stored(path: Path, g) -> None:
     """The graded run printed what the notebook stores, cell by cell, as nbval would have compared it
     (where a session grades a notebook, nbval leaves it to this: the root conftest.py)."""
-    from test_notebook_markers import sanitizers
+    from test_notebook_markers import sanitized, sanitizers
 
     patterns = sanitizers()
-    stored = stored_prints(path)
-    for index, want in stored.items():
+    for index, want in stored_prints(path, patterns).items():
         assert index in g.outputs, f"{path.name} cell {index}: the grader did not run it"
         assert sanitized(g.outputs[index], patterns) == want, f"{path.name} cell {index}"
 

@@ -42,6 +42,13 @@ def sanitizers() -> list[tuple[re.Pattern, str]]:
     return [(re.compile(cfg[s]["regex"]), cfg[s]["replace"]) for s in cfg.sections()]
 
 
+def sanitized(text: str, patterns) -> str:
+    """`text` as nbval compares it: every sanitize pattern applied in turn."""
+    for regex, replace in patterns:
+        text = regex.sub(replace, text)
+    return text
+
+
 def source(cell: dict) -> str:
     src = cell.get("source", "")
     return "".join(src) if isinstance(src, list) else src
@@ -97,8 +104,7 @@ def problems(path: Path, patterns) -> list[str]:
         if kinds & {"ignore", "skip"} or EXACT in cell.get("metadata", {}).get("tags", []):
             continue
         for out in compared_texts(cell):
-            for regex, replace in patterns:
-                out = regex.sub(replace, out)
+            out = sanitized(out, patterns)
             if floats := FLOAT.findall(out):
                 found.append(f"cell {index}: nbval compares this output, which holds floats {floats[:4]} "
                              f"(rounding and speed differ between machines): assert the claim in the cell and "
