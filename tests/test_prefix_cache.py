@@ -759,3 +759,45 @@ def test_the_scheduler_hands_a_sequence_to_the_cache_only_in_a_step_that_filled_
     assert len(bm.prefix_cache.cached_blocks()) == 7  # blocks 0-6 of the 30 computed tokens
     again = llm.generate(prompt + out.token_ids[:9], SamplingParams(max_tokens=1))[0]
     assert again.num_cached_tokens == 28  # the decoded blocks were cached: a later request finds them
+
+
+class _BlockByBlock(HashChainCache):
+    """The same cache, made to take insert's block-by-block loop: a `_key` of its own (as a lab's)."""
+
+    def _key(self, parent, token_ids, i, salt):
+        return super()._key(parent, token_ids, i, salt)
+
+
+def _entries(cache: HashChainCache) -> dict:
+    return {k: (e.block, e.parent, e.token_ids, e.extra, e.salt, e.token_bytes) for k, e in cache.table.items()}
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_insert_from_the_blocks_own_ids_equals_the_block_by_block_loop(salt):
+    """insert hashes only the blocks it adds, from their own ids (prompt, output, or across the two) and the
+    prompt's kept bytes: the same keys and entries as the loop that reads the whole token list, for an
+    engine's Sequence and for a request that has only token_ids."""
+    rng, compared = random.Random(7), 0
+    for trial in range(20):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(1, 30))]
+        output = [rng.randrange(3, 60) for _ in range(rng.randint(0, 20))]
+        caches, adopted = [HashChainCache(BS), _BlockByBlock(BS)], []
+        for cache in caches:
+            cache.bind([1] * 64)
+            seq = Sequence(prompt, SamplingParams(max_tokens=64), cache_salt=salt)
+            seq.prompt_bytes = id_bytes(prompt)
+            seq.block_table = list(range(20))
+            seq.num_computed_tokens = len(prompt)  # the prefill
+            assert cache.insert(seq) == {}
+            for token in output:  # then one token a step
+                seq.output_token_ids.append(token)
+                seq.num_computed_tokens += 1
+                assert cache.insert(seq) == {}
+            bare = BareRequest(1000 + trial, prompt + output, salt=salt).computed(len(prompt) + len(output))
+            bare.block_table = list(range(20, 40))
+            adopted.append(cache.insert(bare))  # the same tokens in other blocks: adopted, none cached twice
+        assert _entries(caches[0]) == _entries(caches[1]), trial
+        assert adopted[0] == adopted[1] == {i: i for i in range((len(prompt) + len(output)) // BS)}
+        assert all(e.token_bytes == id_bytes(e.token_ids) for e in caches[0].table.values())
+        compared += len(caches[0].table)
+    assert compared > 100  # (the trials cached blocks: the comparisons compared entries)

@@ -24,6 +24,7 @@ prefix is what the next request is most likely to share.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 import struct
 from dataclasses import dataclass
@@ -389,7 +390,6 @@ class HashChainCache(PrefixCache):
         keys = self._seq_keys.setdefault(seq.seq_id, [])
         adopt: dict[int, int] = {}
         first, end = len(keys), seq.num_computed_tokens // self.block_size
-        token_ids = seq.token_ids if end > first else ()  # built once: it is a new list of the whole sequence
         salt, known, hit = self._looked_up.pop(seq.seq_id, (None, (), ()))
         if salt != seq.cache_salt:
             known = hit = ()
@@ -399,7 +399,11 @@ class HashChainCache(PrefixCache):
             # lookup (every admission looks up again) and has held them since, so none was evicted
             keys.extend(known)
             first = len(hit)
-        bs = self.block_size
+        if first >= end:
+            return adopt
+        if self.hash_fn is hash_block and type(self)._key is HashChainCache._key:
+            return self._insert_chain(seq, keys, first, end, known, adopt)
+        bs, token_ids = self.block_size, seq.token_ids  # built once: a new list of the whole sequence
         for i in range(first, end):
             parent = keys[-1] if keys else None
             if i < len(known):  # hashed by this sequence's lookup: the same tokens, the same salt
@@ -407,18 +411,63 @@ class HashChainCache(PrefixCache):
             else:
                 key, toks, extra = self._key(parent, token_ids, i, seq.cache_salt)
             keys.append(key)
-            block, entry = seq.block_table[i], self.table.get(key)
-            if block < 0:  # given back by a sliding window before it was offered: stop here
+            if not self._offer(seq, i, key, parent, toks, extra, adopt):
                 keys.pop()
                 break
-            if entry is None:
-                if block not in self.by_block:
-                    now = self.tick()
-                    self.table[key] = self.by_block[block] = CachedBlock(block, key, parent, toks, extra,
-                                                                         seq.cache_salt, now, now)
-            elif entry.block != block and self._same(entry, parent, toks, extra):
-                adopt[i] = entry.block  # computed twice (two requests in flight): keep one copy
         return adopt
+
+    def _insert_chain(self, seq: CachedRequest, keys: list[BlockHash], first: int, end: int, known: tuple,
+                      adopt: dict[int, int]) -> dict[int, int]:
+        """`insert` of blocks [first, end) with hash_block's keys, made as a lookup makes them: the ids of
+        those blocks alone (a decode's one block: not a list of the whole sequence), converted to bytes once
+        (the prompt's are kept already), then chained (`_chain`). The same keys, entries and adoptions as
+        the block-by-block loop above, which a subclass's own `_key` or `hash_fn` still takes."""
+        bs, salt = self.block_size, seq.cache_salt
+        width, lo, hi = 8 * bs, first * bs, end * bs
+        prompt, output = getattr(seq, "prompt_token_ids", None), getattr(seq, "output_token_ids", None)
+        if prompt is None or output is None:
+            ids = seq.token_ids[lo:hi]
+        elif hi <= len(prompt):
+            ids = prompt[lo:hi]
+        else:
+            ids = prompt[lo:hi] + output[max(lo - len(prompt), 0):hi - len(prompt)]
+        data = getattr(seq, "prompt_bytes", None)
+        if data is not None and prompt is not None and hi <= len(prompt) and len(data) == 8 * len(prompt):
+            data = data[lo * 8:hi * 8]
+        else:
+            data = id_bytes(ids)
+        reuse = max(0, min(end, len(known)) - first)  # hashed by this sequence's lookup: the same tokens, salt
+        parent = known[first + reuse - 1] if reuse else (keys[-1] if keys else None)
+        chained = _chain(data[reuse * width:], bs, end - first - reuse, extra_keys(0, salt) if first + reuse == 0
+                         else (), parent)
+        parent = keys[-1] if keys else None
+        for j, key in enumerate(itertools.chain(known[first:first + reuse], chained)):
+            i = first + j
+            keys.append(key)
+            entry_bytes = data[j * width:(j + 1) * width]
+            if not self._offer(seq, i, key, parent, tuple(ids[j * bs:(j + 1) * bs]), extra_keys(i, salt), adopt,
+                               entry_bytes):
+                keys.pop()
+                break
+            parent = key
+        return adopt
+
+    def _offer(self, seq: CachedRequest, i: int, key: BlockHash, parent: BlockHash | None, toks: tuple,
+               extra: tuple, adopt: dict[int, int], token_bytes: bytes = b"") -> bool:
+        """Block i of seq joins the cache under `key`, or, computed twice (two requests in flight), the
+        cached copy goes in `adopt`. False: the block was given back (a sliding window) before it was
+        offered, and so were the ones after it."""
+        block, entry = seq.block_table[i], self.table.get(key)
+        if block < 0:
+            return False
+        if entry is None:
+            if block not in self.by_block:
+                now = self.tick()
+                self.table[key] = self.by_block[block] = CachedBlock(block, key, parent, toks, extra,
+                                                                     seq.cache_salt, now, now, token_bytes)
+        elif entry.block != block and self._same(entry, parent, toks, extra):
+            adopt[i] = entry.block  # keep one copy
+        return True
 
     def forget(self, seq: CachedRequest) -> None:
         self._seq_keys.pop(seq.seq_id, None)
@@ -435,9 +484,10 @@ class HashChainCache(PrefixCache):
         entry = self.by_block.get(block)
         if entry is None:
             return False
-        entry.last_used = self.tick()  # blocks freed tail first: the tail gets the older time
+        self.clock += 1  # tick(), written out: a finished request frees every block it held, one call each
+        entry.last_used = self.clock  # blocks freed tail first: the tail gets the older time
         if block not in self.pinned:
-            self.free_queue.push(block, self._priority(entry))
+            self.free_queue.push(block, self.clock if self.eviction == "lru" else entry.born)
         return True
 
     def take(self, block: int) -> None:
