@@ -95,6 +95,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     if loads < 1:
         raise ValueError(f"loads is {loads}; measure at least one load of each side")
     reqs = reqs if reqs is not None else workload()  # [(prompt ids, output length)]: the nano-vllm workload
+    free_before = free_device_memory()
     # the server first, in its own process, so that its pool is fitted to an empty card
     server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
     served = []
@@ -103,14 +104,19 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
         for k in range(loads):
             load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
+            preempted = server_preemptions(server)
             results, duration = run_load(server.url, name, load, processes=processes)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
             served.append({"seconds": duration, "output_tokens": tokens, "tok_s": tokens / duration,
                            "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
-                           "errors": sorted({r.error for r in results if not r.ok})[:3]})
+                           "errors": sorted({r.error for r in results if not r.ok})[:3],
+                           "preemptions": server_preemptions(server) - preempted})
     finally:
         server.stop()
+    # the offline engine fits its pool to the memory free now: wait until the server's engine process has
+    # given its pool back, or offline runs with a smaller pool (preemptions) and the ratio measures that
+    memory_wait_s = wait_for_device_memory(free_before)
     llm = LLM(ckpt)
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
@@ -119,20 +125,24 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     for k in range(loads):
         sync()
         t0 = time.perf_counter()
+        preempted = llm.view.num_preemptions
         outs = llm.generate([p for p, _ in rotated(reqs, k)], params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
         offline.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
-                        "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50)})
+                        "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
+                        "preemptions": llm.view.num_preemptions - preempted})
+    num_blocks = llm.view.num_blocks if llm.is_paged else None  # (LLM(ckpt) on a CPU: no pool)
     llm.close()
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    return {"loads": loads,
-            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline},
+    return {"loads": loads, "memory_wait_s": memory_wait_s,
+            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline,
+                        "num_blocks": num_blocks},
             "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
                        "failed": sum(r["failed"] for r in served),
                        "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
@@ -144,6 +154,37 @@ def rotated(reqs: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], 
     finds an earlier load's prompts in the server's prefix cache (`minikv serve` runs one by default, the
     offline engine none)."""
     return [(p[k % len(p):] + p[:k % len(p)], n) for p, n in reqs]
+
+
+def free_device_memory() -> int | None:
+    """Bytes free on the GPU now (None on a CPU)."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def wait_for_device_memory(free_before: int | None, timeout: float = 60.0, slack: int = 2 << 30) -> float:
+    """Wait until the GPU has `free_before` bytes free again, less `slack` (a stopped server's engine process
+    may take a moment to exit); seconds waited. Raises after `timeout`: a ratio against an engine with a
+    smaller pool would be no ratio at all."""
+    t0 = time.perf_counter()
+    if free_before is None:
+        return 0.0
+    while free_device_memory() < free_before - slack:
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"the GPU has {free_device_memory() / 2**30:.1f} GiB free {timeout:.0f} s after the "
+                               f"server stopped, {free_before / 2**30:.1f} GiB before it started: is its engine "
+                               f"process still running?")
+        time.sleep(0.5)
+    return time.perf_counter() - t0
+
+
+def server_preemptions(server) -> int:
+    """The server's preemptions so far (its /metrics)."""
+    import httpx
+
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("minikv:num_preemptions_total"):
+            return int(float(line.split()[-1]))
+    raise RuntimeError("the server's /metrics has no minikv:num_preemptions_total")
 
 
 def sync() -> None:
@@ -222,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"medians of {r['loads']}: server {r['server']['tok_s']:,.0f} "
                      f"({each('server', 'tok_s', '{:,.0f}')}), "
                      f"offline {r['offline']['tok_s']:,.0f} ({each('offline', 'tok_s', '{:,.0f}')}) tok/s, "
-                     f"failed {r['server']['failed']}"))
+                     f"failed {r['server']['failed']}, preemptions server {each('server', 'preemptions', '{}')} "
+                     f"offline {each('offline', 'preemptions', '{}')}, offline num_blocks "
+                     f"{r['offline']['num_blocks'] or 0:,} after {r['memory_wait_s']:.1f} s waiting for the "
+                     f"server's memory"))
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
                      f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
                      f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))

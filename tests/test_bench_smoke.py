@@ -168,8 +168,25 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     assert all(run["output_tokens"] == 15 for run in r["server"]["runs"] + r["offline"]["runs"])
     for side in ("server", "offline"):
         assert r[side]["tok_s"] == pytest.approx(sum(run["tok_s"] for run in r[side]["runs"]) / 2)  # median of 2
+        assert [run["preemptions"] for run in r[side]["runs"]] == [0, 0]  # each load's own, from each engine
+    assert r["memory_wait_s"] == 0.0  # a CPU: no device memory to wait for (and LLM(ckpt) has no pool there)
+    assert r["offline"]["num_blocks"] is None
     with pytest.raises(ValueError, match="at least one load"):
         ratios.offline_vs_server("tiny-random", tmp_path, loads=0, reqs=reqs)
     # load k's prompts are rotated by k tokens: the same lengths and outputs, never an earlier load's prompt
     assert ratios.rotated(reqs, 0) == reqs
     assert ratios.rotated(reqs, 1) == [([6, 7, 8, 9, 5], 6), ([11, 12, 10], 4), ([14, 15, 16, 13], 5)]
+
+
+def test_the_gpu_ratios_offline_engine_waits_for_the_stopped_servers_memory(monkeypatch):
+    """The offline engine fits its pool to the memory free when it starts: the ratios script waits until a
+    stopped server's engine process has given its memory back, and refuses to measure if it never does."""
+    ratios = research_script("ratios_gpu")
+    free = iter([10, 20, 90, 100])
+    monkeypatch.setattr(ratios, "free_device_memory", lambda: next(free))
+    monkeypatch.setattr(ratios.time, "sleep", lambda s: None)
+    assert ratios.wait_for_device_memory(100, slack=10) >= 0  # 10, 20 (short), then 90 (within the slack)
+    assert next(free) == 100  # it stopped asking once the memory was back
+    monkeypatch.setattr(ratios, "free_device_memory", lambda: 2 << 30)
+    with pytest.raises(RuntimeError, match="still running"):
+        ratios.wait_for_device_memory(64 << 30, timeout=0.0)
