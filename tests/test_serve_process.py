@@ -196,8 +196,11 @@ def fake_engine_process(messages: list):
     from types import SimpleNamespace
 
     from minikv.engine.core import EngineRequest
+    from minikv.serve.core_process import EventReader
 
-    return SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True, alive=True, results=mp.Queue(),
+    reader, writer = mp.Pipe(duplex=False)  # (the write end kept open: no core, and no end of its messages)
+    return SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True, alive=True,
+                           results=EventReader(reader), core_end=writer,
                            request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
                                                                                      rid, tenant=tenant),
                            send=lambda *command: messages.append([command]), send_many=messages.append,
@@ -251,3 +254,49 @@ def test_events_cross_the_process_boundary_with_every_field():
     for event, read in zip(events, from_wire(pickle.loads(pickle.dumps(to_wire(events))))):
         names = [f.name for f in dataclasses.fields(EngineEvent)]
         assert [getattr(read, n) for n in names] == [getattr(event, n) for n in names]
+
+
+def test_the_cores_messages_never_block_it_and_reach_the_server_whole_and_in_order():
+    """The core pickles and writes its messages itself (core_process.py's top: no feeder thread): a put
+    returns at once even when the server reads nothing (what the pipe cannot take waits in the writer), and
+    the server then reads every message whole, in order, as a Connection reads them."""
+    import multiprocessing as mp
+    import queue
+    import time
+
+    from minikv.serve.core_process import EventReader, EventWriter
+
+    reader_end, writer_end = mp.Pipe(duplex=False)
+    writer, reader = EventWriter(writer_end), EventReader(reader_end)
+    with pytest.raises(queue.Empty):
+        reader.get_nowait()
+    big = [("events", list(range(i, i + 20_000)), i) for i in range(6)]  # ~100 KB each: more than a pipe holds
+    t0 = time.perf_counter()
+    for msg in big:
+        writer.put(msg)
+    assert time.perf_counter() - t0 < 5.0 and writer.pending > 0  # it returned with bytes left to write
+    got = []
+    while len(got) < len(big):
+        writer.flush()  # (the core flushes on every put, and every few ms while idle)
+        try:
+            got.append(reader.get(timeout=0.05))
+        except queue.Empty:
+            pass
+    assert got == big and writer.flush() and writer.pending == 0
+    writer.put(("stopped",))
+    assert writer.finish(timeout=5.0) and reader.get(timeout=5.0) == ("stopped",)
+    writer_end.close()
+    with pytest.raises(queue.Empty):  # the core's end is closed: nothing more will come, and get says so
+        reader.get(timeout=5.0)
+
+
+def test_a_core_whose_server_is_gone_drops_its_messages_instead_of_failing():
+    import multiprocessing as mp
+
+    from minikv.serve.core_process import EventWriter
+
+    reader_end, writer_end = mp.Pipe(duplex=False)
+    writer = EventWriter(writer_end)
+    reader_end.close()
+    writer.put(("events", [1, 2, 3], None, None))  # no BrokenPipeError out of the core's step loop
+    assert writer.pending == 0 and writer.finish(timeout=1.0)

@@ -399,7 +399,7 @@ class ProcessEngineLoop(EngineLoop):
         self.proc.stop()
 
     def _loop(self) -> None:
-        results = self.proc.results._reader  # the queue's pipe, waited on as concurrent.futures' process pool does
+        results = self.proc.results.conn  # the core's pipe (core_process.py), waited on with the submits' wake
         while not self._stop.is_set():
             self._drain()
             ready = mp_connection.wait([results, self._wake.reader], timeout=self.idle_wait)
