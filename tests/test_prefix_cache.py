@@ -801,3 +801,25 @@ def test_insert_from_the_blocks_own_ids_equals_the_block_by_block_loop(salt):
         assert all(e.token_bytes == id_bytes(e.token_ids) for e in caches[0].table.values())
         compared += len(caches[0].table)
     assert compared > 100  # (the trials cached blocks: the comparisons compared entries)
+
+
+def test_insert_reuses_a_lookups_keys_the_same_way_when_the_request_holds_other_blocks():
+    """A request whose lookup hashed its prefix, but which holds other blocks than the hit's (it did not
+    take them): insert reuses the lookup's keys for those blocks and chains on from the last of them, and
+    both insert paths adopt the cached copies alike."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 60) for _ in range(6 * BS + 2)]
+    results = []
+    for cache in (HashChainCache(BS), _BlockByBlock(BS)):
+        cache.bind([1] * 64)
+        first = BareRequest(1, prompt[:4 * BS]).computed(4 * BS)
+        first.block_table = list(range(4))
+        cache.insert(first)  # 4 blocks cached
+        seq = Sequence(prompt, SamplingParams(max_tokens=8))
+        seq.prompt_bytes = id_bytes(prompt)
+        assert cache.lookup(seq).blocks == [0, 1, 2, 3]  # its keys kept for insert
+        seq.block_table = list(range(10, 17))  # but it runs in blocks of its own
+        seq.num_computed_tokens = len(prompt)
+        results.append((cache.insert(seq), _entries(cache)))
+    assert results[0] == results[1]
+    assert results[0][0] == {0: 0, 1: 1, 2: 2, 3: 3} and len(results[0][1]) == 6  # 4 adopted, 2 new blocks

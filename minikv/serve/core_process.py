@@ -26,7 +26,7 @@ What the server reads of the engine (queues for 429/503, pool usage for /metrics
 
 Commands travel on a multiprocessing queue; the core's messages do not. A queue's put hands the message
 to a feeder thread that pickles and writes it, and that thread takes this process's interpreter lock
-while the core steps: on a CPU, with the model stubbed out, one message per step cost the core 0.35-0.45
+while the core steps: on a CPU, with the model stubbed out, one message per step cost the core 0.35-0.55
 ms of a 1.3-1.4 ms step (benchmarks/host_run_cpu.py), and the core is host-bound on a GPU. So the core
 pickles each message itself (`EventWriter`: ~0.06 ms for a step of 256 tokens) and writes it to a pipe
 that never blocks it: what the pipe cannot take now waits in the writer and goes with the next message,
@@ -56,7 +56,7 @@ from minikv.engine.sampling_params import SamplingParams
 START_TIMEOUT_S = 600.0  # loading a large model onto a GPU may take minutes
 PARENT_CHECK_S = 1.0  # an idle core looks this often whether the server that started it still lives
 FLUSH_WAIT_S = 0.002  # an idle core with messages the pipe could not take yet tries again this often
-LAST_WORDS_S = 5.0  # a stopping core's last messages: how long it waits for the server to read them
+LAST_WORDS_S = 2.0  # a stopping core's last messages: how long it waits for the server to read them
 USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}  # the user's to fix: one line
 
 
