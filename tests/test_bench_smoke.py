@@ -113,7 +113,7 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
 
 
 @pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s"),
-                                          ("serve_prefix_ab_gpu", "--loads")])
+                                          ("serve_prefix_ab_gpu", "--loads"), ("host_run_cpu", "--burst")])
 def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
     """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
     Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
@@ -190,3 +190,22 @@ def test_the_gpu_ratios_offline_engine_waits_for_the_stopped_servers_memory(monk
     monkeypatch.setattr(ratios, "free_device_memory", lambda: 2 << 30)
     with pytest.raises(RuntimeError, match="still running"):
         ratios.wait_for_device_memory(64 << 30, timeout=0.0)
+
+
+@pytest.mark.slow  # four engines and a reader process: seconds
+def test_the_host_run_benchmark_times_all_four_loops_on_the_same_tokens(tmp_path):
+    """benchmarks/host_run_cpu.py end to end on a tiny run: offline and the server's loop, without and with
+    the hash cache, every loop made the same tokens, the server's loop used this tree's EventWriter, and the
+    ratios are of the medians it reports."""
+    out = tmp_path / "host_run.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_run_cpu.py"), "--requests", "6",
+                          "--max-tokens", "5", "--burst", "2", "--repeats", "1", "--out", str(out)],
+                         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(out.read_text())["runs"][0]
+    assert record["tokens_equal"] and record["channel"] == "EventWriter"
+    med = record["median_ms_per_step"]
+    assert set(med) == {"offline_none", "offline_hash", "server_none", "server_hash"}
+    assert all(len(runs) == 1 and runs[0]["tokens"] == 30 for runs in record["runs"].values())  # 6 requests x 5
+    assert record["ratios"]["server_none / offline_none"] == round(med["server_none"] / med["offline_none"], 3)
