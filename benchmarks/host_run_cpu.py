@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -157,11 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in record["ratios"].items():
         print(f"{name:28s} {r:.3f}")
     if args.out:
-        out = Path(args.out)
-        runs = json.loads(out.read_text()) if out.exists() else {}
-        runs.setdefault("runs", []).append(record)
-        out.write_text(json.dumps(runs, indent=1) + "\n")
-        print(f"added to {out}", file=sys.stderr)
+        from host_step_cpu import add_run
+
+        add_run(Path(args.out), record)
     return record
 
 

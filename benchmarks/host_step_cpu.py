@@ -172,12 +172,16 @@ def main(argv=None) -> dict:
     record = run(args)
     print(json.dumps(record), flush=True)
     if args.out:
-        out = Path(args.out)
-        runs = json.loads(out.read_text()) if out.exists() else {}
-        runs.setdefault("runs", []).append(record)
-        out.write_text(json.dumps(runs, indent=1) + "\n")
-        print(f"added to {out}", file=sys.stderr)
+        add_run(Path(args.out), record)
     return record
+
+
+def add_run(out: Path, record: dict) -> None:
+    """Append one run's record to the json file `out` (its "runs"), made if missing."""
+    runs = json.loads(out.read_text()) if out.exists() else {}
+    runs.setdefault("runs", []).append(record)
+    out.write_text(json.dumps(runs, indent=1) + "\n")
+    print(f"added to {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
