@@ -484,10 +484,9 @@ class HashChainCache(PrefixCache):
         entry = self.by_block.get(block)
         if entry is None:
             return False
-        self.clock += 1  # tick(), written out: a finished request frees every block it held, one call each
-        entry.last_used = self.clock  # blocks freed tail first: the tail gets the older time
+        entry.last_used = self.tick()  # blocks freed tail first: the tail gets the older time
         if block not in self.pinned:
-            self.free_queue.push(block, self.clock if self.eviction == "lru" else entry.born)
+            self.free_queue.push(block, self._priority(entry))
         return True
 
     def take(self, block: int) -> None:
