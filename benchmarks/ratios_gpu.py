@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -104,14 +105,14 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
         for k in range(loads):
             load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
-            preempted = server_preemptions(server)
+            before = server_counters(server)
             results, duration = run_load(server.url, name, load, processes=processes)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
             served.append({"seconds": duration, "output_tokens": tokens, "tok_s": tokens / duration,
                            "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
                            "errors": sorted({r.error for r in results if not r.ok})[:3],
-                           "preemptions": server_preemptions(server) - preempted})
+                           **load_figures(before, server_counters(server), duration)})
     finally:
         server.stop()
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
@@ -125,14 +126,14 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     for k in range(loads):
         sync()
         t0 = time.perf_counter()
-        preempted = llm.view.num_preemptions
+        before = engine_counters(llm)
         outs = llm.generate([p for p, _ in rotated(reqs, k)], params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
         offline.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
                         "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
-                        "preemptions": llm.view.num_preemptions - preempted})
+                        **load_figures(before, engine_counters(llm), seconds)})
     num_blocks = llm.view.num_blocks if llm.is_paged else None  # (LLM(ckpt) on a CPU: no pool)
     llm.close()
     del llm, outs
@@ -177,14 +178,37 @@ def wait_for_device_memory(free_before: int | None, timeout: float = 60.0, slack
     return time.perf_counter() - t0
 
 
-def server_preemptions(server) -> int:
-    """The server's preemptions so far (its /metrics)."""
+COUNTERS = {"preemptions": "minikv:num_preemptions_total", "steps": "minikv:engine_steps_total",
+            "step_seconds": "minikv:engine_step_seconds_total"}
+
+
+def server_counters(server) -> dict[str, float]:
+    """The server's preemptions, engine steps and seconds inside them so far (its /metrics)."""
     import httpx
 
+    values = {}
     for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("minikv:num_preemptions_total"):
-            return int(float(line.split()[-1]))
-    raise RuntimeError("the server's /metrics has no minikv:num_preemptions_total")
+        name, _, value = line.rpartition(" ")
+        values[name] = value
+    missing = [m for m in COUNTERS.values() if m not in values]
+    if missing:
+        raise RuntimeError(f"the server's /metrics has no {', '.join(missing)}")
+    return {k: float(values[m]) for k, m in COUNTERS.items()}
+
+
+def engine_counters(llm) -> dict[str, float]:
+    """The same counters of an engine in this process."""
+    return {"preemptions": llm.view.num_preemptions, "steps": llm.core.num_steps, "step_seconds": llm.core.step_seconds}
+
+
+def load_figures(before: dict, after: dict, seconds: float) -> dict:
+    """One load's preemptions and engine steps, its milliseconds per step (inside the engine's steps) and
+    its busy share (the seconds inside steps over the load's wall time): a server slower than offline
+    either runs more steps, or slower ones, or waits between them."""
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    return {"preemptions": int(d["preemptions"]), "steps": int(d["steps"]),
+            "ms_per_step": d["step_seconds"] / d["steps"] * 1e3 if d["steps"] else None,
+            "busy": d["step_seconds"] / seconds}
 
 
 def sync() -> None:
@@ -229,6 +253,22 @@ class Rows(list):
             print(f"{name:44s} {value:>8s}  {detail}")
 
 
+def host_cpus() -> dict:
+    """The host's processors as the engine's processes see them: a server, its engine process and the
+    benchmark's client processes share them (hardware threads of one core run at a fraction each)."""
+    siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    text = siblings.read_text().strip() if siblings.exists() else ""
+    per_core = sum(int(b) - int(a) + 1 if "-" in part else 1
+                   for part in text.split(",") if part for a, _, b in [part.partition("-")]) if text else None
+    return {"logical": os.cpu_count(), "usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else None, "threads_per_core": per_core, "client_processes": CLIENT_PROCESSES}
+
+
+def med_of(r: dict, side: str) -> float:
+    """The median over one side's runs of the engine's milliseconds per step."""
+    return statistics.median(x["ms_per_step"] or 0.0 for x in r[side]["runs"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -244,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     tmp = Path(tempfile.mkdtemp())
     ckpt = str(make_random_checkpoint(QWEN25_05B_SHAPE, tmp / "qwen2.5-0.5b-random", dtype=torch.bfloat16))
-    record = {"benchmark": "ratios_gpu", "label": args.label, **environment("cuda", args.commit)}
+    record = {"benchmark": "ratios_gpu", "label": args.label, **environment("cuda", args.commit),
+              "host_cpus": host_cpus()}
     rows = Rows()
     if "prefix" in parts:
         for n in (8192, 2048):
@@ -267,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"offline {each('offline', 'preemptions', '{}')}, offline num_blocks "
                      f"{r['offline']['num_blocks'] or 0:,} after {r['memory_wait_s']:.1f} s waiting for the "
                      f"server's memory"))
+        ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy']:.2f}"  # noqa: E731
+                                     for x in r[side]["runs"])
+        rows.append(("server / offline ms per step", f"{med_of(r, 'server') / med_of(r, 'offline'):.2f}",
+                     f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}"))
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
                      f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
                      f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))

@@ -299,6 +299,7 @@ def test_isolated_tenants_never_share_cached_blocks(server):
 
 
 def test_metrics_use_vllm_names_and_count_per_tenant(server):
+    before = parse_metrics(HTTP.get(server.url + "/metrics").text)
     client(server, "carol").completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, temperature=0,
                                                extra_body={"ignore_eos": True})
     text = HTTP.get(server.url + "/metrics").text
@@ -315,6 +316,9 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
     assert m[f'minikv:prompt_tokens_total{{tenant="{carol}"}}'] == 3
     assert m[f'minikv:tenant_service_tokens{{tenant="{carol}"}}'] >= 3 + 2 * 3  # the fair scheduler's counter
     assert m['minikv:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["minikv:time_to_first_token_seconds_count"]
+    # the engine's own clock: 3 tokens took at least 3 steps, and the seconds inside them grew with them
+    assert m["minikv:engine_steps_total"] - before["minikv:engine_steps_total"] >= 3
+    assert m["minikv:engine_step_seconds_total"] > before["minikv:engine_step_seconds_total"]
 
 
 def post_as(url: str, key: str, body: dict) -> httpx.Response:

@@ -224,6 +224,8 @@ class EngineCore:
         self._inflight: InFlight | None = None  # the overlapped step launched but not yet read back
         self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
         self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
+        self.num_steps = 0  # steps run since start (an empty one too), and the seconds spent inside them:
+        self.step_seconds = 0.0  # a server's engine reads its busy share and ms per step from these two
         self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
         builders = {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}
         builders[cfg.kv_backend](cfg)
@@ -600,11 +602,15 @@ class EngineCore:
         with self.lock:
             if self._closed:
                 raise RuntimeError(CLOSED_MESSAGE)
+            start = time.perf_counter()
             try:
                 self.last_tokens = self._step()
             except BaseException:
                 self._recover()
                 raise
+            finally:
+                self.num_steps += 1
+                self.step_seconds += time.perf_counter() - start
             return self.last_tokens
 
     def _step(self) -> list[tuple[Sequence, int, str]]:

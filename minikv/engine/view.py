@@ -35,6 +35,8 @@ class ViewSnapshot:
     prefix_hits: int = 0
     tenant_service: dict = field(default_factory=dict)  # the fair scheduler's weighted tokens per tenant
     waiting_by_tenant: dict = field(default_factory=dict)  # requests waiting for a seat, per tenant
+    num_steps: int = 0  # engine steps since start, and the seconds spent inside them (EngineCore.run_step)
+    step_seconds: float = 0.0
 
 
 class EngineView:
@@ -125,7 +127,8 @@ class EngineView:
         return ViewSnapshot(len(sch.running), len(waiting), len(self.swapped), self.free_seats, self.kv_usage,
                             self.num_preemptions, cache.queries if cache is not None else 0,
                             cache.hits if cache is not None else 0, self.tenant_service(),
-                            dict(Counter(s.root.tenant or "" for s in waiting)))
+                            dict(Counter(s.root.tenant or "" for s in waiting)), self._core.num_steps,
+                            self._core.step_seconds)
 
     # ---- the pool -----------------------------------------------------------------------------
     def _bm(self):

@@ -135,6 +135,10 @@ class ServerMetrics:
         metric("minikv:num_requests_waiting", "gauge", "Requests waiting for a seat.",
                view.num_waiting + view.num_swapped)
         metric("minikv:num_preemptions_total", "counter", "Preemptions since start.", view.num_preemptions)
+        metric("minikv:engine_steps_total", "counter", "Engine steps since start.", view.num_steps)
+        metric("minikv:engine_step_seconds_total", "counter",
+               "Seconds the engine spent inside its steps (over wall time: how busy it is; over steps: time per step).",
+               view.step_seconds)
         metric("minikv:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
         metric("minikv:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
         metric("minikv:prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start.",
