@@ -195,20 +195,29 @@ def top(path: Path, n: int = 18) -> str:
     return out.getvalue()
 
 
-def run_server(prompts, outputs, options, num_clients: int, profile: Path | None) -> dict:
+def run_server(prompts, outputs, options, num_clients: int, profile: Path | None, model=None, warm: int = 0) -> dict:
+    """One burst through a server whose engine runs `model` (default: tiny-random) in its own process, after
+    `warm` requests of 8 tokens each (one at a time: kernels compiled before the burst, as offline's)."""
     from minikv.serve import Server
     from minikv.serve.core_process import CoreProcess
     from minikv.serve.tiny import tiny_random_with_text
 
     if profile is not None:
         os.environ["MINIKV_CORE_PROFILE"] = str(profile / "core.prof")
-    proc = CoreProcess(tiny_random_with_text(), **options)
+    proc = CoreProcess(model if model is not None else tiny_random_with_text(), **options)
     os.environ.pop("MINIKV_CORE_PROFILE", None)
     server = Server(proc, served_name="tiny", max_waiting=100_000)
     st = instrument(server, proc, prompts)
     if profile is not None:
         profile_threads(server, profile)
     with server:
+        if warm:
+            import httpx
+
+            for p in prompts[:warm]:  # reversed: never stamped as the burst's own (`instrument` finds them by prompt)
+                httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": p[::-1], "max_tokens": 8,
+                                                                 "ignore_eos": True, "temperature": 0},
+                           timeout=300).raise_for_status()
         jobs = [{"id": i, "prompt": p, "max_tokens": m} for i, (p, m) in enumerate(zip(prompts, outputs))]
         start_at = time.perf_counter() + 3.0  # every client process connected and waiting by then
         clients = [subprocess.Popen([sys.executable, __file__, "--client"], stdin=subprocess.PIPE,
@@ -241,11 +250,11 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
             if st["arrive"] else None}
 
 
-def run_offline(prompts, outputs, options) -> dict:
+def run_offline(prompts, outputs, options, model=None) -> dict:
     from minikv import LLM, SamplingParams
     from minikv.serve.tiny import tiny_random_with_text
 
-    with LLM(tiny_random_with_text(), **options) as llm:
+    with LLM(model if model is not None else tiny_random_with_text(), **options) as llm:
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in outputs]
         llm.generate(prompts[:8], params[:8])  # warm
         res = llm.generate(prompts, params)
