@@ -105,14 +105,18 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
         run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
         for k in range(loads):
             load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
-            before = server_counters(server)
+            before, cpu_before = server_counters(server), process_cpu(server.proc.pid)
             results, duration = run_load(server.url, name, load, processes=processes)
+            cpu_after = process_cpu(server.proc.pid)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
             served.append({"seconds": duration, "output_tokens": tokens, "tok_s": tokens / duration,
                            "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
                            "errors": sorted({r.error for r in results if not r.ok})[:3],
-                           **load_figures(before, server_counters(server), duration)})
+                           **load_figures(before, server_counters(server), duration),
+                           **{k.replace("_cpu_s", "_cpu_share"): (cpu_after[k] - cpu_before[k]) / duration
+                              if cpu_after[k] is not None and cpu_before[k] is not None else None
+                              for k in cpu_after}})
     finally:
         server.stop()
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
@@ -194,6 +198,25 @@ def server_counters(server) -> dict[str, float]:
     if missing:
         raise RuntimeError(f"the server's /metrics has no {', '.join(missing)}")
     return {k: float(values[m]) for k, m in COUNTERS.items()}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far, all its threads (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> dict[str, float | None]:
+    """CPU seconds of the server process (HTTP, SSE, its engine thread) and of its busiest child (the engine
+    process), so far: over a load's wall time, how much of a core each kept busy."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children") if Path(f"/proc/{pid}").exists() else []:
+        children += [int(c) for c in task.read_text().split()]
+    child = max((cpu_seconds(c) or 0.0 for c in children), default=None)
+    return {"server_cpu_s": cpu_seconds(pid), "core_cpu_s": child}
 
 
 def engine_counters(llm) -> dict[str, float]:
@@ -310,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"server's memory"))
         ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy']:.2f}"  # noqa: E731
                                      for x in r[side]["runs"])
+        share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731
+                                     for x in r["server"]["runs"])
         rows.append(("server / offline ms per step", f"{med_of(r, 'server') / med_of(r, 'offline'):.2f}",
-                     f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}"))
+                     f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}; "
+                     f"CPU share of the server process {share('server_cpu_share')}, of its engine process "
+                     f"{share('core_cpu_share')}"))
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
                      f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
                      f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))

@@ -171,6 +171,8 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
         assert [run["preemptions"] for run in r[side]["runs"]] == [0, 0]  # each load's own, from each engine
         for run in r[side]["runs"]:  # each load's engine steps: at least its longest output's, timed inside
             assert run["steps"] >= 6 and 0 < run["ms_per_step"] and 0 < run["busy"] <= 1.0, run
+    for run in r["server"]["runs"]:  # the CPU the server process and its engine process took in the load
+        assert run["server_cpu_share"] > 0 and run["core_cpu_share"] > 0, run
     assert r["memory_wait_s"] == 0.0  # a CPU: no device memory to wait for (and LLM(ckpt) has no pool there)
     assert r["offline"]["num_blocks"] is None
     with pytest.raises(ValueError, match="at least one load"):
