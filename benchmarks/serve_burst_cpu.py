@@ -85,6 +85,7 @@ async def _client(url: str, jobs: list[dict], start_at: float) -> list[dict]:
                 if out["client"] is None and b"data: {" in data:
                     out["client"] = time.perf_counter()
                 out["chunks"] += data.count(b"data: {")
+            out["done"] = time.perf_counter()
             writer.close()
         except OSError as e:  # reported per request
             out["error"] = f"{type(e).__name__}: {e}"
@@ -195,7 +196,8 @@ def top(path: Path, n: int = 18) -> str:
     return out.getvalue()
 
 
-def run_server(prompts, outputs, options, num_clients: int, profile: Path | None, model=None, warm: int = 0) -> dict:
+def run_server(prompts, outputs, options, num_clients: int, profile: Path | None, model=None, warm: int = 0,
+               stream_interval: int = 1) -> dict:
     """One burst through a server whose engine runs `model` (default: tiny-random) in its own process, after
     `warm` requests of 8 tokens each (one at a time: kernels compiled before the burst, as offline's)."""
     from minikv.serve import Server
@@ -206,7 +208,7 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
         os.environ["MINIKV_CORE_PROFILE"] = str(profile / "core.prof")
     proc = CoreProcess(model if model is not None else tiny_random_with_text(), **options)
     os.environ.pop("MINIKV_CORE_PROFILE", None)
-    server = Server(proc, served_name="tiny", max_waiting=100_000)
+    server = Server(proc, served_name="tiny", max_waiting=100_000, stream_interval=stream_interval)
     st = instrument(server, proc, prompts)
     if profile is not None:
         profile_threads(server, profile)
@@ -243,7 +245,9 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
     first_send = min(r["send"] for r in results)
     if os.environ.get("SERVE_BURST_ROWS"):  # every request's stamps, for a closer look
         Path(os.environ["SERVE_BURST_ROWS"]).write_text(json.dumps(rows))
+    done = [r.get("done") for r in results if r.get("done")]
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "errors": len(errors),
+            "seconds": max(done) - first_send if done else None, "chunks": sum(r["chunks"] for r in results),
             "error_sample": errors[:3], "stages_after_send_s": stages,
             "send_spread_s": max(r["send"] for r in results) - first_send,
             "last_arrival_after_first_send_s": max(v for v in st["arrive"].values()) - first_send
@@ -273,6 +277,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--profile", default=None, help="a directory for cProfile files (the figures then mean little)")
     ap.add_argument("--compare", default=None, help="the root of another tree: both measured, taking turns")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the server's stream_interval")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
@@ -295,7 +300,8 @@ def main() -> None:
     offline, served = [], []
     for _ in range(args.rounds):
         offline.append(run_offline(prompts, outputs, options))
-        served.append(run_server(prompts, outputs, options, args.clients, profile))
+        served.append(run_server(prompts, outputs, options, args.clients, profile,
+                                 stream_interval=args.stream_interval))
         print(json.dumps({"offline": offline[-1], "server": served[-1]}, indent=1), flush=True)
     srv_p50 = float(np.median([s["ttft_p50_s"] for s in served]))
     off_p50 = float(np.median([o["ttft_p50_s"] for o in offline]))

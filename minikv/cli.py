@@ -164,6 +164,9 @@ def _serve_parsers(sub) -> None:
     s.add_argument("--max-waiting-per-tenant", type=int, default=None,
                    help="requests of one tenant waiting for a seat before that tenant's new ones get 429")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="a larger request body gets 413")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens a streamed chunk waits for (the first token and the end go at once); above 1, "
+                        "fewer, fuller chunks spare a busy server's socket writes")
     s.add_argument("--log-level", default="info")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core in a process of its own (default), so HTTP, SSE and tokenizing never "
@@ -200,7 +203,8 @@ def _serve(args) -> int:
     from minikv.serve import run
     from minikv.serve.core_process import CoreProcess
 
-    for flag, value in (("--max-waiting", args.max_waiting), ("--max-waiting-per-tenant", args.max_waiting_per_tenant)):
+    for flag, value in (("--max-waiting", args.max_waiting), ("--max-waiting-per-tenant", args.max_waiting_per_tenant),
+                        ("--stream-interval", args.stream_interval)):
         if value is not None and value < 1:
             print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
@@ -222,7 +226,7 @@ def _serve(args) -> int:
     print(f"minikv: serving {name!r} at http://{args.host}:{args.port}/v1 (policy {args.schedule_policy}"
           f"{', tenants isolated' if args.isolate_tenants else ''})", flush=True)
     run(llm, args.host, args.port, name, args.isolate_tenants, args.max_waiting, args.max_waiting_per_tenant,
-        args.log_level, max_body_bytes=args.max_body_bytes)
+        args.log_level, max_body_bytes=args.max_body_bytes, stream_interval=args.stream_interval)
     return 0
 
 
@@ -239,7 +243,8 @@ def _serve_role(args, options: dict) -> int:
     llm = LLM(args.model, **options)
     serve_role(args.role, llm, args.kv_address, args.host, args.port, args.served_model_name or args.model,
                args.log_level, isolate_tenants=args.isolate_tenants, max_waiting=args.max_waiting,
-               max_waiting_per_tenant=args.max_waiting_per_tenant, max_body_bytes=args.max_body_bytes)
+               max_waiting_per_tenant=args.max_waiting_per_tenant, max_body_bytes=args.max_body_bytes,
+               stream_interval=args.stream_interval)
     return 0
 
 

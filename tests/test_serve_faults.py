@@ -317,3 +317,10 @@ def test_run_refuses_a_body_limit_below_one_byte(capsys):
     with pytest.raises(SystemExit) as e:
         run(engine(), "127.0.0.1", 0, MODEL, max_body_bytes=0)
     assert e.value.code == 2 and "--max-body-bytes must be at least 1" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_stream_interval_below_one_token_before_loading_a_model(capsys):
+    from minikv.cli import main
+
+    assert main(["serve", "--model", "no-such-model", "--stream-interval", "0"]) == 2
+    assert "--stream-interval must be at least 1, got 0" in capsys.readouterr().err

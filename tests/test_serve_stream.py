@@ -156,3 +156,28 @@ def test_a_burst_of_engine_events_wakes_the_event_loop_once_and_keeps_their_orde
     loop.close()
     with pytest.raises(RuntimeError):
         box.put(queues[0], Event("end"))
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many_tokens():
+    """stream_interval=4: the first token goes alone (time to first token is not delayed), every later chunk
+    but the last holds at least 4 tokens, and the stream still joins to the same tokens and text as the
+    whole answer; so 11 tokens take at most 1 + ceil(10 / 4) = 4 chunks (one a token: 11)."""
+    body = {"model": MODEL, "prompt": "the cache", "max_tokens": 11, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with Server(engine(), served_name=MODEL, stream_interval=4) as s:
+        chunks = sse(s, "completions", body)
+        whole = httpx.post(f"{s.url}/v1/completions", json=body, timeout=HANG_S).json()["choices"][0]
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11, sizes
+    assert len(chunks) <= 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_a_stream_interval_below_one_token_is_refused_with_the_fix(bad):
+    from minikv.serve.app import build_app
+    from minikv.serve.engine_loop import EngineLoop
+
+    with pytest.raises(ValueError, match="stream_interval must be a whole number of tokens, at least 1"):
+        build_app(EngineLoop.__new__(EngineLoop), MODEL, stream_interval=bad)

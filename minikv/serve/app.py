@@ -144,15 +144,20 @@ class AppDeps:
 def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = False,
               max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenants: Tenants | None = None,
-              before_submit=None) -> FastAPI:
+              before_submit=None, stream_interval: int = 1) -> FastAPI:
     """max_waiting: requests waiting for a seat (beyond the free seats) before anyone gets 503.
     max_waiting_per_tenant: before that tenant gets 429 (so a flood is refused to the tenant who
     floods, not to everyone). max_body_bytes: a larger body gets 413. tenants: who sent a request
     (minikv/serve/tenants.py; a fresh key if None). before_submit: `await before_submit(headers, ids,
     salt)` once a request is tokenized, before the engine sees it (a decode engine takes the prompt's
-    KV blocks from a prefill engine there: minikv/serve/disagg.py)."""
+    KV blocks from a prefill engine there: minikv/serve/disagg.py). stream_interval: a stream's chunk waits
+    until it holds this many new tokens (the first token and the end go at once): fewer, fuller chunks, so
+    fewer writes to the sockets, which is most of a busy server's own work per token."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+    if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be a whole number of tokens, at least 1 (1: every token as it "
+                         f"comes), got {stream_interval!r}")
     tenants = tenants or Tenants(isolate=isolate_tenants)
     app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tenants = tenants
@@ -363,13 +368,20 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
 
         held: list[Event] = []  # taken from the queue while coalescing, not yet sent
 
-        def coalesced(ev: Event) -> Event:
+        async def coalesced(ev: Event, want: int) -> Event:
             """ev and the tokens events of the same sample already waiting behind it, as one: a server
-            that falls behind sends fewer, fuller chunks instead of falling further behind."""
+            that falls behind sends fewer, fuller chunks instead of falling further behind. Until the chunk
+            holds `want` tokens it waits for more (stream_interval), unless the sample ends or another
+            sample's event, or the end, comes first."""
             ids_, text = list(ev.token_ids), [ev.text]
             reason = ev.finish_reason
-            while reason is None and not held and not events.empty():
-                nxt = events.get_nowait()
+            while reason is None and not held:
+                if events.empty():
+                    if len(ids_) >= want:
+                        break
+                    nxt = await events.get()
+                else:
+                    nxt = events.get_nowait()
                 if nxt.kind != "tokens" or nxt.index != ev.index:
                     held.append(nxt)
                     break
@@ -385,7 +397,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             while True:
                 ev: Event = held.pop(0) if held else await events.get()
                 if ev.kind == "tokens":
-                    ev = coalesced(ev)
+                    ev = await coalesced(ev, stream_interval if generated else 1)  # the first token: at once
                     generated += len(ev.token_ids)
                     yield sse([choice(chat, ev.index, ev.text, ev.finish_reason,
                                       ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
@@ -437,13 +449,13 @@ class Server(AppThread):
                  isolate_tenants: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
                  max_waiting_per_tenant: int | None = None, log_level: str = "warning",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_key: bytes | str | None = None,
-                 before_submit=None):
+                 before_submit=None, stream_interval: int = 1):
         self.metrics = ServerMetrics()
         self.engine = engine_loop_for(llm, self.metrics)
         self.served_name = served_name or str(llm.loaded.source)
         self.tenants = Tenants(tenant_key, isolate=isolate_tenants)
         self.app = build_app(self.engine, self.served_name, isolate_tenants, max_waiting, max_waiting_per_tenant,
-                             max_body_bytes, self.tenants, before_submit)
+                             max_body_bytes, self.tenants, before_submit, stream_interval)
         super().__init__(self.app, host, port, log_level, "minikv-http")
         self.engine.on_death.append(lambda error: setattr(self._uvicorn, "should_exit", True))
 
@@ -463,7 +475,8 @@ class Server(AppThread):
 
 def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool = False,
         max_waiting: int = DEFAULT_MAX_WAITING, max_waiting_per_tenant: int | None = None,
-        log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, before_submit=None) -> None:
+        log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, before_submit=None,
+        stream_interval: int = 1) -> None:
     """`minikv serve`: the server in the foreground until Ctrl-C / SIGTERM. If the engine loop ends
     (a bug), the server stops and the process exits with status 1, for a supervisor to restart it."""
     if max_body_bytes < 1:
@@ -472,7 +485,7 @@ def run(llm: LLM, host: str, port: int, served_name: str, isolate_tenants: bool 
     metrics = ServerMetrics()
     engine = engine_loop_for(llm, metrics)
     app = build_app(engine, served_name, isolate_tenants, max_waiting, max_waiting_per_tenant, max_body_bytes,
-                    before_submit=before_submit)
+                    before_submit=before_submit, stream_interval=stream_interval)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=2))
     engine.on_death.append(lambda error: setattr(server, "should_exit", True))
