@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8, help="client processes the requests are spread over")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny loads only)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the server's process (its HTTP and engine threads share one "
+                         "interpreter lock); default: Python's 0.005 s")
     args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; serve_burst_cpu.py measures the same stages on a CPU", file=sys.stderr)
         return 2
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"; last arrival {served['last_arrival_after_first_send_s']:.3f} s after the first send", flush=True)
     med = lambda side: float(np.median([r[side]["ttft_p50_s"] for r in rounds]))  # noqa: E731
     record = {"benchmark": "serve_burst_gpu", "label": args.label, **environment(args.device, args.commit),
+              "switch_interval_s": sys.getswitchinterval(),
               "workload": {"requests": args.requests, "max_tokens": args.max_tokens, "clients": args.clients,
                            "model": "Qwen2.5-0.5B shapes, random bf16", "server_options": server_options},
               "rounds": rounds, "ttft_p50_server_over_offline": med("server") / med("offline")}
