@@ -86,11 +86,14 @@ CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients ar
 
 
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
-                      reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES) -> dict:
+                      reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES,
+                      like_for_like: dict | None = None) -> dict:
     """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
     `loads` times offline through `LLM(ckpt)` (warmed alike), load k's prompts rotated by k tokens on both
     sides (`rotated`): every run, and each side's medians. One load of one server moves by up to 15% from
-    the next (NOTES_step_profile.md): a ratio from one load each cannot tell 0.80 from 0.90."""
+    the next (NOTES_step_profile.md): a ratio from one load each cannot tell 0.80 from 0.90. like_for_like:
+    options of a second offline engine, run the same way (the server's prefix cache: the same engine on
+    both sides, where `LLM(ckpt)` runs none)."""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
     if loads < 1:
@@ -122,11 +125,32 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
     # given its pool back, or offline runs with a smaller pool (preemptions) and the ratio measures that
     memory_wait_s = wait_for_device_memory(free_before)
-    llm = LLM(ckpt)
+    offline, num_blocks = offline_runs(ckpt, reqs, loads)
+    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+    out = {"loads": loads, "memory_wait_s": memory_wait_s,
+           "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline,
+                       "num_blocks": num_blocks},
+           "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
+                      "failed": sum(r["failed"] for r in served),
+                      "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
+           "output_tokens_equal": all(r["output_tokens"] == o["output_tokens"] for r in served for o in offline)}
+    if like_for_like is not None:  # offline again, with the server's cache: the same engine on both sides
+        runs, blocks = offline_runs(ckpt, reqs, loads, **like_for_like)
+        out["offline_like_server"] = {"options": like_for_like, "tok_s": med(runs, "tok_s"),
+                                      "ttft_p50_s": med(runs, "ttft_p50_s"), "runs": runs, "num_blocks": blocks}
+    return out
+
+
+def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, **options) -> tuple[list[dict], int | None]:
+    """`loads` runs of `LLM(ckpt, **options).generate` on the workload (load k rotated by k), after a warm-up
+    of 8 requests: each run's figures, and the engine's num_blocks. The engine is closed before it returns."""
+    from minikv.bench.serve import pct
+
+    llm = LLM(ckpt, **options)
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
-    offline = []
+    runs = []
     for k in range(loads):
         sync()
         t0 = time.perf_counter()
@@ -135,23 +159,16 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
-        offline.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
-                        "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
-                        **load_figures(before, engine_counters(llm), seconds)})
+        runs.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
+                     "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
+                     **load_figures(before, engine_counters(llm), seconds)})
     num_blocks = llm.view.num_blocks if llm.is_paged else None  # (LLM(ckpt) on a CPU: no pool)
     llm.close()
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    return {"loads": loads, "memory_wait_s": memory_wait_s,
-            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline,
-                        "num_blocks": num_blocks},
-            "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
-                       "failed": sum(r["failed"] for r in served),
-                       "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
-            "output_tokens_equal": all(r["output_tokens"] == o["output_tokens"] for r in served for o in offline)}
+    return runs, num_blocks
 
 
 def rotated(reqs: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], int]]:
@@ -287,6 +304,17 @@ def host_cpus() -> dict:
             else None, "threads_per_core": per_core, "client_processes": CLIENT_PROCESSES}
 
 
+def server_cache(server_args: list[str]) -> str | None:
+    """The prefix cache `minikv serve` runs with these flags (its default: hash), as LLM's option."""
+    cache = "hash"
+    for i, a in enumerate(server_args):
+        if a == "--prefix-caching" and i + 1 < len(server_args):
+            cache = server_args[i + 1]
+        elif a.startswith("--prefix-caching="):
+            cache = a.split("=", 1)[1]
+    return None if cache == "none" else cache
+
+
 def med_of(r: dict, side: str) -> float:
     """The median over one side's runs of the engine's milliseconds per step."""
     return statistics.median(x["ms_per_step"] or 0.0 for x in r[side]["runs"])
@@ -320,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
                              f"tokens identical {r['tokens_identical'][k]}"))
     if "serve" in parts:
-        r = offline_vs_server(ckpt, tmp, args.server_args.split(), loads=args.serve_loads)
+        server_args = args.server_args.split()
+        r = offline_vs_server(ckpt, tmp, server_args, loads=args.serve_loads,
+                              like_for_like={"prefix_caching": server_cache(server_args)})
         record["serve"] = r
         each = lambda side, k, f: " / ".join(f.format(x[k]) for x in r[side]["runs"])  # noqa: E731
         rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
@@ -339,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}; "
                      f"CPU share of the server process {share('server_cpu_share')}, of its engine process "
                      f"{share('core_cpu_share')}"))
+        like = r["offline_like_server"]
+        rows.append((f"server / offline with its cache ({like['options']['prefix_caching']})",
+                     f"{r['server']['tok_s'] / like['tok_s']:.2f}",
+                     f"offline {like['tok_s']:,.0f} ({each('offline_like_server', 'tok_s', '{:,.0f}')}) tok/s, "
+                     f"TTFT p50 {like['ttft_p50_s']:.2f} s: server / it "
+                     f"{r['server']['ttft_p50_s'] / like['ttft_p50_s']:.2f}"))
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
                      f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
                      f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))

@@ -162,7 +162,8 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     server and every offline run is kept, the medians are of them, and the served tokens equal offline's."""
     ratios = research_script("ratios_gpu")
     reqs = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 4), ([13, 14, 15, 16], 5)]
-    r = ratios.offline_vs_server("tiny-random", tmp_path, loads=2, reqs=reqs, processes=1)
+    r = ratios.offline_vs_server("tiny-random", tmp_path, loads=2, reqs=reqs, processes=1,
+                                 like_for_like={"kv_backend": "paged", "prefix_caching": "hash"})
     assert r["loads"] == 2 and len(r["server"]["runs"]) == len(r["offline"]["runs"]) == 2
     assert r["server"]["failed"] == 0 and r["output_tokens_equal"], r
     assert all(run["output_tokens"] == 15 for run in r["server"]["runs"] + r["offline"]["runs"])
@@ -171,8 +172,13 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
         assert [run["preemptions"] for run in r[side]["runs"]] == [0, 0]  # each load's own, from each engine
         for run in r[side]["runs"]:  # each load's engine steps: at least its longest output's, timed inside
             assert run["steps"] >= 6 and 0 < run["ms_per_step"] and 0 < run["busy"] <= 1.0, run
-    for run in r["server"]["runs"]:  # the CPU the server process and its engine process took in the load
-        assert run["server_cpu_share"] > 0 and run["core_cpu_share"] > 0, run
+    for run in r["server"]["runs"]:  # the CPU the server process and its engine process took (a tiny load: maybe
+        assert run["server_cpu_share"] >= 0 and run["core_cpu_share"] >= 0, run  # no clock tick of either)
+    like = r["offline_like_server"]  # offline again with the server's cache: its own runs, the same tokens
+    assert like["options"]["prefix_caching"] == "hash" and len(like["runs"]) == 2 and like["num_blocks"] > 0
+    assert all(run["output_tokens"] == 15 and run["steps"] >= 6 for run in like["runs"])
+    assert ratios.server_cache([]) == "hash" and ratios.server_cache(["--prefix-caching", "none"]) is None
+    assert ratios.server_cache(["--stream-interval", "8", "--prefix-caching=radix"]) == "radix"
     assert r["memory_wait_s"] == 0.0  # a CPU: no device memory to wait for (and LLM(ckpt) has no pool there)
     assert r["offline"]["num_blocks"] is None
     with pytest.raises(ValueError, match="at least one load"):
@@ -180,6 +186,24 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     # load k's prompts are rotated by k tokens: the same lengths and outputs, never an earlier load's prompt
     assert ratios.rotated(reqs, 0) == reqs
     assert ratios.rotated(reqs, 1) == [([6, 7, 8, 9, 5], 6), ([11, 12, 10], 4), ([14, 15, 16, 13], 5)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_gpu_ratios_cpu_share_reads_a_process_and_its_busiest_child():
+    """process_cpu: the CPU seconds of a process (all its threads) and of its busiest child, from /proc: a
+    child that burned 0.3 s of CPU (by its own clock) shows at least that, less one clock tick."""
+    ratios = research_script("ratios_gpu")
+    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+            "print('burned', flush=True)\ninput()\n")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "burned"  # (an event: its CPU time is spent, it still lives)
+        cpu = ratios.process_cpu(os.getpid())
+        assert cpu["core_cpu_s"] >= 0.3 - 2 / os.sysconf("SC_CLK_TCK") and cpu["server_cpu_s"] > 0, cpu
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert ratios.cpu_seconds(child.pid) is None  # gone: no figure, no exception
 
 
 def test_the_gpu_ratios_offline_engine_waits_for_the_stopped_servers_memory(monkeypatch):
