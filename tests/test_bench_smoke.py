@@ -113,7 +113,8 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
 
 
 @pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s"),
-                                          ("serve_prefix_ab_gpu", "--loads"), ("host_run_cpu", "--burst")])
+                                          ("serve_prefix_ab_gpu", "--loads"), ("host_run_cpu", "--burst"),
+                                          ("serve_burst_gpu", "--switch-interval")])
 def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
     """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
     Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""

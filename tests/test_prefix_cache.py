@@ -825,44 +825,10 @@ def test_insert_reuses_a_lookups_keys_the_same_way_when_the_request_holds_other_
     assert results[0][0] == {0: 0, 1: 1, 2: 2, 3: 3} and len(results[0][1]) == 6  # 4 adopted, 2 new blocks
 
 
-class _KeepByKeep(HashChainCache):
-    """The same cache, made to take keep_many's loop of calls: a `keep` of its own (as a lab's)."""
-
-    def keep(self, block):
-        return super().keep(block)
-
-
-@pytest.mark.parametrize("eviction", ["lru", "fifo"])
-def test_keep_many_in_one_loop_equals_keep_of_each_block(eviction):
-    """A finished request's blocks go back in one call (`keep_many`): the same blocks kept, the same times,
-    the same free queue (order and priorities) and the same blocks handed back empty as keep() of each,
-    with pinned blocks, blocks the cache never held and a block kept twice in one release among them."""
-    rng = random.Random(11)
-    for trial in range(10):
-        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(4, 40))]
-        release = list(range(24))
-        rng.shuffle(release)
-        release += release[:2]  # (a block released again: its time and queue entry are refreshed)
-        results = []
-        for cache in (HashChainCache(BS, eviction), _KeepByKeep(BS, eviction)):
-            cache.bind([0] * 64)
-            seq = BareRequest(1, prompt).computed(len(prompt))
-            seq.block_table = list(range(len(prompt) // BS))
-            cache.insert(seq)
-            for b in range(0, len(prompt) // BS, 3):
-                cache.pinned[b] = 1  # (as pin() leaves them)
-            back = cache.keep_many(release)
-            results.append((back, cache.clock, cache.free_queue.ordered(),
-                            {b: cache.free_queue.priority(b) for b in cache.free_queue.ordered()},
-                            {b: e.last_used for b, e in cache.by_block.items()}))
-        assert results[0] == results[1], trial
-        assert results[0][0] == [b for b in release if b >= len(prompt) // BS]  # never cached: back empty
-
-
-def test_freeing_a_request_gives_its_blocks_back_at_once_and_a_double_free_loses_none():
-    """BlockManager.free hands the caching allocator all of a request's released blocks in one call: the
-    cached ones wait in the free queue tail first, the others go back empty; a block freed twice raises,
-    and the blocks let go before it still reach the free pool (none leaks)."""
+def test_freeing_a_request_with_a_prefix_cache_loses_no_block_even_on_a_double_free():
+    """BlockManager.free through the caching allocator: the cached blocks wait in the free queue tail
+    first, the partial one goes back empty; a block freed twice raises, and the blocks let go before it
+    still reach the free pool (none leaks)."""
     bm = manager("hash")
     seq = run(bm, list(range(14)))  # 3 full blocks cached + 1 partial (not cached)
     a, b, c, d = seq.block_table

@@ -146,27 +146,10 @@ class BlockManager:
         self._track_peaks()
 
     def free(self, seq: CachedRequest) -> None:
-        """Drop the sequence's references, tail first; blocks nobody references go back (`decref` of each,
-        with the allocator's `free_many` taking them at once where it has one: the caching allocator's)."""
-        free_many = getattr(self.allocator, "free_many", None)
-        if free_many is None:
-            for block in reversed(seq.block_table):
-                if block != NO_BLOCK:
-                    self.decref(block)
-        else:
-            ref_count, gone = self.ref_count, []
-            try:
-                for block in reversed(seq.block_table):
-                    if block == NO_BLOCK:
-                        continue
-                    if ref_count[block] < 1:
-                        raise RuntimeError(f"block {block} freed twice")
-                    ref_count[block] -= 1
-                    self.num_refs -= 1
-                    if ref_count[block] == 0:
-                        gone.append(block)
-            finally:  # (a double free found midway: the blocks let go before it still go back)
-                free_many(gone)
+        """Drop the sequence's references, tail first; blocks nobody references go back."""
+        for block in reversed(seq.block_table):
+            if block != NO_BLOCK:
+                self.decref(block)
         seq.block_table = []
         if self.prefix_cache is not None:
             self.prefix_cache.forget(seq)

@@ -64,8 +64,6 @@ class EvictableBlocks(Protocol):
 
     def keep(self, block_id: int) -> bool: ...
 
-    # (optional) keep_many(block_ids) -> the blocks not kept: keep() of each, in one call
-
     def take(self, block_id: int) -> None: ...
 
     def evict(self, num_blocks: int) -> list[int]: ...
@@ -94,13 +92,6 @@ class CachingAllocator:
     def free(self, block_id: int) -> None:
         if not self.cache.keep(block_id):
             self.inner.free(block_id)
-
-    def free_many(self, block_ids: list[int]) -> None:
-        """free() of each block, in order, asking the cache about all of them at once (`keep_many`)."""
-        keep_many = getattr(self.cache, "keep_many", None)
-        back = keep_many(block_ids) if keep_many is not None else [b for b in block_ids if not self.cache.keep(b)]
-        for block in back:
-            self.inner.free(block)
 
     def take(self, block_id: int) -> None:
         """A hit on an unused cached block: it leaves the free pool with its content."""

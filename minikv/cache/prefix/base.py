@@ -164,10 +164,6 @@ class PrefixCache(ABC):
         """The block's last user left. True: the cache keeps it (unused, evictable unless pinned);
         False: not a cached block, the allocator takes it back empty."""
 
-    def keep_many(self, blocks: list[int]) -> list[int]:
-        """`keep` of each block, in order (a finished request's, tail first). Returns the blocks not kept."""
-        return [b for b in blocks if not self.keep(b)]
-
     @abstractmethod
     def take(self, block: int) -> None:
         """An unused cached block is used again (a hit): it is no longer evictable."""

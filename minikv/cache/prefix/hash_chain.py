@@ -440,23 +440,15 @@ class HashChainCache(PrefixCache):
         parent = known[first + reuse - 1] if reuse else (keys[-1] if keys else None)
         chained = _chain(data[reuse * width:], bs, end - first - reuse, extra_keys(0, salt) if first + reuse == 0
                          else (), parent)
-        # _offer's work, written out for this loop (a step offers ~17 blocks; a call each cost a third of it)
-        table, by_block, block_table, tick = self.table, self.by_block, seq.block_table, self.tick
         parent = keys[-1] if keys else None
         for j, key in enumerate(itertools.chain(known[first:first + reuse], chained)):
             i = first + j
-            block = block_table[i]
-            if block < 0:  # given back (a sliding window) before it was offered, and so were the ones after it
-                break
             keys.append(key)
-            toks, extra, entry = tuple(ids[j * bs:(j + 1) * bs]), extra_keys(i, salt), table.get(key)
-            if entry is None:
-                if block not in by_block:
-                    now = tick()
-                    table[key] = by_block[block] = CachedBlock(block, key, parent, toks, extra, salt, now, now,
-                                                               data[j * width:(j + 1) * width])
-            elif entry.block != block and self._same(entry, parent, toks, extra):
-                adopt[i] = entry.block  # computed twice (two requests in flight): keep one copy
+            entry_bytes = data[j * width:(j + 1) * width]
+            if not self._offer(seq, i, key, parent, tuple(ids[j * bs:(j + 1) * bs]), extra_keys(i, salt), adopt,
+                               entry_bytes):
+                keys.pop()
+                break
             parent = key
         return adopt
 
@@ -496,25 +488,6 @@ class HashChainCache(PrefixCache):
         if block not in self.pinned:
             self.free_queue.push(block, self._priority(entry))
         return True
-
-    def keep_many(self, blocks: list[int]) -> list[int]:
-        """`keep` of each block, one loop (a finished request gives back ~50 blocks at once; a call and a
-        queue method each cost more than the work). A subclass's own `keep`, or a learner's free queue
-        (`FreeQueueSeam`), takes the loop of calls."""
-        queue = self.free_queue
-        if type(self).keep is not HashChainCache.keep or type(queue) is not EvictionQueue:
-            return super().keep_many(blocks)
-        by_block, pinned, lru, tick, push = self.by_block, self.pinned, self.eviction == "lru", self.tick, queue.push
-        back = []
-        for block in blocks:
-            entry = by_block.get(block)
-            if entry is None:
-                back.append(block)
-                continue
-            entry.last_used = tick()  # blocks freed tail first: the tail gets the older time
-            if block not in pinned:
-                push(block, entry.last_used if lru else entry.born)  # (= _priority)
-        return back
 
     def take(self, block: int) -> None:
         self.free_queue.discard(block)
