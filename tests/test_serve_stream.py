@@ -4,6 +4,7 @@ first chunk, finish_reason on the last content chunk, usage only when asked (str
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
@@ -158,15 +159,39 @@ def test_a_burst_of_engine_events_wakes_the_event_loop_once_and_keeps_their_orde
         box.put(queues[0], Event("end"))
 
 
+class HoldSecondStep:
+    """An engine observer that holds the engine at the end of its second step until the test releases it:
+    the first token is out (published after step 1), the second is not."""
+
+    def __init__(self):
+        self.steps, self.holding, self.release = 0, threading.Event(), threading.Event()
+
+    def on_step(self, llm, batch, events):
+        self.steps += 1
+        if self.steps == 2:
+            self.holding.set()
+            self.release.wait(HANG_S)  # (never forever: a test that fails to release fails, it does not hang)
+
+
 def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_that_many_tokens():
-    """stream_interval=4: the first token goes alone (time to first token is not delayed), every later chunk
-    but the last holds at least 4 tokens, and the stream still joins to the same tokens and text as the
-    whole answer; so 11 tokens take at most 1 + ceil(10 / 4) = 4 chunks (one a token: 11)."""
+    """stream_interval=4: the first token reaches the client while the engine holds the second (so its
+    time to first token is not delayed), every later chunk but the last holds at least 4 tokens, and the
+    stream joins to the same tokens and text as the whole answer: 11 tokens in at most 1 + ceil(10 / 4) = 4
+    chunks (one a token: 11)."""
     body = {"model": MODEL, "prompt": "the cache", "max_tokens": 11, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    with Server(engine(), served_name=MODEL, stream_interval=4) as s:
-        chunks = sse(s, "completions", body)
+    llm, hold = engine(), HoldSecondStep()
+    llm.add_observer(hold)
+    with Server(llm, served_name=MODEL, stream_interval=4) as s:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=HANG_S) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)  # (before the release: the second token is not out)
+            assert hold.holding.wait(HANG_S) and not hold.release.is_set()
+            hold.release.set()
+            rest = [line for line in lines if line]
         whole = httpx.post(f"{s.url}/v1/completions", json=body, timeout=HANG_S).json()["choices"][0]
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in [first] + rest[:-1]]
     sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]
     assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11, sizes
     assert len(chunks) <= 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
