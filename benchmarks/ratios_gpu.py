@@ -15,7 +15,9 @@ process and card, tokens checked before anything is timed.
    moves by up to 15% from the next; load k's prompts rotated by k tokens, so that no load finds an
    earlier one's in the server's prefix cache); output tok/s and TTFT p50, the medians and every run.
    Goals: server >= 0.85 of offline, TTFT p50 <= 1.5x. (The server runs its default hash prefix
-   cache, `LLM(ckpt)` none: NOTES_step_profile.md measures what that costs.)
+   cache, `LLM(ckpt)` none: so offline runs again with the server's cache, like for like.) Each load
+   records its engine steps, the milliseconds inside them and the engine's busy share (the server's
+   /metrics, offline's `LLM.core`), and the CPU share of the server process and its engine process.
 3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
 
 Prints one table of ratios and writes a JSON record (device, versions, commit, every raw figure).
@@ -117,9 +119,9 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
                            "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
                            "errors": sorted({r.error for r in results if not r.ok})[:3],
                            **load_figures(before, server_counters(server), duration),
-                           **{k.replace("_cpu_s", "_cpu_share"): (cpu_after[k] - cpu_before[k]) / duration
-                              if cpu_after[k] is not None and cpu_before[k] is not None else None
-                              for k in cpu_after}})
+                           **{c.replace("_cpu_s", "_cpu_share"): (cpu_after[c] - cpu_before[c]) / duration
+                              if cpu_after[c] is not None and cpu_before[c] is not None else None
+                              for c in cpu_after}})
     finally:
         server.stop()
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
@@ -207,14 +209,13 @@ def server_counters(server) -> dict[str, float]:
     """The server's preemptions, engine steps and seconds inside them so far (its /metrics)."""
     import httpx
 
-    values = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.rpartition(" ")
-        values[name] = value
+    from minikv.serve.metrics import parse_metrics
+
+    values = parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
     missing = [m for m in COUNTERS.values() if m not in values]
     if missing:
         raise RuntimeError(f"the server's /metrics has no {', '.join(missing)}")
-    return {k: float(values[m]) for k, m in COUNTERS.items()}
+    return {k: values[m] for k, m in COUNTERS.items()}
 
 
 def cpu_seconds(pid: int) -> float | None:
