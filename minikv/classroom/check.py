@@ -45,7 +45,7 @@ from minikv.classroom.notebooks import (
     normalised,
     read_notebook,
 )
-from minikv.classroom.registry import Entry, course, entry_of_notebook, identify
+from minikv.classroom.registry import CourseCell, Entry, course, entry_of_notebook, identify
 
 DEFAULT_TIMEOUT = 600.0  # seconds per notebook; each course exercise runs in about 2 minutes on 2 cores
 DEFAULT_MEMORY_GB = 8.0  # address space per notebook (a notebook of the course peaks near 2.5 GB)
@@ -322,12 +322,7 @@ def plan(path: Path, reference: Path | None = None) -> Plan:
         if c.role != "exercise" and src in late_setup:  # the course runs it before its checks
             continue
         run.append(c)
-    where = []
-    for chk in entry.checks:
-        at = next((c.index for c in cells if c.id == chk.id), None)
-        if at is None:
-            at = next((c.index for c in cells if normalised(c.source) == normalised(chk.source)), None)
-        where.append(at)
+    where = [_index_in(cells, chk) for chk in entry.checks]
     stubs = {normalised(c.source) for c in entry.cells if c.role == "exercise"}
     mine = [c for c in cells if c.role == "exercise"] or [c for c in run if c.role == "code"]
     attempted = any(normalised(c.source) not in stubs for c in mine)
@@ -338,14 +333,20 @@ def plan(path: Path, reference: Path | None = None) -> Plan:
     ref = find_reference(path, reference)
     if ref is not None and ref.resolve() == path.resolve():
         untouched = False  # a notebook graded against itself (its own checks) runs
-    setup_at = {}  # the course's setup cells in the notebook: by cell id, else by code
-    for k, c in enumerate(entry.cells):
-        if c.role == "setup":
-            same = [x.index for x in cells if x.id and x.id == c.id] or \
-                   [x.index for x in cells if normalised(x.source) == normalised(c.source)]
-            if same:
-                setup_at[k] = same[0]
+    setup_at = {k: at for k, c in enumerate(entry.cells)  # the course's setup cells in the notebook
+                if c.role == "setup" and (at := _index_in(cells, c)) is not None}
     return Plan(entry, run, where, notes, attempted, review, untouched, setup_at)
+
+
+def _index_in(cells: list[Cell], course_cell: CourseCell) -> int | None:
+    """Where one of the course's cells sits in the learner's notebook: by its cell id, else by its code (the
+    first such cell); None when it is not there."""
+    if course_cell.id:
+        at = next((c.index for c in cells if c.id == course_cell.id), None)
+        if at is not None:
+            return at
+    src = normalised(course_cell.source)
+    return next((c.index for c in cells if normalised(c.source) == src), None)
 
 
 class _Reader(threading.Thread):
