@@ -659,3 +659,19 @@ def test_graders_that_finish_together_report_one_at_a_time(monkeypatch):
 
     grades = grade_notebooks([Path("a.ipynb"), Path("b.ipynb")], jobs=2, on_done=on_done)
     assert [g.exercise for g in grades] == ["a", "b"] and most[0] == 1
+
+
+def test_a_course_cell_is_found_by_its_id_else_by_its_code_never_by_a_missing_id():
+    """Where grading looks for the course's check and setup cells in a learner's notebook: the cell with the
+    same id (moved or edited), else the first with the same code; a course cell without an id is found by
+    its code, never by the first learner cell that has no id either."""
+    from minikv.classroom.check import _index_in
+    from minikv.classroom.notebooks import Cell
+    from minikv.classroom.registry import CourseCell
+
+    cells = [Cell(0, "x = 1", frozenset()), Cell(1, "check_it()", frozenset(), id="c1"),
+             Cell(2, "check_other()", frozenset()), Cell(3, "print(x)", frozenset(), id="c9")]
+    assert _index_in(cells, CourseCell("c9", "check", "something edited away")) == 3  # by id
+    assert _index_in(cells, CourseCell("gone", "check", "check_it()")) == 1  # the id is gone: by code
+    assert _index_in(cells, CourseCell("", "check", "check_other()")) == 2  # no id: by code, not cell 0
+    assert _index_in(cells, CourseCell("", "setup", "import nothing")) is None
