@@ -208,7 +208,8 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
         os.environ["MINIKV_CORE_PROFILE"] = str(profile / "core.prof")
     proc = CoreProcess(model if model is not None else tiny_random_with_text(), **options)
     os.environ.pop("MINIKV_CORE_PROFILE", None)
-    server = Server(proc, served_name="tiny", max_waiting=100_000, stream_interval=stream_interval)
+    interval = {"stream_interval": stream_interval} if stream_interval != 1 else {}  # (--compare: older trees lack it)
+    server = Server(proc, served_name="tiny", max_waiting=100_000, **interval)
     st = instrument(server, proc, prompts)
     if profile is not None:
         profile_threads(server, profile)
