@@ -205,17 +205,17 @@ COUNTERS = {"preemptions": "minikv:num_preemptions_total", "steps": "minikv:engi
             "step_seconds": "minikv:engine_step_seconds_total"}
 
 
-def server_counters(server) -> dict[str, float]:
-    """The server's preemptions, engine steps and seconds inside them so far (its /metrics)."""
+def server_counters(server) -> dict[str, float | None]:
+    """The server's preemptions, engine steps and seconds inside them so far (its /metrics; the engine's
+    clock is None for a tree older than it, run with PYTHONPATH)."""
     import httpx
 
     from minikv.serve.metrics import parse_metrics
 
     values = parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
-    missing = [m for m in COUNTERS.values() if m not in values]
-    if missing:
-        raise RuntimeError(f"the server's /metrics has no {', '.join(missing)}")
-    return {k: values[m] for k, m in COUNTERS.items()}
+    if COUNTERS["preemptions"] not in values:
+        raise RuntimeError(f"the server's /metrics has no {COUNTERS['preemptions']}")
+    return {k: values.get(m) for k, m in COUNTERS.items()}
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -237,16 +237,19 @@ def process_cpu(pid: int) -> dict[str, float | None]:
     return {"server_cpu_s": cpu_seconds(pid), "core_cpu_s": child}
 
 
-def engine_counters(llm) -> dict[str, float]:
+def engine_counters(llm) -> dict[str, float | None]:
     """The same counters of an engine in this process."""
-    return {"preemptions": llm.view.num_preemptions, "steps": llm.core.num_steps, "step_seconds": llm.core.step_seconds}
+    return {"preemptions": llm.view.num_preemptions, "steps": getattr(llm.core, "num_steps", None),
+            "step_seconds": getattr(llm.core, "step_seconds", None)}
 
 
 def load_figures(before: dict, after: dict, seconds: float) -> dict:
     """One load's preemptions and engine steps, its milliseconds per step (inside the engine's steps) and
     its busy share (the seconds inside steps over the load's wall time): a server slower than offline
     either runs more steps, or slower ones, or waits between them."""
-    d = {k: after[k] - before[k] for k in COUNTERS}
+    d = {k: after[k] - before[k] if after[k] is not None and before[k] is not None else None for k in COUNTERS}
+    if d["steps"] is None or d["step_seconds"] is None:  # an older tree: no engine clock
+        return {"preemptions": int(d["preemptions"]), "steps": None, "ms_per_step": None, "busy": None}
     return {"preemptions": int(d["preemptions"]), "steps": int(d["steps"]),
             "ms_per_step": d["step_seconds"] / d["steps"] * 1e3 if d["steps"] else None,
             "busy": d["step_seconds"] / seconds}
@@ -362,11 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                      f"offline {each('offline', 'preemptions', '{}')}, offline num_blocks "
                      f"{r['offline']['num_blocks'] or 0:,} after {r['memory_wait_s']:.1f} s waiting for the "
                      f"server's memory"))
-        ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy']:.2f}"  # noqa: E731
+        ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy'] or 0:.2f}"  # noqa: E731
                                      for x in r[side]["runs"])
         share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731
                                      for x in r["server"]["runs"])
-        rows.append(("server / offline ms per step", f"{med_of(r, 'server') / med_of(r, 'offline'):.2f}",
+        per_step = med_of(r, "server") / med_of(r, "offline") if med_of(r, "offline") else None  # (None: an old tree)
+        rows.append(("server / offline ms per step", f"{per_step:.2f}" if per_step else "n/a",
                      f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}; "
                      f"CPU share of the server process {share('server_cpu_share')}, of its engine process "
                      f"{share('core_cpu_share')}"))

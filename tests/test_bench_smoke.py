@@ -179,6 +179,9 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     assert like["options"]["prefix_caching"] == "hash" and len(like["runs"]) == 2 and like["num_blocks"] > 0
     assert all(run["output_tokens"] == 15 and run["steps"] >= 6 for run in like["runs"])
     assert ratios.server_cache([]) == "hash" and ratios.server_cache(["--prefix-caching", "none"]) is None
+    old_tree = {"preemptions": 0, "steps": None, "step_seconds": None}  # a tree without the engine's clock
+    assert ratios.load_figures(old_tree, {**old_tree, "preemptions": 2}, 1.0) == {
+        "preemptions": 2, "steps": None, "ms_per_step": None, "busy": None}
     assert ratios.server_cache(["--stream-interval", "8", "--prefix-caching=radix"]) == "radix"
     assert r["memory_wait_s"] == 0.0  # a CPU: no device memory to wait for (and LLM(ckpt) has no pool there)
     assert r["offline"]["num_blocks"] is None
