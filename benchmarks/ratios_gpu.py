@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                                      for x in r[side]["runs"])
         share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731
                                      for x in r["server"]["runs"])
-        per_step = med_of(r, "server") / med_of(r, "offline") if med_of(r, "offline") else None  # (None: an old tree)
+        offline_ms = med_of(r, "offline")
+        per_step = med_of(r, "server") / offline_ms if offline_ms else None  # (None: an old tree, no engine clock)
         rows.append(("server / offline ms per step", f"{per_step:.2f}" if per_step else "n/a",
                      f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}; "
                      f"CPU share of the server process {share('server_cpu_share')}, of its engine process "

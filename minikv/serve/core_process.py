@@ -26,9 +26,8 @@ What the server reads of the engine (queues for 429/503, pool usage for /metrics
 
 Commands travel on a multiprocessing queue; the core's messages do not. A queue's put hands the message
 to a feeder thread that pickles and writes it, and that thread takes this process's interpreter lock
-while the core steps: on a CPU, with the model stubbed out, one message per step cost the core 0.35-0.55
-ms of a 1.3-1.4 ms step (benchmarks/host_run_cpu.py), and the core is host-bound on a GPU. So the core
-pickles each message itself (`EventWriter`: ~0.06 ms for a step of 256 tokens) and writes it to a pipe
+while the core steps, a core that is host-bound on a GPU (what it cost: benchmarks/host_run_cpu.py and
+NOTES_step_profile.md). So the core pickles each message itself (`EventWriter`) and writes it to a pipe
 that never blocks it: what the pipe cannot take now waits in the writer and goes with the next message,
 or while the core is idle. The server reads the pipe as a `Connection` (`EventReader`), whose framing
 the writer writes.

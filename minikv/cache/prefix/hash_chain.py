@@ -437,9 +437,9 @@ class HashChainCache(PrefixCache):
         else:
             data = id_bytes(ids)
         reuse = max(0, min(end, len(known)) - first)  # hashed by this sequence's lookup: the same tokens, salt
-        parent = known[first + reuse - 1] if reuse else (keys[-1] if keys else None)
+        chained_from = known[first + reuse - 1] if reuse else (keys[-1] if keys else None)  # the key before them
         chained = _chain(data[reuse * width:], bs, end - first - reuse, extra_keys(0, salt) if first + reuse == 0
-                         else (), parent)
+                         else (), chained_from)
         parent = keys[-1] if keys else None
         for j, key in enumerate(itertools.chain(known[first:first + reuse], chained)):
             i = first + j
