@@ -199,28 +199,38 @@ def fake_engine_process(messages: list):
     from minikv.serve.core_process import EventReader
 
     reader, writer = mp.Pipe(duplex=False)  # (the write end kept open: no core, and no end of its messages)
+    def request(prompt, params, rid, tenant):
+        if len(prompt["prompt_token_ids"]) > 1024:  # as CoreProcess.encode refuses it
+            raise ValueError("prompt has 2,000 tokens but max_model_len is 1,024")
+        return EngineRequest(prompt["prompt_token_ids"], params, rid, tenant=tenant)
+
     return SimpleNamespace(snapshot=None, tokenizer=None, text_in_server=True, alive=True,
-                           results=EventReader(reader), core_end=writer,
-                           request=lambda prompt, params, rid, tenant: EngineRequest(prompt["prompt_token_ids"], params,
-                                                                                     rid, tenant=tenant),
+                           results=EventReader(reader), core_end=writer, request=request,
+                           commands=SimpleNamespace(pending=0, flush=lambda: True),
                            send=lambda *command: messages.append([command]), send_many=messages.append,
                            stop=lambda: None)
 
 
-def test_a_burst_of_submits_reaches_the_engine_process_as_one_message():
-    """Every submit and abort waiting when the engine thread drains goes as one message, in order: the core
-    takes all of it before its next step, so a burst is not split by a step begun mid-write."""
+def test_a_submit_reaches_the_engine_process_from_the_submitting_thread_in_order():
+    """A handler's submit sends its request to the core itself, at once: the engine thread (not even
+    started here) is not on the way, so an event loop busy with a burst never holds a request back (two
+    threads share one interpreter lock: core_process.py's top). Aborts follow through the engine thread,
+    after the adds they stop; a prompt the server refuses is answered at once and never sent."""
     from minikv.serve.engine_loop import ProcessEngineLoop
 
-    messages = []
+    messages, heard = [], []
     loop = ProcessEngineLoop(fake_engine_process(messages))
     for i in range(5):
         loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", f"r{i}", lambda e: None)
+        assert len(messages) == i + 1  # sent before submit returned
+    assert loop.num_queued("t") == 5  # pending until the core answers: they count for 429/503
+    loop.submit({"prompt_token_ids": [1] * 2000}, SamplingParams(max_tokens=4), "t", "long", heard.append)
+    assert [e.kind for e in heard] == ["rejected"] and "max_model_len" in str(heard[0].error)
     loop.abort("r2")
     loop._drain()
-    assert len(messages) == 1
-    assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for c in messages[0]] == \
+    assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for m in messages for c in m] == \
         [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r2")]
+    assert loop.num_queued("t") == 5
 
 
 def test_a_submit_to_an_idle_server_reaches_the_engine_process_at_once():
@@ -300,3 +310,54 @@ def test_a_core_whose_server_is_gone_drops_its_messages_instead_of_failing():
     reader_end.close()
     writer.put(("events", [1, 2, 3], None, None))  # no BrokenPipeError out of the core's step loop
     assert writer.pending == 0 and writer.finish(timeout=1.0)
+
+
+def test_commands_from_several_threads_reach_the_core_whole_and_in_each_threads_order():
+    """The server's command pipe takes puts from any thread (handlers' adds on the event loop, the engine
+    thread's aborts) without blocking them, even when the core reads nothing for a while: each message
+    arrives whole, and each thread's in the order it put them."""
+    import multiprocessing as mp
+    import queue
+    import threading
+
+    from minikv.serve.core_process import CommandWriter, EventReader
+
+    reader_end, writer_end = mp.Pipe(duplex=False)
+    writer, reader = CommandWriter(writer_end), EventReader(reader_end)
+    per_thread = 40
+    go = threading.Barrier(3)
+
+    def put_all(name):
+        go.wait()
+        for i in range(per_thread):
+            writer.put(("add", name, i, list(range(3000))))  # ~15 KB each: far more than a pipe holds
+
+    threads = [threading.Thread(target=put_all, args=(n,)) for n in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    assert not any(t.is_alive() for t in threads)  # none blocked on the full pipe
+    got = []
+    while len(got) < 3 * per_thread:
+        writer.flush()  # (ProcessEngineLoop flushes on each turn of its thread)
+        try:
+            got.append(reader.get(timeout=0.05))
+        except queue.Empty:
+            pass
+    assert all(m[3] == list(range(3000)) for m in got)
+    for name in "abc":
+        assert [m[2] for m in got if m[1] == name] == list(range(per_thread))
+    assert writer.flush() and writer.pending == 0
+
+
+def test_an_engine_process_whose_server_lets_go_of_its_commands_ends():
+    """A core whose command pipe is closed without a stop (its CoreProcess dropped) ends: it does not
+    wait for commands that can never come."""
+    proc = CoreProcess(tiny_random_with_text(), **OPTIONS)
+    try:
+        proc.commands._conn.close()
+        proc.process.join(HANG_S)
+        assert not proc.process.is_alive()
+    finally:
+        proc.kill()

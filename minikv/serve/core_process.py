@@ -2,17 +2,20 @@
 
     server process (this one)                         core process (spawned)
     -------------------------------------------       ----------------------------------------------
-    handlers tokenize, ProcessEngineLoop thread        loop: take the commands, step, send events
+    handlers (event loop) and ProcessEngineLoop        loop: take the commands, step, send events
       submit  -> ("add", EngineRequest)   ---------->    core.add(request) -> ("accepted", id, n)
       abort   -> ("abort", request_id)    ---------->    core.abort(request_id)        or ("rejected", ...)
       stop    -> ("stop",)                ---------->    core.close()
-      ("batch", [command, ...]): the commands the engine thread collected, in order, as one message
+      ("batch", [command, ...]): the aborts the engine thread collected, in order, as one message
       handlers' events  <---- ("events", [event tuple, ...], Snapshot) one message per step
 
-A burst of clients reaches the core as a few batches, not one message per request: the core takes
-every command that is waiting before it steps, and one message is all there or not at all, so a
-burst is not cut in two by a step that starts while the rest is still being written to the pipe
-(the requests left behind would wait a whole step for their first token).
+A request goes to the core from its handler, on the server's event loop, the moment it is parsed: not
+through the engine thread. Two threads of one process share one interpreter lock, and a thread woken by
+a pipe waits for it while the other does socket work: an event loop taking in a burst of 256 clients
+kept the engine thread from forwarding anything until the whole burst was in (every request of it went
+to the core in one message, 0.05-0.2 s after most had arrived: benchmarks/NOTES_step_profile.md). Sent at
+once, the first requests of a burst are prefilled while the rest are still arriving. The core takes every
+command that is waiting before it steps.
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
@@ -24,21 +27,24 @@ text decides where they end: the core makes theirs (the detokenizer's docstring 
 What the server reads of the engine (queues for 429/503, pool usage for /metrics) comes as a
 `ViewSnapshot` (minikv/engine/view.py) with every step's events, and with every answer to a command.
 
-Commands travel on a multiprocessing queue; the core's messages do not. A queue's put hands the message
-to a feeder thread that pickles and writes it, and that thread takes this process's interpreter lock
+Neither side's messages go through a multiprocessing queue. A queue's put hands the message to a feeder
+thread that pickles and writes it, and that thread takes its process's interpreter lock: in the core,
 while the core steps, a core that is host-bound on a GPU (what it cost: benchmarks/host_run_cpu.py and
-NOTES_step_profile.md). So the core pickles each message itself (`EventWriter`) and writes it to a pipe
-that never blocks it: what the pipe cannot take now waits in the writer and goes with the next message,
-or while the core is idle. The server reads the pipe as a `Connection` (`EventReader`), whose framing
-the writer writes.
+NOTES_step_profile.md); in the server, while the event loop works. So each side pickles its messages in
+the thread that sends them (`EventWriter`; the server's `CommandWriter` takes several threads) and writes
+them to a pipe that never blocks the sender: what the pipe cannot take now waits in the writer and goes
+with the next message, or when the sender's loop comes round. The reader reads the pipe as a `Connection`
+(`EventReader`), whose framing the writer writes.
 """
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import queue
 import select
 import struct
+import threading
 import time
 import traceback
 from collections import namedtuple
@@ -56,6 +62,8 @@ START_TIMEOUT_S = 600.0  # loading a large model onto a GPU may take minutes
 PARENT_CHECK_S = 1.0  # an idle core looks this often whether the server that started it still lives
 FLUSH_WAIT_S = 0.002  # an idle core with messages the pipe could not take yet tries again this often
 LAST_WORDS_S = 2.0  # a stopping core's last messages: how long it waits for the server to read them
+COMMAND_PIPE_BYTES = 1 << 20  # the command pipe's capacity, where the system allows it: a burst's requests
+#   fit whole while the core finishes a step (64 KiB, Linux's default, holds a few dozen long prompts)
 USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}  # the user's to fix: one line
 
 
@@ -87,7 +95,9 @@ class EventWriter:
         return len(self._pending)
 
     def put(self, msg) -> None:
-        data = ForkingPickler.dumps(msg)
+        self._append(ForkingPickler.dumps(msg))
+
+    def _append(self, data: bytes) -> None:
         n = len(data)
         self._pending += struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
         self._pending += data
@@ -117,29 +127,58 @@ class EventWriter:
         return True
 
 
+class CommandWriter(EventWriter):
+    """The server's end of the command pipe: EventWriter's never-blocking put, from any thread (a handler
+    adds its request on the event loop, the engine thread sends aborts): each message goes whole and in
+    the order of the puts. What the pipe cannot take now goes with the next put or the engine thread's
+    next turn (ProcessEngineLoop), or at `finish`."""
+
+    def __init__(self, conn: Connection):
+        super().__init__(conn)
+        self._lock = threading.RLock()
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, COMMAND_PIPE_BYTES)
+        except (OSError, AttributeError):  # above the system's limit (or no such call): the default size
+            pass
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _append(self, data: bytes) -> None:  # (pickled outside the lock, in the sender's own time)
+        with self._lock:
+            super()._append(data)
+
+    def flush(self) -> bool:
+        with self._lock:
+            return super().flush()
+
+
 class EventReader:
-    """The server's end of the core's pipe: its messages, in order, as a queue's `get` gives them."""
+    """A reader's end of a pipe: its messages, in order, as a queue's `get` gives them. `closed` once the
+    writer's end is closed and everything it wrote has been read."""
 
     def __init__(self, conn: Connection):
         self.conn = conn  # what the server's engine thread waits on (multiprocessing.connection.wait)
+        self.closed = False
 
     def get(self, timeout: float | None = None):
-        """The next message; queue.Empty if none came within `timeout`, or if the core's end is closed."""
-        if not self.conn.poll(timeout):
+        """The next message; queue.Empty if none came within `timeout`, or if the writer's end is closed."""
+        if self.closed or not self.conn.poll(timeout):
             raise queue.Empty
         try:
             return self.conn.recv()
-        except EOFError:  # the core is gone: nothing more will come (the caller asks whether it lives)
+        except EOFError:  # the writer is gone: nothing more will come (the caller asks whether it lives)
+            self.closed = True
             raise queue.Empty from None
 
     def get_nowait(self):
         return self.get(0)
 
 
-def _core_main(model, options: dict, commands, conn: Connection, detokenize: bool = True) -> None:
+def _core_main(model, options: dict, command_end: Connection, conn: Connection, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
     MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop."""
-    results = EventWriter(conn)
+    commands, results = EventReader(command_end), EventWriter(conn)
     path = os.environ.get("MINIKV_CORE_PROFILE")
     try:
         if not path:
@@ -184,8 +223,8 @@ def _serve_commands(core, view, commands, results) -> None:
                 cmd = commands.get(timeout=FLUSH_WAIT_S if results.pending and not results.flush() else PARENT_CHECK_S)
         except queue.Empty:
             cmd = None
-            if parent is not None and not parent.is_alive():  # the server is gone (killed): so is its engine
-                core.close()
+            if getattr(commands, "closed", False) or (parent is not None and not parent.is_alive()):
+                core.close()  # the server is gone (killed), or let go of its end without a stop: so is the engine
                 return
         answers = []
         while cmd is not None:
@@ -252,14 +291,16 @@ class CoreProcess:
         tokenizer = _tokenizer_of(model)  # a missing model fails here, at once, before a process starts
         self.text_in_server = text_in_server
         ctx = mp.get_context("spawn")  # CUDA cannot live in a forked child
-        self.commands = ctx.Queue()
+        command_end, command_writer = ctx.Pipe(duplex=False)
+        self.commands = CommandWriter(command_writer)  # see the top: neither side uses a queue
         reader, writer = ctx.Pipe(duplex=False)
-        self.results = EventReader(reader)  # the core's messages (see the top: not a queue)
-        self.process = ctx.Process(target=_core_main, args=(model, options, self.commands, writer,
+        self.results = EventReader(reader)  # the core's messages
+        self.process = ctx.Process(target=_core_main, args=(model, options, command_end, writer,
                                                             not text_in_server),
                                    name="minikv-core", daemon=True)
         self.process.start()
         writer.close()  # the core holds the only write end: once it is gone, the reader sees the pipe end
+        command_end.close()  # and the only read end of its commands
         deadline, msg = time.monotonic() + timeout, None
         while msg is None:
             try:
@@ -292,6 +333,7 @@ class CoreProcess:
         return self.process.is_alive()
 
     def send(self, *command) -> None:
+        """(Any thread.) One command, written now or, if the pipe is full, as soon as it takes it."""
         self.commands.put(command)
 
     def send_many(self, commands: list[tuple]) -> None:
@@ -316,6 +358,7 @@ class CoreProcess:
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():
             self.send("stop")
+            self.commands.finish(timeout)  # (the pipe may be full of adds the core has not read yet)
             self.process.join(timeout)
         self.kill()
 

@@ -40,7 +40,7 @@ from minikv.engine.gc_pause import frozen_heap
 from minikv.engine.llm import LLM, Prompt
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.view import ViewSnapshot
-from minikv.serve.core_process import from_wire
+from minikv.serve.core_process import FLUSH_WAIT_S, from_wire
 
 log = logging.getLogger("minikv.serve")
 
@@ -217,13 +217,18 @@ class EngineLoop:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
 
-    def _close(self) -> None:
-        """No more submits; every queued and live request hears why."""
+    def _mark_closed(self) -> RuntimeError:
+        """From now on a submit fails at once; what it hears."""
         e = self.error
         closed = RuntimeError("the server is shutting down" if e is None else
                               f"the engine loop ended ({type(e).__name__}: {e}); the server stops")
         with self._pending_lock:
             self._closed = closed
+        return closed
+
+    def _close(self) -> None:
+        """No more submits; every queued and live request hears why."""
+        closed = self._mark_closed()
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -361,11 +366,13 @@ class EngineLoop:
 
 
 class ProcessEngineLoop(EngineLoop):
-    """The same loop with the EngineCore in its own process (minikv/serve/core_process.py): this
-    thread forwards submits and aborts to it and hands each handler its events as they arrive; the
-    core steps back to back in the other process, so HTTP, SSE and tokenizing never slow a step.
-    Unless the core makes the text (CoreProcess(text_in_server=False)), this thread makes it from the
-    token ids, for every request without stop strings (minikv/engine/detokenizer.py says why)."""
+    """The same loop with the EngineCore in its own process (minikv/serve/core_process.py): a submit
+    sends its request to the core from the submitting thread (a handler's, on the event loop: see
+    core_process.py's top for why not through this thread); this thread forwards aborts and hands each
+    handler its events as they arrive; the core steps back to back in the other process, so HTTP, SSE
+    and tokenizing never slow a step. Unless the core makes the text (CoreProcess(text_in_server=False)),
+    this thread makes it from the token ids, for every request without stop strings
+    (minikv/engine/detokenizer.py says why)."""
 
     def __init__(self, proc, metrics=None, idle_wait: float = 0.05):
         self.proc = proc
@@ -378,7 +385,7 @@ class ProcessEngineLoop(EngineLoop):
         self._outgoing: list[tuple] | None = None  # commands collected by a drain, sent as one message
         self._decoder = fast_decoder(proc.tokenizer) if proc.tokenizer is not None else None
         self._init_loop(metrics, idle_wait)
-        self._wake = _PipeWake()  # a submit wakes this thread at once, whether it waits for the core or not
+        self._wake = _PipeWake()  # an abort wakes this thread at once, whether it waits for the core or not
 
     def snapshot(self) -> ViewSnapshot:
         return self._snapshot
@@ -398,11 +405,43 @@ class ProcessEngineLoop(EngineLoop):
         super().stop(timeout)
         self.proc.stop()
 
+    def submit(self, prompt: Prompt, params: SamplingParams, tenant: str, request_id: str,
+               on_event: Callable[[Event], None]) -> None:
+        """Check the request and send it to the core now, from this thread (not the engine thread's):
+        `on_event` hears "rejected" at once if it is refused here, "failed" if the loop has ended."""
+        try:
+            request = self.proc.request(prompt, params, request_id, tenant)
+        except ValueError as e:  # the request's fault: its handler answers 400
+            _tell(on_event, Event("rejected", error=e))
+            return
+        text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
+                     and not text_in_core(request.params))
+        with self._pending_lock:  # counted and known before the core can answer, or refused: never lost
+            closed = self._closed
+            if closed is None:
+                self._pending += 1
+                self._pending_by_tenant[tenant] += 1
+                self._submitted[request_id] = (on_event, tenant, text_here)
+        if closed is not None:
+            _tell(on_event, Event("failed", error=closed))
+            return
+        try:
+            self.proc.send("add", request)
+        except BaseException as e:  # noqa: BLE001  (it could not be pickled, say): this request fails alone
+            log.error("request %s could not be sent to the engine process:\n%s", request_id, traceback.format_exc())
+            with self._pending_lock:
+                sent = self._submitted.pop(request_id, None)
+            if sent is not None:
+                self._answered("add_failed", request_id, f"{type(e).__name__}: {e}", sent)
+
     def _loop(self) -> None:
-        results = self.proc.results.conn  # the core's pipe (core_process.py), waited on with the submits' wake
+        results = self.proc.results.conn  # the core's pipe (core_process.py), waited on with the aborts' wake
+        commands = self.proc.commands  # what the command pipe could not take yet goes on each turn
         while not self._stop.is_set():
             self._drain()
-            ready = mp_connection.wait([results, self._wake.reader], timeout=self.idle_wait)
+            flushed = not commands.pending or commands.flush()
+            ready = mp_connection.wait([results, self._wake.reader],
+                                       timeout=self.idle_wait if flushed else FLUSH_WAIT_S)
             self._wake.clear()  # (the commands it announced are drained at the top of the next turn)
             try:
                 msg = self.proc.results.get_nowait() if results in ready else None
@@ -427,7 +466,7 @@ class ProcessEngineLoop(EngineLoop):
             self._handle_steps(steps)
 
     def _drain(self) -> None:
-        """Every waiting submit and abort goes to the core in one message (see core_process.py's top)."""
+        """Every waiting abort goes to the core in one message."""
         self._outgoing = []
         try:
             super()._drain()
@@ -472,17 +511,6 @@ class ProcessEngineLoop(EngineLoop):
         elif kind == "stopped":
             raise RuntimeError("the engine process stopped")
 
-    def _add(self, prompt, params, tenant, request_id, on_event) -> None:
-        try:
-            request = self.proc.request(prompt, params, request_id, tenant)
-        except ValueError as e:  # the request's fault: its handler answers 400
-            self._answered("rejected", request_id, str(e), (on_event, tenant, False))
-            return
-        text_here = (self.proc.text_in_server and self.proc.tokenizer is not None
-                     and not text_in_core(request.params))
-        self._submitted[request_id] = (on_event, tenant, text_here)
-        self.send_command("add", request)
-
     def _abort(self, request_id: str) -> None:
         if request_id in self._submitted:  # the core has it (or soon will): it stops it, in order
             self._gone.add(request_id)
@@ -512,17 +540,19 @@ class ProcessEngineLoop(EngineLoop):
             self._abort(rid)
 
     def _close(self) -> None:
-        for on_event, *_ in list(self._submitted.values()):
-            _tell(on_event, Event("failed", error=RuntimeError("the server is shutting down")))
-        self._submitted.clear()
+        closed = self._mark_closed()  # first: a submit either fails at once or is among these
+        with self._pending_lock:
+            submitted, self._submitted = list(self._submitted.values()), {}
+        for on_event, *_ in submitted:
+            _tell(on_event, Event("failed", error=closed))
         super()._close()
 
 
 class _PipeWake:
     """threading.Event's set() and clear() for a thread that waits on pipes: the engine thread waits for
-    the core's messages and for submits at once (multiprocessing.connection.wait on both). A submit that
-    only set an Event would wait for the next message from the core: up to idle_wait when the core is
-    idle, a whole step when it is busy, before it even reached the core."""
+    the core's messages and for aborts (and stop) at once (multiprocessing.connection.wait on both). An
+    abort that only set an Event would wait for the next message from the core: up to idle_wait when the
+    core is idle, a whole step when it is busy, before it even reached the core."""
 
     def __init__(self):
         self.reader, self._writer = mp.Pipe(duplex=False)
