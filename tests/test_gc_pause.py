@@ -1,5 +1,6 @@
 """generate() keeps the garbage collector off the objects that lived before it (gc.freeze), and gives
-them back to it afterwards, whatever happens; a heap the caller froze stays the caller's."""
+them back to it afterwards, whatever happens; a heap the caller froze stays the caller's (frozen further
+while the run lasts, and after)."""
 import gc
 import queue
 import threading
@@ -62,6 +63,27 @@ def test_a_heap_the_caller_froze_stays_frozen(llm):
         assert gc.get_freeze_count() > before // 2 > 0  # (a frozen object freed by its refcount leaves the count)
     finally:
         gc.unfreeze()
+
+
+def test_a_heap_frozen_before_is_frozen_further_while_generate_runs(llm):
+    """A freeze made before the run (an environment that froze a few hundred start-up objects, say) does
+    not keep the run's full collections walking everything that came after it: the run freezes those
+    too. Python cannot thaw them apart, so they stay frozen after the run, with the earlier freeze."""
+    gc.freeze()  # "start-up"
+    later = [[i] for i in range(50_000)]  # tracked objects (lists are) that came after that freeze
+    try:
+        before = gc.get_freeze_count()
+        seen = FreezeSeen()
+        remove = llm.add_observer(seen)
+        try:
+            llm.generate([1, 2, 3], PARAMS)
+        finally:
+            remove()
+        assert seen.counts and min(seen.counts) >= before + len(later)
+        assert gc.get_freeze_count() >= before + len(later)  # not thawed: the earlier freeze is not ours to undo
+    finally:
+        gc.unfreeze()
+        del later
 
 
 def test_overlapping_runs_thaw_once_the_last_ends():
