@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the server's process (its HTTP and engine threads share one "
                          "interpreter lock); default: Python's 0.005 s")
+    ap.add_argument("--rows", action="store_true", help="also write every request's stamps, per round, beside --out")
+    ap.add_argument("--spy", action="store_true", help="and py-spy's samples of the thread holding the server's "
+                    "interpreter lock during the burst (py-spy on PATH; the figures then carry its cost)")
     args = ap.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -58,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         prompts = [p[k:] + p[:k] for p, _ in reqs]
         outputs = [min(n, args.max_tokens) for _, n in reqs]
+        if args.rows:  # (serve_burst_cpu.run_server writes them there)
+            os.environ["SERVE_BURST_ROWS"] = str(Path(args.out).with_suffix(f".rows{k}.json"))
+        if args.spy:
+            os.environ["SERVE_BURST_SPY"] = str(Path(args.out).with_suffix(f".spy{k}.txt"))
         served = run_server(prompts, outputs, server_options, args.clients, None, model=ckpt, warm=8)
         if args.device == "cuda":
             torch.cuda.empty_cache()

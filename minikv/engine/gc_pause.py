@@ -13,12 +13,14 @@ still collected (young objects), but a full collection no longer walks the old o
 a cycle among the old objects that became garbage during the run is collected after it, as usual.
 
 Only the outermost run freezes (threads, nested generate calls and the server loop share one
-freeze), and the last to end thaws. A heap someone froze before the run (the caller's own code, or an
-environment that freezes a few hundred start-up objects) is frozen further, not left alone: otherwise
-every full collection of the run walks everything that came after that freeze (on one GPU host the
-server's process held ~480,000 such objects, and each full collection of a burst took 0.24-0.36 s).
-Python cannot thaw part of the frozen objects, so such a heap stays frozen after the run, the run's
-start-up objects with it: theirs to thaw, ours not to undo. Meanwhile a frozen object is still freed by its reference count,
+freeze), and the last to end thaws. A heap someone froze before the run is frozen further, not left
+alone: some interpreters start with a few hundred objects frozen (the GPU hosts' Python 3.12
+does, even under -I), and a run that left such a heap alone had every full collection walk the whole
+server (what that cost on a GPU host:
+benchmarks/NOTES_step_profile.md). Python cannot thaw part of the frozen objects, so such a heap stays
+frozen after the run, the run's start-up objects with it: theirs to thaw, not ours to undo.
+
+Meanwhile a frozen object is still freed by its reference count,
 only a frozen *cycle* waits for the thaw: an engine holds no cycle back to itself (its scheduler and
 prefix cache call it through weak references), so one deleted while another run holds the freeze is
 freed at once. A cycle of your own around an engine (an observer that keeps the engine, say) is

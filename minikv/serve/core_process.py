@@ -12,9 +12,9 @@
 A request goes to the core from its handler, on the server's event loop, the moment it is parsed: not
 through the engine thread. Two threads of one process share one interpreter lock, and a thread woken by
 a pipe waits for it while the other does socket work: an event loop taking in a burst of 256 clients
-kept the engine thread from forwarding anything until the whole burst was in (every request of it went
-to the core in one message, 0.05-0.2 s after most had arrived: benchmarks/NOTES_step_profile.md). Sent at
-once, the first requests of a burst are prefilled while the rest are still arriving. The core takes every
+kept the engine thread from forwarding anything until the whole burst was in: every request of it went
+to the core in one message (benchmarks/NOTES_step_profile.md). Sent at once, the first requests of a
+burst are prefilled while the rest are still arriving. The core takes every
 command that is waiting before it steps.
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
