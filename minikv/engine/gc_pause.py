@@ -14,11 +14,11 @@ a cycle among the old objects that became garbage during the run is collected af
 
 Only the outermost run freezes (threads, nested generate calls and the server loop share one
 freeze), and the last to end thaws. A heap someone froze before the run is frozen further, not left
-alone: some interpreters start with a few hundred objects frozen (the GPU hosts' Python 3.12
-does, even under -I), and a run that left such a heap alone had every full collection walk the whole
-server (what that cost on a GPU host:
-benchmarks/NOTES_step_profile.md). Python cannot thaw part of the frozen objects, so such a heap stays
-frozen after the run, the run's start-up objects with it: theirs to thaw, not ours to undo.
+alone: some interpreters start with a few hundred objects frozen (the GPU hosts' Python 3.12 does,
+even under -I), and a run that left such a heap alone had every full collection walk the whole server
+(what that cost on a GPU host: benchmarks/NOTES_step_profile.md). Python cannot thaw part of the
+frozen objects, so such a heap stays frozen after the run, the run's start-up objects with it: theirs
+to thaw, not ours to undo.
 
 Meanwhile a frozen object is still freed by its reference count,
 only a frozen *cycle* waits for the thaw: an engine holds no cycle back to itself (its scheduler and
