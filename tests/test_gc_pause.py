@@ -66,9 +66,9 @@ def test_a_heap_the_caller_froze_stays_frozen(llm):
 
 
 def test_a_heap_frozen_before_is_frozen_further_while_generate_runs(llm):
-    """A freeze made before the run (an environment that froze a few hundred start-up objects, say) does
-    not keep the run's full collections walking everything that came after it: the run freezes those
-    too. Python cannot thaw them apart, so they stay frozen after the run, with the earlier freeze."""
+    """A freeze the caller made before the run does not keep the run's full collections walking
+    everything that came after it: the run freezes those too. Python cannot thaw them apart, so they
+    stay frozen after the run, with the caller's freeze."""
     gc.freeze()  # "start-up"
     later = [[i] for i in range(50_000)]  # tracked objects (lists are) that came after that freeze
     try:
@@ -84,6 +84,29 @@ def test_a_heap_frozen_before_is_frozen_further_while_generate_runs(llm):
     finally:
         gc.unfreeze()
         del later
+
+
+def test_a_start_up_freeze_of_the_interpreter_is_thawed_with_the_runs(llm, monkeypatch):
+    """Python 3.12 starts some processes with a few hundred objects frozen: a run still freezes the heap,
+    and thaws it after, those few with it, so the next run's check of the heap walks nothing (had the
+    heap stayed frozen, every later generate() would pay for counting it)."""
+    from minikv.engine import gc_pause
+
+    gc.freeze()  # "the interpreter's start-up freeze"
+    try:
+        monkeypatch.setattr(gc_pause, "_START_UP_FROZEN", gc.get_freeze_count())
+        later = [[i] for i in range(50_000)]
+        before = gc.get_freeze_count()
+        seen = FreezeSeen()
+        remove = llm.add_observer(seen)
+        try:
+            llm.generate([1, 2, 3], PARAMS)
+        finally:
+            remove()
+        assert seen.counts and min(seen.counts) >= before + len(later)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_overlapping_runs_thaw_once_the_last_ends():

@@ -13,12 +13,14 @@ still collected (young objects), but a full collection no longer walks the old o
 a cycle among the old objects that became garbage during the run is collected after it, as usual.
 
 Only the outermost run freezes (threads, nested generate calls and the server loop share one
-freeze), and the last to end thaws. A heap someone froze before the run is frozen further, not left
-alone: some interpreters start with a few hundred objects frozen (the GPU hosts' Python 3.12 does,
-even under -I), and a run that left such a heap alone had every full collection walk the whole server
-(what that cost on a GPU host: benchmarks/NOTES_step_profile.md). Python cannot thaw part of the
-frozen objects, so such a heap stays frozen after the run, the run's start-up objects with it: theirs
-to thaw, not ours to undo.
+freeze), and the last to end thaws. Some interpreters start with a few hundred objects frozen (the GPU
+hosts' Python 3.12 does, even under -I): those are thawed with the run's. A heap its caller froze
+beyond them is frozen further while the run lasts (left alone, every full collection of the run walks
+everything that came after that freeze: what that cost a server on a GPU host,
+benchmarks/NOTES_step_profile.md), and stays frozen after it: Python cannot thaw part of the frozen
+objects, and the caller's freeze is not ours to undo. Knowing which case it is costs a walk over the
+frozen objects (Python has no cheaper way to count them): nothing while the heap is ours, milliseconds
+per run behind a large freeze of the caller's.
 
 Meanwhile a frozen object is still freed by its reference count,
 only a frozen *cycle* waits for the thaw: an engine holds no cycle back to itself (its scheduler and
@@ -36,7 +38,8 @@ from contextlib import contextmanager
 
 _lock = threading.Lock()
 _holders = 0  # runs inside frozen_heap() now (threads, nested generate calls); the first freezes
-_thaw = False  # whether the last run to end thaws: the heap was not frozen before the first began
+_thaw = False  # whether the last run to end thaws: nobody but the interpreter froze before the first began
+_START_UP_FROZEN = gc.get_freeze_count()  # what the interpreter froze before this module was imported
 
 
 @contextmanager
@@ -45,7 +48,7 @@ def frozen_heap() -> Iterator[None]:
     with _lock:
         _holders += 1
         if _holders == 1 and gc.isenabled():  # a collector turned off is left alone
-            _thaw = gc.get_freeze_count() == 0  # (frozen before: frozen further, and not thawed by us)
+            _thaw = gc.get_freeze_count() <= _START_UP_FROZEN  # (beyond them: the caller's, not thawed by us)
             gc.freeze()
     try:
         yield
