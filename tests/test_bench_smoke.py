@@ -241,3 +241,15 @@ def test_the_host_run_benchmark_times_all_four_loops_on_the_same_tokens(tmp_path
     assert set(med) == {"offline_none", "offline_hash", "server_none", "server_hash"}
     assert all(len(runs) == 1 and runs[0]["tokens"] == 30 for runs in record["runs"].values())  # 6 requests x 5
     assert record["ratios"]["server_none / offline_none"] == round(med["server_none"] / med["offline_none"], 3)
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: seconds
+def test_a_run_freezes_a_heap_the_interpreter_froze_at_start_and_thaws_it_after(tmp_path):
+    """benchmarks/gc_freeze_cpu.py, as CPython 3.12 starts (some objects frozen before minikv is imported):
+    while generate() runs, what came after that freeze is frozen too (a full collection walks almost
+    nothing), and afterwards nothing stays frozen (the next call has nothing to count)."""
+    gc_freeze = research_script("gc_freeze_cpu")
+    gc_freeze.main(["--trees", f"this={ROOT}", "--calls", "3", "--out", str(tmp_path / "gc.json")])
+    r = json.loads((tmp_path / "gc.json").read_text())["trees"]["this"]
+    assert r["frozen_in_run"] > r["start_up_frozen"] + 10 * r["unfrozen_in_run"]
+    assert r["frozen_after"] == 0
