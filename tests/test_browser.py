@@ -447,19 +447,46 @@ async def view_of(output):
     return await output.evaluate(VIEW_JS)
 
 
+# The kernel's status changes after each move: a move's update is whole once the kernel that handled it has
+# gone busy and idle again (JupyterLab hands the kernel's messages to the widgets in order, each handler
+# finished before the next: the idle status comes after the update's last message), the pictures it set
+# are decoded and the page has painted them.
+WATCH_JS = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  const kernel = panel && panel.sessionContext && panel.sessionContext.session && panel.sessionContext.session.kernel;
+  if (!kernel) return false;
+  window.__minikvStatuses = [];
+  if (window.__minikvWatched !== kernel) {
+    kernel.statusChanged.connect((_, status) => window.__minikvStatuses.push(status));
+    window.__minikvWatched = kernel;
+  }
+  return true;
+}"""
+SETTLED_JS = """async (el) => {
+  const seen = window.__minikvStatuses || [];
+  const busy = seen.indexOf('busy');
+  if (busy < 0 || seen.lastIndexOf('idle') < busy || seen[seen.length - 1] !== 'idle') return false;
+  await Promise.all(Array.from(el.querySelectorAll('img')).map(img => img.decode().catch(() => null)));
+  await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
+  return true;
+}"""
+
+
+async def watch_kernel(page) -> None:
+    """From now on, note the kernel's status changes (call it right before a control moves)."""
+    await page.evaluate(WATCH_JS)
+
+
 async def wait_view(output, differs_from, timeout):
-    """The view once it differs from `differs_from`, or None after `timeout` seconds."""
+    """The view once it differs from `differs_from` and the update is whole (the kernel busy and idle again
+    since `watch_kernel`, its pictures decoded and painted), or None after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         now = await view_of(output)
-        if now != differs_from:  # changed: wait until the rest of the update (text after picture) lands,
-            same = 0              # the view the same three looks in a row
-            while same < 3 and time.monotonic() <= deadline:
-                await asyncio.sleep(0.1)
-                later = await view_of(output)
-                same = same + 1 if later == now else 0
-                now = later
-            return now
+        if now != differs_from:  # changed: the rest of the update (text after picture) may still be coming
+            while time.monotonic() <= deadline and not await output.evaluate(SETTLED_JS):
+                await asyncio.sleep(0.05)
+            return await view_of(output)
         if time.monotonic() > deadline:
             return None
         await asyncio.sleep(0.25)
@@ -549,6 +576,7 @@ async def check_widgets(page, stem: str, state: dict, shots: Path, result: Resul
                 label = f"widget {w + 1} {kind} {i + 1}"
                 await control.scroll_into_view_if_needed()
                 before = await view_of(output)
+                await watch_kernel(page)
                 try:
                     restore = await move(kind, control, page)
                 except Exception as e:  # noqa: BLE001 - one control that cannot move, the others still can
@@ -569,6 +597,7 @@ async def check_widgets(page, stem: str, state: dict, shots: Path, result: Resul
                     await restore()
                     continue
                 result.moves.append(f"{label}: changed")
+                await watch_kernel(page)
                 await restore()
                 if await wait_view(output, after, view_timeout) is None:
                     result.problems.append(f"{label}: the view did not follow the control back")
