@@ -14,8 +14,8 @@ through the engine thread. Two threads of one process share one interpreter lock
 a pipe waits for it while the other does socket work: an event loop taking in a burst of 256 clients
 kept the engine thread from forwarding anything until the whole burst was in: every request of it went
 to the core in one message (benchmarks/NOTES_step_profile.md). Sent at once, the first requests of a
-burst are prefilled while the rest are still arriving. The core takes every
-command that is waiting before it steps.
+burst are prefilled while the rest are still arriving. The core takes every command that is waiting
+before it steps.
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
