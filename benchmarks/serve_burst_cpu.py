@@ -229,24 +229,26 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
         for k, c in enumerate(clients):
             c.stdin.write(json.dumps({"url": server.url, "jobs": jobs[k::num_clients], "start_at": start_at}))
             c.stdin.close()
-        collections = []  # this process's garbage collections during the burst: (start, seconds, generation)
+        collected = []  # this process's garbage collections during the burst: (start, seconds, generation)
 
         def on_gc(phase, info, began=[0.0]):  # noqa: B006  (the start of the collection under way)
             if phase == "start":
                 began[0] = time.perf_counter()
             else:
-                collections.append((began[0], time.perf_counter() - began[0], info["generation"]))
-        gc.callbacks.append(on_gc)
+                collected.append((began[0], time.perf_counter() - began[0], info["generation"]))
         heap = {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()}  # before the burst
         spy = None
         if os.environ.get("SERVE_BURST_SPY"):  # py-spy samples whichever thread of this process holds the lock
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--gil", "--threads",
                                     "--nonblocking", "--format", "raw", "-r", "1000", "-d", "5",
                                     "-o", os.environ["SERVE_BURST_SPY"]], stdout=subprocess.DEVNULL)
-        results = [r for c in clients for r in json.loads(c.stdout.read())]
-        for c in clients:
-            c.wait()
-        gc.callbacks.remove(on_gc)
+        gc.callbacks.append(on_gc)
+        try:
+            results = [r for c in clients for r in json.loads(c.stdout.read())]
+            for c in clients:
+                c.wait()
+        finally:
+            gc.callbacks.remove(on_gc)
         if spy is not None:
             spy.wait()
     results.sort(key=lambda r: r["id"])
@@ -265,7 +267,7 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
     if os.environ.get("SERVE_BURST_ROWS"):  # every request's stamps, for a closer look
         Path(os.environ["SERVE_BURST_ROWS"]).write_text(json.dumps(rows))
     done = [r.get("done") for r in results if r.get("done")]
-    burst = [(t - first_send, s, g) for t, s, g in collections if t >= first_send - 0.5]
+    burst = [(t - first_send, s, g) for t, s, g in collected if t >= first_send - 0.5]
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "errors": len(errors),
             "seconds": max(done) - first_send if done else None, "chunks": sum(r["chunks"] for r in results),
             "error_sample": errors[:3], "stages_after_send_s": stages,
