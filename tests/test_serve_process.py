@@ -199,6 +199,7 @@ def fake_engine_process(messages: list):
     from minikv.serve.core_process import EventReader
 
     reader, writer = mp.Pipe(duplex=False)  # (the write end kept open: no core, and no end of its messages)
+
     def request(prompt, params, rid, tenant):
         if len(prompt["prompt_token_ids"]) > 1024:  # as CoreProcess.encode refuses it
             raise ValueError("prompt has 2,000 tokens but max_model_len is 1,024")
@@ -231,6 +232,21 @@ def test_a_submit_reaches_the_engine_process_from_the_submitting_thread_in_order
     assert [(c[0], c[1] if c[0] == "abort" else c[1].request_id) for m in messages for c in m] == \
         [("add", "r0"), ("add", "r1"), ("add", "r2"), ("add", "r3"), ("add", "r4"), ("abort", "r2")]
     assert loop.num_queued("t") == 5
+
+
+def test_a_submit_is_answered_failed_by_a_closing_loop_whether_it_came_before_or_after():
+    """A submit sent before the loop closes hears "failed" from the close; one after it hears it at once:
+    none is left waiting for a core that will never answer."""
+    from minikv.serve.engine_loop import ProcessEngineLoop
+
+    messages, before, after = [], [], []
+    loop = ProcessEngineLoop(fake_engine_process(messages))
+    loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", "r0", before.append)
+    loop._close()
+    loop.submit({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4), "t", "r1", after.append)
+    assert [e.kind for e in before] == ["failed"] and [e.kind for e in after] == ["failed"]
+    assert len(messages) == 1  # the second was never sent
+    assert loop.num_queued("t") == 0
 
 
 def test_a_submit_to_an_idle_server_reaches_the_engine_process_at_once():

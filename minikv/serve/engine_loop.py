@@ -543,6 +543,10 @@ class ProcessEngineLoop(EngineLoop):
         closed = self._mark_closed()  # first: a submit either fails at once or is among these
         with self._pending_lock:
             submitted, self._submitted = list(self._submitted.values()), {}
+            for _, tenant, _ in submitted:  # no longer pending: none will be answered
+                self._pending -= 1
+                self._pending_by_tenant[tenant] -= 1
+            self._pending_by_tenant = +self._pending_by_tenant  # (a Counter without its zeros)
         for on_event, *_ in submitted:
             _tell(on_event, Event("failed", error=closed))
         super()._close()
