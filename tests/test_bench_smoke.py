@@ -253,3 +253,11 @@ def test_a_run_freezes_a_heap_the_interpreter_froze_at_start_and_thaws_it_after(
     r = json.loads((tmp_path / "gc.json").read_text())["trees"]["this"]
     assert r["frozen_in_run"] > r["start_up_frozen"] + 10 * r["unfrozen_in_run"]
     assert r["frozen_after"] == 0
+
+
+def test_the_ingress_benchmark_times_the_servers_route_and_the_same_parsing_bare(tmp_path):
+    """benchmarks/serve_ingress_cpu.py: both sides take every request to its (fake engine's) 500."""
+    ingress = research_script("serve_ingress_cpu")
+    ingress.main(["--rounds", "1", "--requests", "4", "--out", str(tmp_path / "ingress.json")])
+    r = json.loads((tmp_path / "ingress.json").read_text())
+    assert r["route"]["us_per_request"] > 0 and r["bare"]["us_per_request"] > 0
