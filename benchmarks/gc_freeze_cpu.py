@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ print(json.dumps({"start_up_frozen": start_up, "frozen_in_run": seen[0][0], "unf
 
 def measure(tree: Path, calls: int) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD.replace("CALLS", str(calls))], capture_output=True,
-                         text=True, cwd="/", env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, check=True)
+                         text=True, cwd="/", env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
