@@ -357,9 +357,10 @@ class CoreProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():
+            deadline = time.monotonic() + timeout
             self.send("stop")
             self.commands.finish(timeout)  # (the pipe may be full of adds the core has not read yet)
-            self.process.join(timeout)
+            self.process.join(max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
