@@ -28,15 +28,21 @@ class FreezeSeen:
         self.counts.append(gc.get_freeze_count())
 
 
-def test_the_heap_is_frozen_while_generate_runs_and_thawed_after(llm):
-    assert gc.get_freeze_count() == 0
+def freeze_counts_during(llm, prompts) -> list[int]:
+    """The collector's frozen count at every step of `llm.generate(prompts)`."""
     seen = FreezeSeen()
     remove = llm.add_observer(seen)
     try:
-        llm.generate([[1, 2, 3], [4, 5]], PARAMS)
+        llm.generate(prompts, PARAMS)
     finally:
         remove()
-    assert seen.counts and all(c > 0 for c in seen.counts)
+    return seen.counts
+
+
+def test_the_heap_is_frozen_while_generate_runs_and_thawed_after(llm):
+    assert gc.get_freeze_count() == 0
+    counts = freeze_counts_during(llm, [[1, 2, 3], [4, 5]])
+    assert counts and all(c > 0 for c in counts)
     assert gc.get_freeze_count() == 0
 
 
@@ -73,13 +79,8 @@ def test_a_heap_frozen_before_is_frozen_further_while_generate_runs(llm):
     later = [[i] for i in range(50_000)]  # tracked objects (lists are) that came after that freeze
     try:
         before = gc.get_freeze_count()
-        seen = FreezeSeen()
-        remove = llm.add_observer(seen)
-        try:
-            llm.generate([1, 2, 3], PARAMS)
-        finally:
-            remove()
-        assert seen.counts and min(seen.counts) >= before + len(later)
+        counts = freeze_counts_during(llm, [1, 2, 3])
+        assert counts and min(counts) >= before + len(later)
         assert gc.get_freeze_count() >= before + len(later)  # not thawed: the earlier freeze is not ours to undo
     finally:
         gc.unfreeze()
@@ -97,13 +98,8 @@ def test_a_start_up_freeze_of_the_interpreter_is_thawed_with_the_runs(llm, monke
         monkeypatch.setattr(gc_pause, "_START_UP_FROZEN", gc.get_freeze_count())
         later = [[i] for i in range(50_000)]
         before = gc.get_freeze_count()
-        seen = FreezeSeen()
-        remove = llm.add_observer(seen)
-        try:
-            llm.generate([1, 2, 3], PARAMS)
-        finally:
-            remove()
-        assert seen.counts and min(seen.counts) >= before + len(later)
+        counts = freeze_counts_during(llm, [1, 2, 3])
+        assert counts and min(counts) >= before + len(later)
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
