@@ -77,6 +77,7 @@ def test_at_most_64_tenants_get_their_own_label_the_rest_count_as_other():
 
 
 def test_the_metric_names_stay_the_public_ones(shared):
+    ask(shared, "sk-carol", prompt=[4, 5, 6])  # a request of its own: the per-tenant series exist once one was served
     m = parse_metrics(HTTP.get(shared.url + "/metrics").text)
     names = {k.split("{")[0] for k in m}
     assert {"minikv:prompt_tokens_total", "minikv:generation_tokens_total", "minikv:tenant_service_tokens",
