@@ -234,6 +234,16 @@ def test_a_bad_request_gets_an_openai_shaped_error_and_the_server_serves_on(serv
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_generation_route_answers_json_and_names_the_wrong_method(server):
+    """A whole completion is JSON; a GET on a generation route gets an OpenAI-shaped 405 that names it."""
+    ok = HTTP.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert ok.headers["content-type"] == "application/json" and ok.json()["object"] == "text_completion"
+    for route in ("completions", "chat/completions"):
+        r = HTTP.get(f"{server.url}/v1/{route}")
+        assert r.status_code == 405, r.text
+        assert f"GET /v1/{route}" in r.json()["error"]["message"]
+
+
 def test_the_openai_client_raises_its_own_errors(server):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client(server).completions.create(model="gpt-9", prompt=[1], max_tokens=1)
