@@ -261,3 +261,13 @@ def test_the_ingress_benchmark_times_the_servers_route_and_the_same_parsing_bare
     ingress.main(["--rounds", "1", "--requests", "4", "--out", str(tmp_path / "ingress.json")])
     r = json.loads((tmp_path / "ingress.json").read_text())
     assert r["route"]["us_per_request"] > 0 and r["bare"]["us_per_request"] > 0
+
+
+def test_the_ingress_probe_takes_a_burst_into_each_kind_of_server(tmp_path):
+    """benchmarks/ingress_probe_cpu.py: every request of the burst reaches each server (raw asyncio, bare
+    ASGI, FastAPI), is parsed there, and is timed from its client's send."""
+    probe = research_script("ingress_probe_cpu")
+    probe.main(["--rounds", "1", "--requests", "6", "--clients", "1", "--out", str(tmp_path / "probe.json")])
+    rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["raw", "bare", "fastapi"]
+    assert all(0 < r["arrive_p50_ms"] <= r["arrive_p99_ms"] <= r["last_after_first_send_ms"] for r in rows), rows

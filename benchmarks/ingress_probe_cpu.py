@@ -1,0 +1,180 @@
+"""How fast can one Python process take in a burst? `serve_burst_cpu.py`'s clients (each request its own
+connection, all sent at one instant) against three servers that only take requests in, no engine:
+
+    raw      asyncio streams: read the head and the body, json.loads, answer one SSE line
+    bare     uvicorn (h11, asyncio) with a bare ASGI callable doing the same
+    fastapi  uvicorn with a FastAPI route doing the same (Request.body(), StreamingResponse)
+
+    PYTHONPATH=. python benchmarks/ingress_probe_cpu.py [--kinds raw,bare,fastapi] [--rounds 2]
+        [--requests 256] [--clients 2] [--out benchmarks/ingress_probe_cpu.json]
+
+Printed per server: p50 / p99 of (body parsed - client's send) and the last arrival after the first send.
+What it shows: the floor under `minikv serve`'s own ingress on this machine (its "arrive" stage is
+stamped before the body is read, so it is earlier than this probe's).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_burst_cpu import pct, workload  # noqa: E402
+
+
+def _raw(port: int, n: int, report) -> None:
+    arrive = {}
+
+    async def handle(reader, writer):
+        head = (await reader.readuntil(b"\r\n\r\n")).lower().split(b"\r\n")
+        size = int(next(h for h in head if h.startswith(b"content-length")).split(b":")[1])
+        bid = int(next(h for h in head if h.startswith(b"x-burst-id")).split(b":")[1])
+        json.loads(await reader.readexactly(size))
+        arrive[bid] = time.perf_counter()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {}\n\n")
+        await writer.drain()
+        writer.close()
+        if len(arrive) == n:
+            report(arrive)
+
+    async def main():
+        await asyncio.start_server(handle, "127.0.0.1", port, backlog=2048)
+        report("ready")
+        await asyncio.sleep(3600)
+    asyncio.run(main())
+
+
+def _asgi(port: int, n: int, report, kind: str) -> None:
+    import uvicorn
+
+    arrive = {}
+
+    async def bare(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        bid = next(int(v) for k, v in scope["headers"] if k == b"x-burst-id")
+        body, more = b"", True
+        while more:
+            m = await receive()
+            body, more = body + m.get("body", b""), m.get("more_body", False)
+        json.loads(body)
+        arrive[bid] = time.perf_counter()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n"})
+        if len(arrive) == n:
+            report(arrive)
+
+    app = bare
+    if kind == "fastapi":
+        from fastapi import FastAPI, Request
+        from fastapi.responses import StreamingResponse
+
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            bid = int(request.headers["x-burst-id"])
+            json.loads(await request.body())
+            arrive[bid] = time.perf_counter()
+            if len(arrive) == n:
+                report(arrive)
+
+            async def chunks():
+                yield b"data: {}\n\n"
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           http="h11", loop="asyncio"))
+
+    async def main():
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        report("ready")
+        await task
+    asyncio.run(main())
+
+
+def _serve(kind: str, port: int, n: int) -> None:
+    """(A subprocess, killed by the caller.) "ready" once listening, then, once n requests are in, their
+    arrival times: on stdout, as JSON lines."""
+    def report(what) -> None:
+        print(json.dumps(what), flush=True)
+    if kind == "raw":
+        _raw(port, n, report)
+    else:
+        _asgi(port, n, report, kind)
+
+
+def one_round(kind: str, port: int, prompts: list, clients: int) -> dict:
+    n = len(prompts)
+    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port), "--requests", str(n)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        if json.loads(server.stdout.readline() or "null") != "ready":
+            raise RuntimeError(f"the {kind} server did not start")
+        start_at = time.perf_counter() + 0.5  # every client sends at this instant (one clock on Linux)
+        jobs = [{"id": i, "prompt": p, "max_tokens": 1} for i, p in enumerate(prompts)]
+        procs = []
+        for c in range(clients):
+            spec = {"url": f"http://127.0.0.1:{port}", "jobs": jobs[c::clients], "start_at": start_at}
+            p = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                                  "from benchmarks.serve_burst_cpu import client_main; client_main()", str(ROOT)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            p.stdin.write(json.dumps(spec))
+            p.stdin.close()
+            procs.append(p)
+        sent = [r for p in procs for r in json.loads(p.stdout.read())]
+        errors = [r["error"] for r in sent if r["error"]]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+        arrive = {int(k): v for k, v in json.loads(server.stdout.readline()).items()}
+    finally:
+        server.kill()
+        server.wait(5)
+    send = {r["id"]: r["send"] for r in sent}
+    after = [arrive[i] - send[i] for i in range(n)]
+    return {"kind": kind, "arrive_p50_ms": 1e3 * pct(after, 50), "arrive_p99_ms": 1e3 * pct(after, 99),
+            "last_after_first_send_ms": 1e3 * (max(arrive.values()) - min(send.values()))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kinds", default="raw,bare,fastapi")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (one server, in its own process)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        _serve(args.serve, args.port, args.requests)
+        return 0
+    prompts, _ = workload(args.requests, (100, 1024), (1, 2), 512)
+    rows, port = [], 18400 + os.getpid() % 1000
+    for r in range(args.rounds):
+        for kind in args.kinds.split(","):
+            port += 1
+            row = {"round": r, **one_round(kind, port, prompts, args.clients)}
+            rows.append(row)
+            print(f"{kind:8s} arrive p50 {row['arrive_p50_ms']:6.1f} ms, p99 {row['arrive_p99_ms']:6.1f} ms, "
+                  f"last {row['last_after_first_send_ms']:6.1f} ms after the first send", flush=True)
+    if args.out:
+        record = {"benchmark": "ingress_probe_cpu", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                  "python": platform.python_version(), "requests": args.requests, "clients": args.clients,
+                  "load_average": os.getloadavg(), "rows": rows}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
