@@ -30,7 +30,7 @@ if __name__ == "__main__":
 from benchmarks.serve_burst_cpu import pct, workload  # noqa: E402
 
 
-def _raw(port: int, n: int, report) -> None:
+def _raw(n: int, report) -> None:
     arrive = {}
 
     async def handle(reader, writer):
@@ -46,13 +46,15 @@ def _raw(port: int, n: int, report) -> None:
             report(arrive)
 
     async def main():
-        await asyncio.start_server(handle, "127.0.0.1", port, backlog=2048)
-        report("ready")
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=2048)
+        report({"port": server.sockets[0].getsockname()[1]})
         await asyncio.sleep(3600)
     asyncio.run(main())
 
 
-def _asgi(port: int, n: int, report, kind: str) -> None:
+def _asgi(n: int, report, kind: str) -> None:
+    import socket
+
     import uvicorn
 
     arrive = {}
@@ -91,36 +93,39 @@ def _asgi(port: int, n: int, report, kind: str) -> None:
             async def chunks():
                 yield b"data: {}\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           http="h11", loop="asyncio"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, named to the caller once the server listens
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http="h11", loop="asyncio", backlog=2048))
 
     async def main():
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)
-        report("ready")
+        report({"port": sock.getsockname()[1]})
         await task
     asyncio.run(main())
 
 
-def _serve(kind: str, port: int, n: int) -> None:
-    """(A subprocess, killed by the caller.) "ready" once listening, then, once n requests are in, their
-    arrival times: on stdout, as JSON lines."""
+def _serve(kind: str, n: int) -> None:
+    """(A subprocess, killed by the caller.) {"port": its port} once listening, then, once n requests are
+    in, their arrival times: on stdout, as JSON lines."""
     def report(what) -> None:
         print(json.dumps(what), flush=True)
     if kind == "raw":
-        _raw(port, n, report)
+        _raw(n, report)
     else:
-        _asgi(port, n, report, kind)
+        _asgi(n, report, kind)
 
 
-def one_round(kind: str, port: int, prompts: list, clients: int) -> dict:
+def one_round(kind: str, prompts: list, clients: int) -> dict:
     n = len(prompts)
-    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port), "--requests", str(n)],
+    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--requests", str(n)],
                               stdout=subprocess.PIPE, text=True)
     try:
-        if json.loads(server.stdout.readline() or "null") != "ready":
+        ready = json.loads(server.stdout.readline() or "null")
+        if not isinstance(ready, dict):
             raise RuntimeError(f"the {kind} server did not start")
+        port = ready["port"]
         start_at = time.perf_counter() + 0.5  # every client sends at this instant (one clock on Linux)
         jobs = [{"id": i, "prompt": p, "max_tokens": 1} for i, p in enumerate(prompts)]
         procs = []
@@ -154,17 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (one server, in its own process)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
-        _serve(args.serve, args.port, args.requests)
+        _serve(args.serve, args.requests)
         return 0
     prompts, _ = workload(args.requests, (100, 1024), (1, 2), 512)
-    rows, port = [], 18400 + os.getpid() % 1000
+    rows = []
     for r in range(args.rounds):
         for kind in args.kinds.split(","):
-            port += 1
-            row = {"round": r, **one_round(kind, port, prompts, args.clients)}
+            row = {"round": r, **one_round(kind, prompts, args.clients)}
             rows.append(row)
             print(f"{kind:8s} arrive p50 {row['arrive_p50_ms']:6.1f} ms, p99 {row['arrive_p99_ms']:6.1f} ms, "
                   f"last {row['last_after_first_send_ms']:6.1f} ms after the first send", flush=True)
