@@ -18,6 +18,9 @@ process and card, tokens checked before anything is timed.
    cache, `LLM(ckpt)` none: so offline runs again with the server's cache, like for like.) Each load
    records its engine steps, the milliseconds inside them and the engine's busy share (the server's
    /metrics, offline's `LLM.core`), and the CPU share of the server process and its engine process.
+   --offline-busy N: N processes spin on the CPU during every offline run, as the server's clients and
+   HTTP process run beside its engine: whether the host itself (a clock shared by busy cores) slows the
+   engine's steps alike.
 3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
 
 Prints one table of ratios and writes a JSON record (device, versions, commit, every raw figure).
@@ -25,10 +28,12 @@ Prints one table of ratios and writes a JSON record (device, versions, commit, e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,13 +94,15 @@ CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients ar
 
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
                       reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES,
-                      like_for_like: dict | None = None) -> dict:
+                      like_for_like: dict | None = None, offline_busy: int = 0) -> dict:
     """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
     `loads` times offline through `LLM(ckpt)` (warmed alike), load k's prompts rotated by k tokens on both
     sides (`rotated`): every run, and each side's medians. One load of one server moves by up to 15% from
     the next (NOTES_step_profile.md): a ratio from one load each cannot tell 0.80 from 0.90. like_for_like:
     options of a second offline engine, run the same way (the server's prefix cache: the same engine on
-    both sides, where `LLM(ckpt)` runs none)."""
+    both sides, where `LLM(ckpt)` runs none). offline_busy: that many processes spinning on the CPU during
+    every offline run (`busy_processes`), as the server's runs have its client processes and its HTTP
+    process beside the engine process: does the host's shared state (clock, caches) slow the engine alike?"""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load
 
     if loads < 1:
@@ -127,9 +134,9 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
     # given its pool back, or offline runs with a smaller pool (preemptions) and the ratio measures that
     memory_wait_s = wait_for_device_memory(free_before)
-    offline, num_blocks = offline_runs(ckpt, reqs, loads)
+    offline, num_blocks = offline_runs(ckpt, reqs, loads, busy=offline_busy)
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    out = {"loads": loads, "memory_wait_s": memory_wait_s,
+    out = {"loads": loads, "memory_wait_s": memory_wait_s, "offline_busy_processes": offline_busy,
            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline,
                        "num_blocks": num_blocks},
            "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
@@ -137,15 +144,17 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
                       "errors": sorted({e for r in served for e in r["errors"]}), "runs": served},
            "output_tokens_equal": all(r["output_tokens"] == o["output_tokens"] for r in served for o in offline)}
     if like_for_like is not None:  # offline again, with the server's cache: the same engine on both sides
-        runs, blocks = offline_runs(ckpt, reqs, loads, **like_for_like)
+        runs, blocks = offline_runs(ckpt, reqs, loads, busy=offline_busy, **like_for_like)
         out["offline_like_server"] = {"options": like_for_like, "tok_s": med(runs, "tok_s"),
                                       "ttft_p50_s": med(runs, "ttft_p50_s"), "runs": runs, "num_blocks": blocks}
     return out
 
 
-def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, **options) -> tuple[list[dict], int | None]:
+def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, busy: int = 0,
+                 **options) -> tuple[list[dict], int | None]:
     """`loads` runs of `LLM(ckpt, **options).generate` on the workload (load k rotated by k), after a warm-up
-    of 8 requests: each run's figures, and the engine's num_blocks. The engine is closed before it returns."""
+    of 8 requests: each run's figures, and the engine's num_blocks. The engine is closed before it returns.
+    busy: processes spinning on the CPU during each run."""
     from minikv.bench.serve import pct
 
     llm = LLM(ckpt, **options)
@@ -154,12 +163,13 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, **opt
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
     runs = []
     for k in range(loads):
-        sync()
-        t0 = time.perf_counter()
-        before = engine_counters(llm)
-        outs = llm.generate([p for p, _ in rotated(reqs, k)], params, use_tqdm=False)
-        sync()
-        seconds = time.perf_counter() - t0
+        with busy_processes(busy):
+            sync()
+            t0 = time.perf_counter()
+            before = engine_counters(llm)
+            outs = llm.generate([p for p, _ in rotated(reqs, k)], params, use_tqdm=False)
+            sync()
+            seconds = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
         runs.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
                      "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
@@ -171,6 +181,24 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, **opt
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return runs, num_blocks
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """n processes that spin on the CPU (pure Python) while the block runs, each started and spinning
+    before it begins (it printed a line), all killed when it ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True:\n    pass"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    try:
+        for p in procs:
+            p.stdout.readline()
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+            p.stdout.close()
 
 
 def rotated(reqs: list[tuple[list[int], int]], k: int) -> list[tuple[list[int], int]]:
@@ -332,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="prefix,serve,second", help="comma-separated: prefix, serve, second")
     ap.add_argument("--server-args", default="", help="more `minikv serve` flags, e.g. --no-engine-process")
     ap.add_argument("--serve-loads", type=int, default=3, help="loads of the server, and offline runs (medians)")
+    ap.add_argument("--offline-busy", type=int, default=0,
+                    help="processes spinning on the CPU during each offline run (the server's runs have 8 client "
+                         "processes and its HTTP process beside the engine): 9 loads the host alike")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device; this script measures the GPU ratios (run it on the GPU machine)", file=sys.stderr)
@@ -354,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if "serve" in parts:
         server_args = args.server_args.split()
         r = offline_vs_server(ckpt, tmp, server_args, loads=args.serve_loads,
-                              like_for_like={"prefix_caching": server_cache(server_args)})
+                              like_for_like={"prefix_caching": server_cache(server_args)},
+                              offline_busy=args.offline_busy)
         record["serve"] = r
         each = lambda side, k, f: " / ".join(f.format(x[k]) for x in r[side]["runs"])  # noqa: E731
         rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
@@ -364,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"failed {r['server']['failed']}, preemptions server {each('server', 'preemptions', '{}')} "
                      f"offline {each('offline', 'preemptions', '{}')}, offline num_blocks "
                      f"{r['offline']['num_blocks'] or 0:,} after {r['memory_wait_s']:.1f} s waiting for the "
-                     f"server's memory"))
+                     f"server's memory; offline beside {r['offline_busy_processes']} busy processes"))
         ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy'] or 0:.2f}"  # noqa: E731
                                      for x in r[side]["runs"])
         share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -164,8 +165,9 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     ratios = research_script("ratios_gpu")
     reqs = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 4), ([13, 14, 15, 16], 5)]
     r = ratios.offline_vs_server("tiny-random", tmp_path, loads=2, reqs=reqs, processes=1,
-                                 like_for_like={"kv_backend": "paged", "prefix_caching": "hash"})
+                                 like_for_like={"kv_backend": "paged", "prefix_caching": "hash"}, offline_busy=1)
     assert r["loads"] == 2 and len(r["server"]["runs"]) == len(r["offline"]["runs"]) == 2
+    assert r["offline_busy_processes"] == 1
     assert r["server"]["failed"] == 0 and r["output_tokens_equal"], r
     assert all(run["output_tokens"] == 15 for run in r["server"]["runs"] + r["offline"]["runs"])
     for side in ("server", "offline"):
@@ -208,6 +210,23 @@ def test_the_gpu_ratios_cpu_share_reads_a_process_and_its_busiest_child():
         child.stdin.close()
         child.wait(timeout=60)
     assert ratios.cpu_seconds(child.pid) is None  # gone: no figure, no exception
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_gpu_ratios_busy_processes_spin_while_the_block_runs_and_are_gone_after():
+    """--offline-busy: each process is spinning (it said so, and it takes CPU) before the block begins, and
+    none is left once it ends."""
+    ratios = research_script("ratios_gpu")
+    with ratios.busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        t0 = [ratios.cpu_seconds(p.pid) for p in procs]
+        deadline = time.monotonic() + 60
+        while not all(ratios.cpu_seconds(p.pid) > t for p, t in zip(procs, t0)):  # an event: their clocks move
+            assert time.monotonic() < deadline, "the busy processes took no CPU in 60 s"
+            time.sleep(0.05)
+    assert all(p.poll() is not None for p in procs)
+    with ratios.busy_processes(0) as none:
+        assert none == []
 
 
 def test_the_gpu_ratios_offline_engine_waits_for_the_stopped_servers_memory(monkeypatch):
