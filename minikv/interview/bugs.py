@@ -254,7 +254,7 @@ def _cow(m, rng):
             f"{n} samples fork its blocks")
     p = _toks(rng, length)
     # ignore_eos: a sample that drew EOS as its first token would share nothing, and with n=2 neither rule
-    # would copy (the bug hid in 2 seeds of 100)
+    # would copy (the bug hid in 3 seeds of 150 before; with it, in none of 400)
     params = _sp(n=n, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
     want = ref.generate([p], params)
     got = _run(what, mine, [p], params)
@@ -383,7 +383,7 @@ def _weight_update(m, rng):
 def _mask(m, rng):
     mine, ref = _engines(m, "naive")
     # three longer prompts: on the tiny random model one peek now and then leaves a greedy answer unchanged
-    # (2 seeds in 100 with one prompt); three together hide it about once in a hundred thousand
+    # (4 seeds in 200 with one prompt; with three, none in 300)
     one, longer = [_toks(rng, 1)], [_toks(rng, rng.randrange(4, 10)) for _ in range(3)]
     what = "the first token of a 1-token prompt (naive engine, no cache)"
     _compare(what, _run(what, mine, one, _sp(max_tokens=1)), ref.generate(one, _sp(max_tokens=1)))
