@@ -30,20 +30,16 @@ if __name__ == "__main__":
 from benchmarks.serve_burst_cpu import pct, workload  # noqa: E402
 
 
-def _raw(n: int, report) -> None:
-    arrive = {}
-
+def _raw(arrived, report) -> None:
     async def handle(reader, writer):
         head = (await reader.readuntil(b"\r\n\r\n")).lower().split(b"\r\n")
         size = int(next(h for h in head if h.startswith(b"content-length")).split(b":")[1])
         bid = int(next(h for h in head if h.startswith(b"x-burst-id")).split(b":")[1])
         json.loads(await reader.readexactly(size))
-        arrive[bid] = time.perf_counter()
+        arrived(bid)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {}\n\n")
         await writer.drain()
         writer.close()
-        if len(arrive) == n:
-            report(arrive)
 
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0, backlog=2048)
@@ -52,12 +48,10 @@ def _raw(n: int, report) -> None:
     asyncio.run(main())
 
 
-def _asgi(n: int, report, kind: str) -> None:
+def _asgi(arrived, report, kind: str) -> None:
     import socket
 
     import uvicorn
-
-    arrive = {}
 
     async def bare(scope, receive, send):
         if scope["type"] != "http":
@@ -68,12 +62,10 @@ def _asgi(n: int, report, kind: str) -> None:
             m = await receive()
             body, more = body + m.get("body", b""), m.get("more_body", False)
         json.loads(body)
-        arrive[bid] = time.perf_counter()
+        arrived(bid)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b"data: {}\n\n"})
-        if len(arrive) == n:
-            report(arrive)
 
     app = bare
     if kind == "fastapi":
@@ -86,9 +78,7 @@ def _asgi(n: int, report, kind: str) -> None:
         async def completions(request: Request):
             bid = int(request.headers["x-burst-id"])
             json.loads(await request.body())
-            arrive[bid] = time.perf_counter()
-            if len(arrive) == n:
-                report(arrive)
+            arrived(bid)
 
             async def chunks():
                 yield b"data: {}\n\n"
@@ -109,12 +99,19 @@ def _asgi(n: int, report, kind: str) -> None:
 def _serve(kind: str, n: int) -> None:
     """(A subprocess, killed by the caller.) {"port": its port} once listening, then, once n requests are
     in, their arrival times: on stdout, as JSON lines."""
+    arrive: dict[int, float] = {}
+
     def report(what) -> None:
         print(json.dumps(what), flush=True)
+
+    def arrived(bid: int) -> None:  # request bid is parsed: stamped, and once all n are, reported
+        arrive[bid] = time.perf_counter()
+        if len(arrive) == n:
+            report(arrive)
     if kind == "raw":
-        _raw(n, report)
+        _raw(arrived, report)
     else:
-        _asgi(n, report, kind)
+        _asgi(arrived, report, kind)
 
 
 def one_round(kind: str, prompts: list, clients: int) -> dict:
