@@ -2,11 +2,11 @@
 connection, all sent at one instant) against three servers that only take requests in, no engine:
 
     raw      asyncio streams: read the head and the body, json.loads, answer one SSE line
-    bare     uvicorn (h11, asyncio) with a bare ASGI callable doing the same
+    bare     uvicorn (h11 on asyncio, or --http httptools on uvloop) with a bare ASGI callable doing the same
     fastapi  uvicorn with a FastAPI route doing the same (Request.body(), StreamingResponse)
 
     PYTHONPATH=. python benchmarks/ingress_probe_cpu.py [--kinds raw,bare,fastapi] [--rounds 2]
-        [--requests 256] [--clients 2] [--out benchmarks/ingress_probe_cpu.json]
+        [--requests 256] [--clients 2] [--http h11|httptools] [--out benchmarks/ingress_probe_cpu.json]
 
 Printed per server: p50 / p99 of (body parsed - client's send) and the last arrival after the first send.
 What it shows: the floor under `minikv serve`'s own ingress on this machine (its "arrive" stage is
@@ -48,7 +48,7 @@ def _raw(arrived, report) -> None:
     asyncio.run(main())
 
 
-def _asgi(arrived, report, kind: str) -> None:
+def _asgi(arrived, report, kind: str, http: str = "h11") -> None:
     import socket
 
     import uvicorn
@@ -85,7 +85,8 @@ def _asgi(arrived, report, kind: str) -> None:
             return StreamingResponse(chunks(), media_type="text/event-stream")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # a free port, named to the caller once the server listens
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http="h11", loop="asyncio", backlog=2048))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", http=http,
+                                            loop="uvloop" if http == "httptools" else "asyncio", backlog=2048))
 
     async def main():
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -96,7 +97,7 @@ def _asgi(arrived, report, kind: str) -> None:
     asyncio.run(main())
 
 
-def _serve(kind: str, n: int) -> None:
+def _serve(kind: str, n: int, http: str = "h11") -> None:
     """(A subprocess, killed by the caller.) {"port": its port} once listening, then, once n requests are
     in, their arrival times: on stdout, as JSON lines."""
     arrive: dict[int, float] = {}
@@ -111,12 +112,12 @@ def _serve(kind: str, n: int) -> None:
     if kind == "raw":
         _raw(arrived, report)
     else:
-        _asgi(arrived, report, kind)
+        _asgi(arrived, report, kind, http)
 
 
-def one_round(kind: str, prompts: list, clients: int) -> dict:
+def one_round(kind: str, prompts: list, clients: int, http: str = "h11") -> dict:
     n = len(prompts)
-    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--requests", str(n)],
+    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--requests", str(n), "--http", http],
                               stdout=subprocess.PIPE, text=True)
     try:
         ready = json.loads(server.stdout.readline() or "null")
@@ -155,22 +156,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--http", default="h11", choices=["h11", "httptools"],
+                    help="uvicorn's HTTP parser (httptools runs on uvloop; both must be importable)")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (one server, in its own process)
     args = ap.parse_args(argv)
     if args.serve:
-        _serve(args.serve, args.requests)
+        _serve(args.serve, args.requests, args.http)
         return 0
     prompts, _ = workload(args.requests, (100, 1024), (1, 2), 512)
     rows = []
     for r in range(args.rounds):
         for kind in args.kinds.split(","):
-            row = {"round": r, **one_round(kind, prompts, args.clients)}
+            row = {"round": r, **one_round(kind, prompts, args.clients, args.http)}
             rows.append(row)
             print(f"{kind:8s} arrive p50 {row['arrive_p50_ms']:6.1f} ms, p99 {row['arrive_p99_ms']:6.1f} ms, "
                   f"last {row['last_after_first_send_ms']:6.1f} ms after the first send", flush=True)
     if args.out:
         record = {"benchmark": "ingress_probe_cpu", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                   "python": platform.python_version(), "requests": args.requests, "clients": args.clients,
+                  "http": args.http,
                   "load_average": os.getloadavg(), "rows": rows}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -103,14 +103,21 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     both sides, where `LLM(ckpt)` runs none). offline_busy: that many processes spinning on the CPU during
     every offline run (`busy_processes`), as the server's runs have its client processes and its HTTP
     process beside the engine process: does the host's shared state (clock, caches) slow the engine alike?"""
-    from minikv.bench.serve import Req, ServerProcess, pct, run_load
+    from minikv.bench.serve import Req, ServerProcess, pct, run_load, ttft_parts
+    from minikv.serve.app import TRACE_ENV
 
     if loads < 1:
         raise ValueError(f"loads is {loads}; measure at least one load of each side")
     reqs = reqs if reqs is not None else workload()  # [(prompt ids, output length)]: the nano-vllm workload
     free_before = free_device_memory()
     # the server first, in its own process, so that its pool is fitted to an empty card
-    server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
+    trace = tmp / "serve_trace.jsonl"  # each request's first-token moments in the server (ttft_parts)
+    trace.unlink(missing_ok=True)
+    os.environ[TRACE_ENV] = str(trace)
+    try:
+        server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
+    finally:
+        del os.environ[TRACE_ENV]
     served = []
     try:
         name = server_name(server)
@@ -119,13 +126,16 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
             load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
             before, cpu_before = server_counters(server), process_cpu(server.proc.pid)
             results, duration = run_load(server.url, name, load, processes=processes)
-            cpu_after = process_cpu(server.proc.pid)
+            cpu_after, after = process_cpu(server.proc.pid), server_counters(server)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
             served.append({"seconds": duration, "output_tokens": tokens, "tok_s": tokens / duration,
                            "ttft_p50_s": pct([r.ttft for r in ok], 50), "failed": len(results) - len(ok),
+                           "ttft_mean_s": statistics.fmean(r.ttft for r in ok) if ok else None,
+                           "core_ttft_mean_s": core_ttft_mean(before, after),
+                           "ttft_parts_p50_s": ttft_parts(ok, trace),
                            "errors": sorted({r.error for r in results if not r.ok})[:3],
-                           **load_figures(before, server_counters(server), duration),
+                           **load_figures(before, after, duration),
                            **{c.replace("_cpu_s", "_cpu_share"): (cpu_after[c] - cpu_before[c]) / duration
                               if cpu_after[c] is not None and cpu_before[c] is not None else None
                               for c in cpu_after}})
@@ -173,6 +183,7 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, busy:
         tokens = sum(len(o.token_ids) for o in outs)
         runs.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
                      "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
+                     "ttft_mean_s": statistics.fmean(o.time_to_first_token for o in outs),
                      **load_figures(before, engine_counters(llm), seconds)})
     num_blocks = llm.view.num_blocks if llm.is_paged else None  # (LLM(ckpt) on a CPU: no pool)
     llm.close()
@@ -231,6 +242,7 @@ def wait_for_device_memory(free_before: int | None, timeout: float = 60.0, slack
 
 COUNTERS = {"preemptions": "minikv:num_preemptions_total", "steps": "minikv:engine_steps_total",
             "step_seconds": "minikv:engine_step_seconds_total"}
+TTFT_METRIC = "minikv:time_to_first_token_seconds"  # a histogram: its _sum and _count
 
 
 def server_counters(server) -> dict[str, float | None]:
@@ -243,7 +255,18 @@ def server_counters(server) -> dict[str, float | None]:
     values = parse_metrics(httpx.get(server.url + "/metrics", timeout=10).text)
     if COUNTERS["preemptions"] not in values:
         raise RuntimeError(f"the server's /metrics has no {COUNTERS['preemptions']}")
-    return {k: values.get(m) for k, m in COUNTERS.items()}
+    return {**{k: values.get(m) for k, m in COUNTERS.items()},
+            "ttft_sum": values.get(TTFT_METRIC + "_sum"), "ttft_count": values.get(TTFT_METRIC + "_count")}
+
+
+def core_ttft_mean(before: dict, after: dict) -> float | None:
+    """The mean time to first token the server's engine saw over one load (its /metrics histogram: the
+    request's arrival in the engine -> its first token there): against the client's mean, what the
+    ingress, the way back and the client took; against offline's, what the engine took."""
+    if after.get("ttft_count") is None or before.get("ttft_count") is None:
+        return None
+    n = after["ttft_count"] - before["ttft_count"]
+    return (after["ttft_sum"] - before["ttft_sum"]) / n if n else None
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -416,6 +439,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("server / offline TTFT p50", f"{r['server']['ttft_p50_s'] / r['offline']['ttft_p50_s']:.2f}",
                      f"medians: server {r['server']['ttft_p50_s']:.2f} s ({each('server', 'ttft_p50_s', '{:.2f}')}), "
                      f"offline {r['offline']['ttft_p50_s']:.2f} s ({each('offline', 'ttft_p50_s', '{:.2f}')})"))
+        mean = lambda side, k: " / ".join(f"{x[k] * 1e3:.0f}" if x.get(k) is not None else "?"  # noqa: E731
+                                          for x in r[side]["runs"])
+        rows.append(("server TTFT mean: the client's / its engine's", "ms",
+                     f"client {mean('server', 'ttft_mean_s')}, the server's engine (arrival there -> first token "
+                     f"there) {mean('server', 'core_ttft_mean_s')}; offline {mean('offline', 'ttft_mean_s')}, "
+                     f"offline with its cache {mean('offline_like_server', 'ttft_mean_s')}"))
+        split = lambda x: ", ".join(f"{k} {v * 1e3:.0f}" for k, v in x.items() if k != "requests" and v is not None)  # noqa: E731
+        rows.append(("server TTFT p50 by part", "ms",
+                     " / ".join(f"[{split(x['ttft_parts_p50_s'])}]" for x in r["server"]["runs"])))
     if "second" in parts:
         r = second_engine(ckpt)
         record["second_engine"] = r

@@ -177,6 +177,15 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
             assert run["steps"] >= 6 and 0 < run["ms_per_step"] and 0 < run["busy"] <= 1.0, run
     for run in r["server"]["runs"]:  # the CPU the server process and its engine process took (a tiny load: maybe
         assert run["server_cpu_share"] >= 0 and run["core_cpu_share"] >= 0, run  # no clock tick of either)
+    for run in r["server"]["runs"]:  # every request's TTFT, from the client and inside the server's engine: the
+        assert 0 < run["core_ttft_mean_s"] < run["ttft_mean_s"], run  # client's includes the engine's
+    assert all(0 < run["ttft_mean_s"] for run in r["offline"]["runs"] + r["offline_like_server"]["runs"])
+    for run in r["server"]["runs"]:  # where each first token waited: the parts add up to the client's TTFT
+        parts = run["ttft_parts_p50_s"]
+        assert parts["requests"] == 3 and parts["in_engine"] > 0 and parts["to_engine"] > 0, parts
+    assert ratios.core_ttft_mean({"ttft_sum": 1.0, "ttft_count": 2}, {"ttft_sum": 1.9, "ttft_count": 5}) == \
+        pytest.approx(0.3)  # (1.9 - 1.0) / 3 requests of this load
+    assert ratios.core_ttft_mean({"ttft_sum": None, "ttft_count": None}, {"ttft_sum": 1.0, "ttft_count": 1}) is None
     like = r["offline_like_server"]  # offline again with the server's cache: its own runs, the same tokens
     assert like["options"]["prefix_caching"] == "hash" and len(like["runs"]) == 2 and like["num_blocks"] > 0
     assert all(run["output_tokens"] == 15 and run["steps"] >= 6 for run in like["runs"])

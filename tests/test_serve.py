@@ -167,6 +167,33 @@ def test_stream_is_server_sent_events_that_join_to_the_whole_answer_and_end_with
     assert len(pieces) >= 2
 
 
+def test_the_trace_records_where_each_streamed_first_token_waited(tmp_path, monkeypatch):
+    """MINIKV_SERVE_TRACE: one line per streamed request that ended, its moments in order on one clock (the
+    handler, the engine's arrival and first token, the first chunk sent), joined to the client's by id;
+    the parts of its TTFT (minikv.bench.serve.ttft_parts) add up to what the client saw."""
+    from minikv.bench.serve import Result, ttft_parts
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MINIKV_SERVE_TRACE", str(trace))
+    with Server(engine(), served_name=MODEL) as s:
+        body = {"model": MODEL, "prompt": prompt_ids(3), "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        res = Result("t", 12, 5, sent_at=time.perf_counter())
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=HANG_S) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and res.ttft is None:
+                    res.ttft, res.response_id = time.perf_counter() - res.sent_at, json.loads(line[6:])["id"]
+        HTTP.post(s.url + "/v1/completions", json={**body, "stream": False})  # not streamed: no line
+    (one,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert one["id"] == res.response_id
+    assert res.sent_at < one["handler"] <= one["arrival"] <= one["first_token"] <= one["first_sent"] \
+        < res.sent_at + res.ttft, one
+    res.ok = True
+    parts = ttft_parts([res], trace)
+    assert parts["requests"] == 1 and all(parts[k] >= 0 for k in parts)
+    assert sum(v for k, v in parts.items() if k != "requests") == pytest.approx(res.ttft)
+
+
 def test_twenty_concurrent_clients_each_get_their_own_answer_batched_together(server, reference, gate):
     n = 20
     want = reference.generate([prompt_ids(i, 8 + i) for i in range(n)], SamplingParams(max_tokens=12, ignore_eos=True))

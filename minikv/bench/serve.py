@@ -73,6 +73,8 @@ class Result:
     e2e: float | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
+    response_id: str | None = None  # the server's id of it (its trace's key: ttft_parts)
+    sent_at: float | None = None  # time.perf_counter() when it was sent
 
 
 def make_requests(loads: list[TenantLoad], seed: int, vocab: int, shared_prefix: list[int] | None = None) -> list[Req]:
@@ -96,7 +98,7 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},  # usage on a last chunk
             "return_token_ids": True}  # how many tokens each chunk carries (a server behind sends several)
-    start = last = time.perf_counter()
+    start = last = res.sent_at = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/completions", json=body,
                                headers={"Authorization": f"Bearer {req.tenant}"}) as r:
@@ -115,7 +117,7 @@ async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
                 now = time.perf_counter()
                 k = len(chunk["choices"][0].get("token_ids") or []) or 1
                 if res.ttft is None:
-                    res.ttft = now - start
+                    res.ttft, res.response_id = now - start, chunk.get("id")
                     res.itls += [0.0] * (k - 1)
                 else:  # k tokens came together: one gap, then k - 1 gaps of nothing (as the client saw them)
                     res.itls += [now - last] + [0.0] * (k - 1)
@@ -176,6 +178,37 @@ def run_load(url: str, model: str, reqs: list[Req], processes: int = 1) -> tuple
 
 def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
+
+
+TTFT_PARTS = ("to_handler", "to_engine", "in_engine", "back", "to_client")
+
+
+def ttft_parts(results: list[Result], trace: Path) -> dict[str, float | None]:
+    """Where the first tokens of a load waited, the median of each part in seconds: the client's clock
+    joined with the server's trace (MINIKV_SERVE_TRACE, minikv/serve/app.py) by response id; one clock
+    for every process of the host (perf_counter: CLOCK_MONOTONIC on Linux).
+
+        to_handler   sent -> its handler started     connect, the HTTP parse, the event loop's queue
+        to_engine    handler -> the engine took it   body, checks, the pipe, the engine's current step
+        in_engine    the engine's own TTFT           waiting for a seat, prefill
+        back         first token -> first chunk sent the pipe back, the engine thread, the handler
+        to_client    first chunk sent -> received    the socket and the client's own loop
+
+    The parts of one request add up to its TTFT; `requests` is how many were joined."""
+    stamps = {}
+    if trace.exists():
+        for line in trace.read_text().splitlines():
+            one = json.loads(line)
+            stamps[one["id"]] = one
+    parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
+    for r in results:
+        t = stamps.get(r.response_id)
+        if not r.ok or t is None or r.sent_at is None or t["first_sent"] is None:
+            continue
+        marks = [r.sent_at, t["handler"], t["arrival"], t["first_token"], t["first_sent"], r.sent_at + r.ttft]
+        for k, a, b in zip(TTFT_PARTS, marks, marks[1:]):
+            parts[k].append(b - a)
+    return {**{k: pct(v, 50) for k, v in parts.items()}, "requests": len(parts["to_handler"])}
 
 
 def summarize(results: list[Result], duration: float, slo_ttft: float, slo_itl: float) -> dict:

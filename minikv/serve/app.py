@@ -16,6 +16,16 @@ the key itself. With isolate_tenants, each tenant's prompts are salted with its 
 never share a cached block (nor learn, from a fast first token, what the other sent), and only the
 credential names the tenant.
 
+With MINIKV_SERVE_TRACE=PATH set, every streamed request that ends adds one JSON line to PATH, the
+moments (time.perf_counter, one clock for every process of a Linux host) its first token went through:
+
+    handler      its handler started (the request's headers were in)
+    arrival      the engine took it (the core's clock)          first_token  the engine sampled its first token
+    first_sent   the handler handed its first chunk over, to be written to the socket
+
+so a slow first token is found where it waited: before the engine, in it, or on the way back
+(`minikv.bench.serve.ttft_parts`; benchmarks/ratios_gpu.py records them).
+
 A request's life in a handler, before the engine sees it:
 
     body (<= max_body_bytes, else 413) -> JSON -> checked fields (400) -> tenant, queue limits (429/503)
@@ -35,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -58,6 +70,7 @@ DEFAULT_MAX_WAITING = 256  # requests queued for a seat before the server answer
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a request body over this gets 413 (--max-body-bytes)
 POLL_DISCONNECT_S = 0.25  # how often a non-streaming handler checks that its client is still there
 TOKENIZER_THREADS = 2  # handlers tokenize here, never on the engine thread
+TRACE_ENV = "MINIKV_SERVE_TRACE"  # a path: where each streamed request's first-token moments go (see the top)
 
 
 def describe(error: BaseException | None) -> str:
@@ -167,6 +180,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     deps = app.state.deps = AppDeps(engine, tenants, ThreadPoolExecutor(TOKENIZER_THREADS,
                                                                         thread_name_prefix="minikv-tokenize"))
     text_limit = 4 * max_token_bytes(deps.llm.tokenizer) * deps.llm.max_model_len  # bytes of text that surely overflow
+    trace_path = os.environ.get(TRACE_ENV)
     admitting: Counter[str] = Counter()  # past the queue limits, not yet submitted (tokenizing): they count
     mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per event loop serving the app
 
@@ -222,6 +236,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                            type="server_error") from None
 
     async def admit(request: Request, chat: bool):
+        started = time.perf_counter()
         raw = await read_body(request, max_body_bytes)
         try:
             body = json.loads(raw)
@@ -282,7 +297,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                            f"the engine could not run this request ({describe(first.error)})",
                            type="server_error")
         if parsed.stream:
-            return StreamingResponse(stream(rid, chat, parsed, events, first.prompt_tokens),
+            return StreamingResponse(stream(rid, chat, parsed, events, first.prompt_tokens, started),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await collect(request, rid, chat, parsed, events)
 
@@ -353,9 +368,9 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             raise
 
     async def stream(rid: str, chat: bool, parsed: Parsed, events: asyncio.Queue,
-                     prompt_tokens: int) -> AsyncIterator[str]:
+                     prompt_tokens: int, started: float) -> AsyncIterator[str]:
         """The chunks of one answer; it always ends with [DONE], an engine failure included."""
-        created_at, done, generated = now(), False, 0
+        created_at, done, generated, first_sent = now(), False, 0, None
 
         def sse(choices: list[dict], usage_: dict | None = None) -> str:
             chunk = envelope(chat, rid, served_name, created_at, choices, True, usage_)
@@ -399,8 +414,11 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                 if ev.kind == "tokens":
                     ev = await coalesced(ev, stream_interval if generated else 1)  # the first token: at once
                     generated += len(ev.token_ids)
-                    yield sse([choice(chat, ev.index, ev.text, ev.finish_reason,
-                                      ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
+                    chunk = sse([choice(chat, ev.index, ev.text, ev.finish_reason,
+                                        ev.token_ids if parsed.return_token_ids else None, delta=True)], so_far())
+                    if first_sent is None:  # (stamped as it goes to the socket: the write follows the yield)
+                        first_sent = time.perf_counter()
+                    yield chunk
                 elif ev.kind == "failed":
                     done = True  # the engine has forgotten it already
                     err = ApiError(500, f"the engine failed on this request ({describe(ev.error)})",
@@ -410,6 +428,11 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
                     return
                 elif ev.kind == "end":
                     done = True
+                    if trace_path and ev.usage is not None and ev.usage.token_times:
+                        with open(trace_path, "a") as f:  # (a line a request, only while tracing)
+                            f.write(json.dumps({"id": rid, "handler": started, "arrival": ev.usage.arrival_time,
+                                                "first_token": ev.usage.token_times[0],
+                                                "first_sent": first_sent}) + "\n")
                     if parsed.include_usage:  # the last chunk: no choices, the whole usage
                         yield sse([], usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
                     yield "data: [DONE]\n\n"

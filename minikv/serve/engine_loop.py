@@ -65,6 +65,7 @@ class Event:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: Exception | None = None
+    usage: Usage | None = None  # "end": the core's own record (its arrival and token times: the trace)
 
 
 @dataclass
@@ -342,7 +343,7 @@ class EngineLoop:
             return
         u = step.usage
         _tell(live.on_event, Event("end", prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                   cached_tokens=u.cached_tokens))
+                                   cached_tokens=u.cached_tokens, usage=u))
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, live in list(self._live.items()):
