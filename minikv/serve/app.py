@@ -449,7 +449,74 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
+    async def generate(scope, receive, send) -> None:
+        """The two routes above as plain ASGI (GenerationRoutes): the same handler, its answer sent here."""
+        try:
+            answer = await handle(Request(scope, receive), chat=scope["path"] == CHAT_ROUTE)
+        except ApiError as e:
+            answer = error_response(e)
+        if isinstance(answer, StreamingResponse):
+            await stream_to(answer, receive, send)
+        else:
+            await (answer if isinstance(answer, Response) else JSONResponse(answer))(scope, receive, send)
+
+    app.add_middleware(GenerationRoutes, generate=generate)
     return app
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+GENERATION_ROUTES = frozenset({"/v1/completions", CHAT_ROUTE})
+
+
+class GenerationRoutes:
+    """Pure ASGI in front of FastAPI's routing: a POST to a generation route goes straight to its handler,
+    everything else (and other methods on those paths: 405) to the FastAPI app. A burst of 256 streaming
+    requests is taken in by this one event loop, one request after another, while it writes the streams
+    already running: each request's share of the framework (routing, the dependency solver, the stream's
+    task group) came before the next request's handler started (benchmarks/NOTES_step_profile.md)."""
+
+    def __init__(self, app, generate):
+        self.app, self.generate = app, generate
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
+            await self.generate(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+async def stream_to(response: StreamingResponse, receive, send) -> None:
+    """Send a stream's chunks, as Starlette's StreamingResponse does, with one watcher task instead of a task
+    group: a client that goes away cancels the stream wherever it waits (the handler's `finally` frees the
+    request's blocks); a stream that ends first stops the watcher."""
+    task, streaming, gone = asyncio.current_task(), True, False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        if streaming:
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    chunks = response.body_iterator
+    try:
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk.encode() if isinstance(chunk, str) else chunk,
+                        "more_body": True})
+        streaming = False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not gone:  # the server stops: not ours to swallow
+            raise
+        if hasattr(task, "uncancel"):  # (Python 3.11+: the task is no longer being cancelled)
+            task.uncancel()  # the client went away: the stream ends here, quietly
+    finally:
+        streaming = False
+        watcher.cancel()
+        await chunks.aclose()  # a stream cut short runs its `finally` now (abort: its blocks are freed)
 
 
 def engine_loop_for(engine, metrics) -> EngineLoop:
