@@ -45,6 +45,7 @@ from minikv import LLM, SamplingParams
 from minikv.bench import environment
 from minikv.bench.prefix_ttft import build_prompts
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint, workload
+from minikv.engine.step_trace import StepTrace, timeline
 
 
 def turns(i: int) -> tuple[str, ...]:
@@ -112,12 +113,14 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     free_before = free_device_memory()
     # the server first, in its own process, so that its pool is fitted to an empty card
     trace = tmp / "serve_trace.jsonl"  # each request's first-token moments in the server (ttft_parts)
+    steps = tmp / "serve_steps.json"  # each engine step's moment and size (step_trace.py), written on stop
     trace.unlink(missing_ok=True)
-    os.environ[TRACE_ENV] = str(trace)
+    steps.unlink(missing_ok=True)
+    os.environ.update({TRACE_ENV: str(trace), "MINIKV_STEP_TRACE": str(steps)})
     try:
         server = ServerProcess(ckpt, list(server_args), tmp / "server.log").wait_ready()
     finally:
-        del os.environ[TRACE_ENV]
+        del os.environ[TRACE_ENV], os.environ["MINIKV_STEP_TRACE"]
     served = []
     try:
         name = server_name(server)
@@ -134,6 +137,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
                            "ttft_mean_s": statistics.fmean(r.ttft for r in ok) if ok else None,
                            "core_ttft_mean_s": core_ttft_mean(before, after),
                            "ttft_parts_p50_s": ttft_parts(ok, trace),
+                           "first_send": min(r.sent_at for r in results),
                            "errors": sorted({r.error for r in results if not r.ok})[:3],
                            **load_figures(before, after, duration),
                            **{c.replace("_cpu_s", "_cpu_share"): (cpu_after[c] - cpu_before[c]) / duration
@@ -141,6 +145,10 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
                               for c in cpu_after}})
     finally:
         server.stop()
+    if steps.exists():  # the burst as the server's engine ran it: steps and tokens by each mark after the first send
+        rows = json.loads(steps.read_text())
+        for run in served:
+            run["timeline"] = timeline(rows, run["first_send"], run["first_send"] + run["seconds"])
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
     # given its pool back, or offline runs with a smaller pool (preemptions) and the ratio measures that
     memory_wait_s = wait_for_device_memory(free_before)
@@ -168,6 +176,8 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, busy:
     from minikv.bench.serve import pct
 
     llm = LLM(ckpt, **options)
+    trace = StepTrace()
+    llm.add_observer(trace)
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm
@@ -184,6 +194,9 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, busy:
         runs.append({"seconds": seconds, "output_tokens": tokens, "tok_s": tokens / seconds,
                      "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
                      "ttft_mean_s": statistics.fmean(o.time_to_first_token for o in outs),
+                     "timeline": timeline(trace.rows, t0, t0 + seconds),
+                     "first_token_p50_s": pct([o.metrics.token_times[0] for o in outs], 50)  # after the first
+                     - min(o.metrics.arrival_time for o in outs),  # arrival: the burst as the engine saw it
                      **load_figures(before, engine_counters(llm), seconds)})
     num_blocks = llm.view.num_blocks if llm.is_paged else None  # (LLM(ckpt) on a CPU: no pool)
     llm.close()
@@ -447,7 +460,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"offline with its cache {mean('offline_like_server', 'ttft_mean_s')}"))
         split = lambda x: ", ".join(f"{k} {v * 1e3:.0f}" for k, v in x.items() if k != "requests" and v is not None)  # noqa: E731
         rows.append(("server TTFT p50 by part", "ms",
-                     " / ".join(f"[{split(x['ttft_parts_p50_s'])}]" for x in r["server"]["runs"])))
+                     " / ".join(f"[{split(x['ttft_parts_p50_s'])}]" for x in r["server"]["runs"]) +
+                     f"; offline first token p50 after the first arrival {mean('offline', 'first_token_p50_s')}"))
+        marks = lambda side: " / ".join(  # noqa: E731
+            " ".join(f"{n}:{k / 1e3:.0f}k" for n, k in zip(x["timeline"]["steps"], x["timeline"]["tokens"]))
+            for x in r[side]["runs"] if x.get("timeline"))
+        rows.append(("steps:tokens scheduled by 50/100/200/300 ms after the burst's start", "",
+                     f"server {marks('server')}; offline {marks('offline')}"))
     if "second" in parts:
         r = second_engine(ckpt)
         record["second_engine"] = r

@@ -183,6 +183,12 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     for run in r["server"]["runs"]:  # where each first token waited: the parts add up to the client's TTFT
         parts = run["ttft_parts_p50_s"]
         assert parts["requests"] == 3 and parts["in_engine"] > 0 and parts["to_engine"] > 0, parts
+        assert parts["first_arrival"] > 0 and parts["engine_p50"] > 0, parts
+    assert all(run["first_token_p50_s"] > 0 for run in r["offline"]["runs"])
+    for run in r["server"]["runs"] + r["offline"]["runs"]:  # the burst's steps by each mark: the engine ran all
+        line = run["timeline"]  # 15 prompt tokens and 15 outputs (less the first tokens, the prompts' last step)
+        assert line["steps"] == sorted(line["steps"]) and line["tokens"] == sorted(line["tokens"]), line
+        assert line["tokens"][-1] <= 12 + 15 and line["steps"][-1] >= 1, line
     assert ratios.core_ttft_mean({"ttft_sum": 1.0, "ttft_count": 2}, {"ttft_sum": 1.9, "ttft_count": 5}) == \
         pytest.approx(0.3)  # (1.9 - 1.0) / 3 requests of this load
     assert ratios.core_ttft_mean({"ttft_sum": None, "ttft_count": None}, {"ttft_sum": 1.0, "ttft_count": 1}) is None
@@ -299,3 +305,13 @@ def test_the_ingress_probe_takes_a_burst_into_each_kind_of_server(tmp_path):
     rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
     assert [r["kind"] for r in rows] == ["raw", "bare", "fastapi"]
     assert all(0 < r["arrive_p50_ms"] <= r["arrive_p99_ms"] <= r["last_after_first_send_ms"] for r in rows), rows
+
+
+def test_a_step_trace_timeline_counts_the_steps_and_tokens_scheduled_by_each_mark():
+    """minikv.engine.step_trace.timeline: steps between start and end only, counted by each mark after start."""
+    from minikv.engine.step_trace import timeline
+
+    rows = [(9.9, 50, 1), (10.0, 5, 1), (10.03, 7, 2), (10.12, 1, 2), (10.5, 9, 1)]  # (moment, tokens, seqs)
+    assert timeline(rows, 10.0, 10.4) == {"marks_s": [0.05, 0.1, 0.2, 0.3], "steps": [2, 2, 3, 3],
+                                          "tokens": [12, 12, 13, 13]}
+    assert timeline(rows, 10.0, marks=(1.0,))["tokens"] == [22]  # no end: the last step counts too

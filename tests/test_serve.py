@@ -171,7 +171,7 @@ def test_the_trace_records_where_each_streamed_first_token_waited(tmp_path, monk
     """MINIKV_SERVE_TRACE: one line per streamed request that ended, its moments in order on one clock (the
     handler, the engine's arrival and first token, the first chunk sent), joined to the client's by id;
     the parts of its TTFT (minikv.bench.serve.ttft_parts) add up to what the client saw."""
-    from minikv.bench.serve import Result, ttft_parts
+    from minikv.bench.serve import TTFT_PARTS, Result, ttft_parts
 
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("MINIKV_SERVE_TRACE", str(trace))
@@ -191,7 +191,10 @@ def test_the_trace_records_where_each_streamed_first_token_waited(tmp_path, monk
     res.ok = True
     parts = ttft_parts([res], trace)
     assert parts["requests"] == 1 and all(parts[k] >= 0 for k in parts)
-    assert sum(v for k, v in parts.items() if k != "requests") == pytest.approx(res.ttft)
+    assert sum(parts[k] for k in TTFT_PARTS) == pytest.approx(res.ttft)
+    # one request: the burst's first arrival is its own, and the engine's median first token its own
+    assert parts["first_arrival"] == pytest.approx(parts["to_handler"] + parts["to_engine"])
+    assert parts["engine_p50"] == pytest.approx(parts["in_engine"])
 
 
 def test_twenty_concurrent_clients_each_get_their_own_answer_batched_together(server, reference, gate):
@@ -503,3 +506,18 @@ def test_a_stopped_server_keeps_no_engine_alive():
     gc.collect()
     assert llm() is None and pool() is None, "a stopped server kept its engine alive"
     assert threads and not any(t.is_alive() for t in threads), "a stopped server left its tokenizing threads"
+
+
+def test_the_generation_routes_are_served_in_front_of_the_framework_and_the_rest_by_it(server):
+    """POST /v1/completions and /v1/chat/completions go straight to their handler (GenerationRoutes: plain
+    ASGI, in front of FastAPI's routing); another method on the same path, or another path, is FastAPI's."""
+    from minikv.serve.app import GenerationRoutes
+
+    app = server.app
+    assert any(m.cls is GenerationRoutes for m in app.user_middleware)
+    got = HTTP.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt_ids(2), "max_tokens": 2})
+    assert got.status_code == 200 and got.json()["object"] == "text_completion"
+    bad = HTTP.post(server.url + "/v1/completions", content=b"{not json")  # the handler's own 400, JSON-shaped
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    assert HTTP.get(server.url + "/v1/completions").status_code == 405  # the framework's answer
+    assert HTTP.post(server.url + "/v1/completion").status_code == 404

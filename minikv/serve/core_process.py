@@ -39,6 +39,7 @@ with the next message, or when the sender's loop comes round. The reader reads t
 from __future__ import annotations
 
 import fcntl
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -51,6 +52,7 @@ from collections import namedtuple
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from types import SimpleNamespace
 
 from minikv.engine.core import EngineEvent, EngineRequest
@@ -177,7 +179,8 @@ class EventReader:
 
 def _core_main(model, options: dict, command_end: Connection, conn: Connection, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
-    MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop."""
+    MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop; with
+    MINIKV_STEP_TRACE=PATH, every step's moment, tokens and sequences go to PATH on stop (step_trace.py)."""
     commands, results = EventReader(command_end), EventWriter(conn)
     path = os.environ.get("MINIKV_CORE_PROFILE")
     try:
@@ -208,8 +211,18 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
     except BaseException as e:  # noqa: BLE001  the server says why and exits
         results.put(("start_failed", type(e).__name__, str(e), traceback.format_exc()))
         return
-    with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
-        _serve_commands(core, view, commands, results)
+    steps_path = os.environ.get("MINIKV_STEP_TRACE")  # each step's moment and size, written on stop (step_trace.py)
+    if steps_path:
+        from minikv.engine.step_trace import StepTrace
+
+        trace = StepTrace()
+        llm.add_observer(trace)
+    try:
+        with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
+            _serve_commands(core, view, commands, results)
+    finally:
+        if steps_path:
+            Path(steps_path).write_text(json.dumps(trace.rows))
 
 
 def _serve_commands(core, view, commands, results) -> None:
