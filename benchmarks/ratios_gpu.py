@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             " ".join(f"{n}:{k / 1e3:.0f}k" for n, k in zip(x["timeline"]["steps"], x["timeline"]["tokens"]))
             for x in r[side]["runs"] if x.get("timeline"))
         rows.append(("steps:tokens scheduled by 50/100/200/300 ms after the burst's start", "",
-                     f"server {marks('server')}; offline {marks('offline')}"))
+                     f"server {marks('server') or '(no step trace came back)'}; offline {marks('offline')}"))
     if "second" in parts:
         r = second_engine(ckpt)
         record["second_engine"] = r

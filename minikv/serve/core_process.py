@@ -211,28 +211,32 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
     except BaseException as e:  # noqa: BLE001  the server says why and exits
         results.put(("start_failed", type(e).__name__, str(e), traceback.format_exc()))
         return
-    steps_path = os.environ.get("MINIKV_STEP_TRACE")  # each step's moment and size, written on stop (step_trace.py)
-    if steps_path:
+    steps_path, on_idle = os.environ.get("MINIKV_STEP_TRACE"), None  # each step's moment and size (step_trace.py)
+    if steps_path:  # written whenever the core falls idle with new steps: however the process ends later
         from minikv.engine.step_trace import StepTrace
 
-        trace = StepTrace()
+        trace, written = StepTrace(), [0]
+
+        def on_idle() -> None:
+            if len(trace.rows) > written[0]:
+                Path(steps_path).write_text(json.dumps(trace.rows))
+                written[0] = len(trace.rows)
         llm.add_observer(trace)
-    try:
-        with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
-            _serve_commands(core, view, commands, results)
-    finally:
-        if steps_path:
-            Path(steps_path).write_text(json.dumps(trace.rows))
+    with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
+        _serve_commands(core, view, commands, results, on_idle)
 
 
-def _serve_commands(core, view, commands, results) -> None:
-    """Take commands, step while there is work, send each step's events, until told to stop."""
+def _serve_commands(core, view, commands, results, on_idle=None) -> None:
+    """Take commands, step while there is work, send each step's events, until told to stop. on_idle: called
+    each time the core has no work left, before it waits for the next command."""
     parent = mp.parent_process()
     while True:
         try:
             if core.has_unfinished():
                 cmd = commands.get_nowait()
             else:  # idle: wait for a command (and meanwhile hand the server what the pipe could not take)
+                if on_idle is not None:
+                    on_idle()
                 cmd = commands.get(timeout=FLUSH_WAIT_S if results.pending and not results.flush() else PARENT_CHECK_S)
         except queue.Empty:
             cmd = None
