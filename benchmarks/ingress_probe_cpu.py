@@ -6,7 +6,8 @@ connection, all sent at one instant) against three servers that only take reques
     fastapi  uvicorn with a FastAPI route doing the same (Request.body(), StreamingResponse)
 
     PYTHONPATH=. python benchmarks/ingress_probe_cpu.py [--kinds raw,bare,fastapi] [--rounds 2]
-        [--requests 256] [--clients 2] [--http h11|httptools] [--out benchmarks/ingress_probe_cpu.json]
+        [--requests 256] [--clients 2] [--http h11|httptools] [--client raw|httpx]
+        [--out benchmarks/ingress_probe_cpu.json]
 
 Printed per server: p50 / p99 of (body parsed - client's send) and the last arrival after the first send.
 What it shows: the floor under `minikv serve`'s own ingress on this machine (its "arrive" stage is
@@ -97,6 +98,34 @@ def _asgi(arrived, report, kind: str, http: str = "h11") -> None:
     asyncio.run(main())
 
 
+async def _httpx_client(url: str, jobs: list[dict], start_at: float) -> list[dict]:
+    """The jobs as `minikv.bench.serve` (and so `ratios_gpu.py`) sends them: httpx, one stream each, the body
+    encoded by the library after the send is stamped. Against the raw client: what the library costs."""
+    import httpx
+
+    async def one(http, job: dict) -> dict:
+        out = {"id": job["id"], "send": time.perf_counter(), "error": None}
+        body = {"model": "tiny", "prompt": job["prompt"], "max_tokens": job["max_tokens"], "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body,
+                                   headers={"x-burst-id": str(job["id"])}) as r:
+                await r.aread()
+        except httpx.HTTPError as e:  # reported per request
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        return await asyncio.gather(*(one(http, j) for j in jobs))
+
+
+def httpx_client_main() -> None:
+    spec = json.load(sys.stdin)
+    print(json.dumps(asyncio.run(_httpx_client(spec["url"], spec["jobs"], spec["start_at"]))))
+
+
 def _serve(kind: str, n: int, http: str = "h11") -> None:
     """(A subprocess, killed by the caller.) {"port": its port} once listening, then, once n requests are
     in, their arrival times: on stdout, as JSON lines."""
@@ -115,7 +144,7 @@ def _serve(kind: str, n: int, http: str = "h11") -> None:
         _asgi(arrived, report, kind, http)
 
 
-def one_round(kind: str, prompts: list, clients: int, http: str = "h11") -> dict:
+def one_round(kind: str, prompts: list, clients: int, http: str = "h11", client: str = "raw") -> dict:
     n = len(prompts)
     server = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--requests", str(n), "--http", http],
                               stdout=subprocess.PIPE, text=True)
@@ -129,8 +158,10 @@ def one_round(kind: str, prompts: list, clients: int, http: str = "h11") -> dict
         procs = []
         for c in range(clients):
             spec = {"url": f"http://127.0.0.1:{port}", "jobs": jobs[c::clients], "start_at": start_at}
+            main_of = ("benchmarks.serve_burst_cpu import client_main" if client == "raw" else
+                       "benchmarks.ingress_probe_cpu import httpx_client_main as client_main")
             p = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                                  "from benchmarks.serve_burst_cpu import client_main; client_main()", str(ROOT)],
+                                  f"from {main_of}; client_main()", str(ROOT)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             p.stdin.write(json.dumps(spec))
             p.stdin.close()
@@ -158,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--http", default="h11", choices=["h11", "httptools"],
                     help="uvicorn's HTTP parser (httptools runs on uvloop; both must be importable)")
+    ap.add_argument("--client", default="raw", choices=["raw", "httpx"],
+                    help="raw: requests written by hand, encoded before the send (serve_burst_cpu.py); httpx: "
+                         "as minikv.bench.serve and ratios_gpu.py send them")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # (one server, in its own process)
     args = ap.parse_args(argv)
     if args.serve:
@@ -167,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in range(args.rounds):
         for kind in args.kinds.split(","):
-            row = {"round": r, **one_round(kind, prompts, args.clients, args.http)}
+            row = {"round": r, **one_round(kind, prompts, args.clients, args.http, args.client)}
             rows.append(row)
             print(f"{kind:8s} arrive p50 {row['arrive_p50_ms']:6.1f} ms, p99 {row['arrive_p99_ms']:6.1f} ms, "
                   f"last {row['last_after_first_send_ms']:6.1f} ms after the first send", flush=True)
     if args.out:
         record = {"benchmark": "ingress_probe_cpu", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                   "python": platform.python_version(), "requests": args.requests, "clients": args.clients,
-                  "http": args.http,
+                  "http": args.http, "client": args.client,
                   "load_average": os.getloadavg(), "rows": rows}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -18,6 +18,7 @@ process and card, tokens checked before anything is timed.
    cache, `LLM(ckpt)` none: so offline runs again with the server's cache, like for like.) Each load
    records its engine steps, the milliseconds inside them and the engine's busy share (the server's
    /metrics, offline's `LLM.core`), and the CPU share of the server process and its engine process.
+   --client raw: the clients write their requests by hand (no client library's time in the TTFT).
    --offline-busy N: N processes spin on the CPU during every offline run, as the server's clients and
    HTTP process run beside its engine: whether the host itself (a clock shared by busy cores) slows the
    engine's steps alike.
@@ -95,7 +96,7 @@ CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients ar
 
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
                       reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES,
-                      like_for_like: dict | None = None, offline_busy: int = 0) -> dict:
+                      like_for_like: dict | None = None, offline_busy: int = 0, client: str = "httpx") -> dict:
     """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
     `loads` times offline through `LLM(ckpt)` (warmed alike), load k's prompts rotated by k tokens on both
     sides (`rotated`): every run, and each side's medians. One load of one server moves by up to 15% from
@@ -103,7 +104,9 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     options of a second offline engine, run the same way (the server's prefix cache: the same engine on
     both sides, where `LLM(ckpt)` runs none). offline_busy: that many processes spinning on the CPU during
     every offline run (`busy_processes`), as the server's runs have its client processes and its HTTP
-    process beside the engine process: does the host's shared state (clock, caches) slow the engine alike?"""
+    process beside the engine process: does the host's shared state (clock, caches) slow the engine alike?
+    client: the clients' HTTP ("httpx", or "raw": written by hand, encoded before the clock starts;
+    minikv.bench.serve.run_load)."""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load, ttft_parts
     from minikv.serve.app import TRACE_ENV
 
@@ -124,11 +127,11 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     served = []
     try:
         name = server_name(server)
-        run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]])
+        run_load(server.url, name, [Req(0.0, "warm", p, 8) for p, _ in reqs[:8]], client=client)
         for k in range(loads):
             load = [Req(0.0, f"t{i % 4}", p, n) for i, (p, n) in enumerate(rotated(reqs, k))]
             before, cpu_before = server_counters(server), process_cpu(server.proc.pid)
-            results, duration = run_load(server.url, name, load, processes=processes)
+            results, duration = run_load(server.url, name, load, processes=processes, client=client)
             cpu_after, after = process_cpu(server.proc.pid), server_counters(server)
             ok = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in ok)
@@ -154,7 +157,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     memory_wait_s = wait_for_device_memory(free_before)
     offline, num_blocks = offline_runs(ckpt, reqs, loads, busy=offline_busy)
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    out = {"loads": loads, "memory_wait_s": memory_wait_s, "offline_busy_processes": offline_busy,
+    out = {"loads": loads, "memory_wait_s": memory_wait_s, "offline_busy_processes": offline_busy, "client": client,
            "offline": {"tok_s": med(offline, "tok_s"), "ttft_p50_s": med(offline, "ttft_p50_s"), "runs": offline,
                        "num_blocks": num_blocks},
            "server": {"tok_s": med(served, "tok_s"), "ttft_p50_s": med(served, "ttft_p50_s"),
@@ -399,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-busy", type=int, default=0,
                     help="processes spinning on the CPU during each offline run (the server's runs have 8 client "
                          "processes and its HTTP process beside the engine): 9 loads the host alike")
+    ap.add_argument("--client", default="httpx", choices=["httpx", "raw"],
+                    help="the clients' HTTP: httpx, or raw (requests written by hand, encoded before the clock "
+                         "starts: no client library's CPU time in the server's TTFT)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device; this script measures the GPU ratios (run it on the GPU machine)", file=sys.stderr)
@@ -422,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         server_args = args.server_args.split()
         r = offline_vs_server(ckpt, tmp, server_args, loads=args.serve_loads,
                               like_for_like={"prefix_caching": server_cache(server_args)},
-                              offline_busy=args.offline_busy)
+                              offline_busy=args.offline_busy, client=args.client)
         record["serve"] = r
         each = lambda side, k, f: " / ".join(f.format(x[k]) for x in r[side]["runs"])  # noqa: E731
         rows.append(("server / offline output tok/s", f"{r['server']['tok_s'] / r['offline']['tok_s']:.2f}",
@@ -432,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"failed {r['server']['failed']}, preemptions server {each('server', 'preemptions', '{}')} "
                      f"offline {each('offline', 'preemptions', '{}')}, offline num_blocks "
                      f"{r['offline']['num_blocks'] or 0:,} after {r['memory_wait_s']:.1f} s waiting for the "
-                     f"server's memory; offline beside {r['offline_busy_processes']} busy processes"))
+                     f"server's memory; offline beside {r['offline_busy_processes']} busy processes; "
+                     f"clients: {r['client']}"))
         ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy'] or 0:.2f}"  # noqa: E731
                                      for x in r[side]["runs"])
         share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731

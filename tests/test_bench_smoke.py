@@ -165,7 +165,9 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     ratios = research_script("ratios_gpu")
     reqs = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 4), ([13, 14, 15, 16], 5)]
     r = ratios.offline_vs_server("tiny-random", tmp_path, loads=2, reqs=reqs, processes=1,
-                                 like_for_like={"kv_backend": "paged", "prefix_caching": "hash"}, offline_busy=1)
+                                 like_for_like={"kv_backend": "paged", "prefix_caching": "hash"}, offline_busy=1,
+                                 client="raw")
+    assert r["client"] == "raw"
     assert r["loads"] == 2 and len(r["server"]["runs"]) == len(r["offline"]["runs"]) == 2
     assert r["offline_busy_processes"] == 1
     assert r["server"]["failed"] == 0 and r["output_tokens_equal"], r
@@ -305,6 +307,12 @@ def test_the_ingress_probe_takes_a_burst_into_each_kind_of_server(tmp_path):
     rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
     assert [r["kind"] for r in rows] == ["raw", "bare", "fastapi"]
     assert all(0 < r["arrive_p50_ms"] <= r["arrive_p99_ms"] <= r["last_after_first_send_ms"] for r in rows), rows
+    # the clients of minikv.bench.serve (httpx) against the same server: every request in, timed alike
+    probe.main(["--rounds", "1", "--requests", "6", "--clients", "2", "--kinds", "bare", "--client", "httpx",
+                "--out", str(tmp_path / "httpx.json")])
+    record = json.loads((tmp_path / "httpx.json").read_text())
+    assert record["client"] == "httpx" and [r["kind"] for r in record["rows"]] == ["bare"]
+    assert 0 < record["rows"][0]["arrive_p50_ms"] <= record["rows"][0]["last_after_first_send_ms"], record
 
 
 def test_a_step_trace_timeline_counts_the_steps_and_tokens_scheduled_by_each_mark():

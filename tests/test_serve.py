@@ -463,14 +463,36 @@ def test_bench_serve_replays_the_same_seeded_load_and_measures_every_request(ser
     assert set(by_tenant(results, duration, 1.0, 1.0)) == {"A", "B"}
 
 
+def test_the_hand_written_client_reads_what_the_library_reads(server):
+    """run_load(client="raw"): requests written by hand, the chunked stream undone by hand; every request's
+    tokens, chunk gaps and response id as the httpx client gets them, and a refused request's error alike."""
+    from minikv.bench.serve import Req, TenantLoad, make_requests, run_load
+
+    reqs = make_requests([TenantLoad("A", 40.0, 6, (8, 40), (2, 9))], seed=11, vocab=512)
+    by = {c: run_load(server.url, MODEL, reqs, client=c)[0] for c in ("httpx", "raw")}
+    for ours, lib in zip(by["raw"], by["httpx"]):
+        assert ours.ok and lib.ok and ours.error == lib.error == "", (ours, lib)
+        assert ours.output_tokens == lib.output_tokens == ours.max_tokens
+        assert len(ours.itls) == len(lib.itls) == ours.max_tokens - 1
+        assert ours.response_id.startswith("cmpl-") and ours.response_id != lib.response_id
+        assert 0 < ours.ttft <= ours.e2e and ours.sent_at is not None
+    wrong = [Req(0.0, "A", [5, 6, 7], 2)]
+    refused = {c: run_load(server.url, "no-such-model", wrong, client=c)[0][0] for c in ("httpx", "raw")}
+    assert refused["raw"].error.startswith("HTTP 404: ") and refused["httpx"].error.startswith("HTTP 404: ")
+    assert "no-such-model" in refused["raw"].error and not refused["raw"].ok
+    with pytest.raises(ValueError, match="client is 'curl'"):
+        run_load(server.url, MODEL, wrong, client="curl")
+
+
 @pytest.mark.slow  # two spawned client processes import minikv
 def test_the_load_spread_over_client_processes_returns_every_result_in_the_requests_order(server):
     from minikv.bench.serve import TenantLoad, make_requests, run_load
 
     reqs = make_requests([TenantLoad("A", 40.0, 5, (8, 24), (2, 6))], seed=5, vocab=512)
-    results, duration = run_load(server.url, MODEL, reqs, processes=2)
-    assert [r.max_tokens for r in results] == [q.max_tokens for q in reqs]
-    assert all(r.ok and r.output_tokens == r.max_tokens for r in results) and duration > 0
+    for client in ("httpx", "raw"):
+        results, duration = run_load(server.url, MODEL, reqs, processes=2, client=client)
+        assert [r.max_tokens for r in results] == [q.max_tokens for q in reqs]
+        assert all(r.ok and r.output_tokens == r.max_tokens for r in results) and duration > 0
 
 
 @pytest.mark.slow  # a server process (and its engine process), then the offline engine

@@ -92,46 +92,129 @@ def make_requests(loads: list[TenantLoad], seed: int, vocab: int, shared_prefix:
     return sorted(reqs, key=lambda r: r.send_at)
 
 
+CLIENTS = ("httpx", "raw")  # run_load's clients: a library, or requests written by hand (see _one_raw)
+
+
+def _body(model: str, req: Req) -> dict:
+    return {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},  # usage on a last chunk
+            "return_token_ids": True}  # how many tokens each chunk carries (a server behind sends several)
+
+
+def _read_line(res: Result, line: str, last: list[float]) -> None:
+    """One line of a stream's server-sent events, taken into `res` (last: [when the previous chunk came])."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = json.loads(line[6:])
+    if chunk.get("usage"):
+        res.output_tokens = chunk["usage"]["completion_tokens"]
+        res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if not chunk.get("choices"):
+        return
+    now = time.perf_counter()
+    k = len(chunk["choices"][0].get("token_ids") or []) or 1
+    if res.ttft is None:
+        res.ttft, res.response_id = now - res.sent_at, chunk.get("id")
+        res.itls += [0.0] * (k - 1)
+    else:  # k tokens came together: one gap, then k - 1 gaps of nothing (as the client saw them)
+        res.itls += [now - last[0]] + [0.0] * (k - 1)
+    last[0] = now
+
+
+def _ended(res: Result, last: list[float]) -> None:
+    res.e2e = last[0] - res.sent_at
+    res.ok = res.output_tokens == res.max_tokens
+    if not res.ok:
+        res.error = f"got {res.output_tokens} of {res.max_tokens} tokens"
+
+
 async def _one(http, url: str, model: str, req: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.send_at - time.perf_counter()))
     res = Result(req.tenant, len(req.prompt), req.max_tokens)
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},  # usage on a last chunk
-            "return_token_ids": True}  # how many tokens each chunk carries (a server behind sends several)
-    start = last = res.sent_at = time.perf_counter()
+    last = [time.perf_counter()]
+    res.sent_at = last[0]
     try:
-        async with http.stream("POST", url + "/v1/completions", json=body,
+        async with http.stream("POST", url + "/v1/completions", json=_body(model, req),
                                headers={"Authorization": f"Bearer {req.tenant}"}) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                    res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                now = time.perf_counter()
-                k = len(chunk["choices"][0].get("token_ids") or []) or 1
-                if res.ttft is None:
-                    res.ttft, res.response_id = now - start, chunk.get("id")
-                    res.itls += [0.0] * (k - 1)
-                else:  # k tokens came together: one gap, then k - 1 gaps of nothing (as the client saw them)
-                    res.itls += [now - last] + [0.0] * (k - 1)
-                last = now
-        res.e2e = last - start
-        res.ok = res.output_tokens == req.max_tokens
-        if not res.ok:
-            res.error = f"got {res.output_tokens} of {req.max_tokens} tokens"
+                _read_line(res, line, last)
+        _ended(res, last)
     except Exception as e:  # noqa: BLE001  a failed request is a result too
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-async def _run(url: str, model: str, reqs: list[Req], ready=None) -> tuple[list[Result], float]:
+def _raw_request(url: str, model: str, req: Req) -> bytes:
+    """The whole HTTP/1.1 request, encoded before any clock starts (its own connection, closed after)."""
+    host = url.removeprefix("http://")
+    body = json.dumps(_body(model, req)).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {req.tenant}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+async def _body_pieces(reader: asyncio.StreamReader, headers: dict[str, str]):
+    """A response's body as it comes: chunked transfer encoding undone, or up to its length, or to the end."""
+    if "chunked" in headers.get("transfer-encoding", ""):
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)  # the chunk's CRLF
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        yield await reader.read()
+
+
+async def _one_raw(url: str, req: Req, request: bytes, t0: float) -> Result:
+    """One request written by hand on its own connection: none of a client library's CPU time in what it
+    measures (on a host whose cores the clients share with the server, that time is the server's too)."""
+    await asyncio.sleep(max(0.0, t0 + req.send_at - time.perf_counter()))
+    res = Result(req.tenant, len(req.prompt), req.max_tokens)
+    last = [time.perf_counter()]
+    res.sent_at = last[0]
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        status = (await reader.readline()).split()
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = _body_pieces(reader, headers)
+        if len(status) < 2 or status[1] != b"200":
+            text = b"".join([piece async for piece in body])
+            res.error = f"HTTP {status[1].decode() if len(status) > 1 else '?'}: {text[:200]!r}"
+            return res
+        pending = b""
+        async for piece in body:
+            *lines, pending = (pending + piece).split(b"\n")
+            for line in lines:
+                _read_line(res, line.decode().rstrip("\r"), last)
+        _ended(res, last)
+    except Exception as e:  # noqa: BLE001  a failed request is a result too
+        res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            writer.close()
+    return res
+
+
+async def _run(url: str, model: str, reqs: list[Req], ready=None, client: str = "httpx") -> tuple[list[Result], float]:
+    if client == "raw":
+        requests = [_raw_request(url, model, r) for r in reqs]
+        if ready is not None:
+            ready.wait()  # every client process starts its clock together
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one_raw(url, r, q, t0) for r, q in zip(reqs, requests)))
+        return list(results), time.perf_counter() - t0
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -143,24 +226,31 @@ async def _run(url: str, model: str, reqs: list[Req], ready=None) -> tuple[list[
         return list(results), time.perf_counter() - t0
 
 
-def _client_process(k: int, url: str, model: str, reqs: list[Req], ready, out) -> None:
-    out.put((k, *asyncio.run(_run(url, model, reqs, ready))))
+def _client_process(k: int, url: str, model: str, reqs: list[Req], ready, out, client: str) -> None:
+    out.put((k, *asyncio.run(_run(url, model, reqs, ready, client))))
 
 
-def run_load(url: str, model: str, reqs: list[Req], processes: int = 1) -> tuple[list[Result], float]:
+def run_load(url: str, model: str, reqs: list[Req], processes: int = 1,
+             client: str = "httpx") -> tuple[list[Result], float]:
     """Send every request at its time (each its own streaming connection); wait for all of them.
+
+    client: "httpx" (the library), or "raw": each request written by hand, encoded before the clock starts
+    (its connection, parsing and body cost no library time; benchmarks/ingress_probe_cpu.py --client shows
+    what the library takes from a burst's first arrivals).
 
     processes > 1 spreads the clients over that many processes (request i in process i % processes),
     all starting their clocks together: one Python process reading hundreds of streams is itself
     the bottleneck of a fast server, and would be measured instead of it. Results come back in the
     requests' order; the duration is the slowest process's."""
+    if client not in CLIENTS:
+        raise ValueError(f"client is {client!r}; one of {', '.join(CLIENTS)}")
     if processes <= 1:
-        return asyncio.run(_run(url, model, reqs))
+        return asyncio.run(_run(url, model, reqs, client=client))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     ready, out = ctx.Barrier(processes + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(k, url, model, reqs[k::processes], ready, out),
+    procs = [ctx.Process(target=_client_process, args=(k, url, model, reqs[k::processes], ready, out, client),
                          daemon=True) for k in range(processes)]
     for p in procs:
         p.start()
