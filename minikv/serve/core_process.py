@@ -180,7 +180,8 @@ class EventReader:
 def _core_main(model, options: dict, command_end: Connection, conn: Connection, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
     MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop; with
-    MINIKV_STEP_TRACE=PATH, every step's moment, tokens and sequences go to PATH on stop (step_trace.py)."""
+    MINIKV_STEP_TRACE=PATH, every step's moment, tokens and sequences go to PATH each time the core falls idle
+    (step_trace.py)."""
     commands, results = EventReader(command_end), EventWriter(conn)
     path = os.environ.get("MINIKV_CORE_PROFILE")
     try:
