@@ -101,6 +101,10 @@ def problems(path: Path, patterns) -> list[str]:
         found += [f"cell {index}: nbval ignores the {w}: a marker must be alone on its line "
                   f"({', '.join('# ' + m for m in MARKERS if m.startswith('NBVAL'))}; explanation on the next line)"
                   for w in wrong]
+        unrun = "execution_count" in cell and cell["execution_count"] is None
+        if cell.get("outputs") and unrun and "skip" not in kinds:
+            found.append(f"cell {index}: stored outputs but no execution_count: nbval fails it ('Unrun reference cell "
+                         f"has outputs'); give it the count it would have, run top to bottom")
         if kinds & {"ignore", "skip"} or EXACT in cell.get("metadata", {}).get("tags", []):
             continue
         for out in compared_texts(cell):
@@ -137,3 +141,17 @@ def test_the_checker_catches_a_marker_with_text_after_it_and_a_compared_float(tm
     assert "cell 0" in found[1] and "7.2e-06" in found[1]
     assert "cell 2" in found[2] and "nbval-ignore-outputs" in found[2]  # a misspelt tag; cell 3's time is sanitized
     assert "cell 5" in found[3] and "8.44" in found[3]  # the same output, untagged
+
+
+def test_the_checker_catches_stored_outputs_without_an_execution_count(tmp_path):
+    """nbval fails a cell that holds outputs but says it never ran, even under # NBVAL_IGNORE_OUTPUT (a cell
+    pasted into a notebook with the outputs of another run, but not its count)."""
+    out = [{"output_type": "stream", "name": "stdout", "text": "took 3 ms\n"}]
+    unrun = {"cell_type": "code", "execution_count": None, "metadata": {}, "source": "# NBVAL_IGNORE_OUTPUT\n1",
+             "outputs": out}
+    ran = {**unrun, "execution_count": 4}
+    empty = {**unrun, "outputs": []}
+    nb = tmp_path / "x.ipynb"
+    nb.write_text(json.dumps({"cells": [unrun, ran, empty]}))
+    (found,) = problems(nb, sanitizers())
+    assert found.startswith("cell 0: stored outputs but no execution_count")
