@@ -116,7 +116,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     free_before = free_device_memory()
     # the server first, in its own process, so that its pool is fitted to an empty card
     trace = tmp / "serve_trace.jsonl"  # each request's first-token moments in the server (ttft_parts)
-    steps = tmp / "serve_steps.json"  # each engine step's moment and size (step_trace.py), written on stop
+    steps = tmp / "serve_steps.json"  # each engine step's moment and size (step_trace.py), written at idle
     trace.unlink(missing_ok=True)
     steps.unlink(missing_ok=True)
     os.environ.update({TRACE_ENV: str(trace), "MINIKV_STEP_TRACE": str(steps)})
