@@ -287,25 +287,32 @@ def ttft_parts(results: list[Result], trace: Path) -> dict[str, float | None]:
     The parts of one request add up to its TTFT; `requests` is how many were joined. And the burst as the
     engine saw it: `first_arrival`, the first request's arrival in the engine after the first send, and
     `engine_p50`, the median first token after that arrival (offline's alike: `first_token_p50`)."""
+    parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
+    moments = first_token_moments(results, trace)
+    for marks in moments.values():
+        for k, a, b in zip(TTFT_PARTS, marks, marks[1:]):
+            parts[k].append(b - a)
+    sent, arrived, first = ([m[i] for m in moments.values()] for i in (0, 2, 3))
+    burst = {"first_arrival": min(arrived) - min(sent), "engine_p50": pct(first, 50) - min(arrived)} if sent else {}
+    return {**{k: pct(v, 50) for k, v in parts.items()}, "requests": len(sent), **burst}
+
+
+def first_token_moments(results: list[Result], trace: Path) -> dict[str, list[float]]:
+    """Each finished request the trace holds, by response id: its six moments on one clock, in the order of
+    TTFT_PARTS's bounds (sent, handler, arrival in the engine, first token, first chunk sent, received)."""
     stamps = {}
     if trace.exists():
         for line in trace.read_text().splitlines():
             one = json.loads(line)
             stamps[one["id"]] = one
-    parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
-    sent, arrived, first = [], [], []
+    moments = {}
     for r in results:
         t = stamps.get(r.response_id)
         if not r.ok or t is None or r.sent_at is None or t["first_sent"] is None:
             continue
-        marks = [r.sent_at, t["handler"], t["arrival"], t["first_token"], t["first_sent"], r.sent_at + r.ttft]
-        for k, a, b in zip(TTFT_PARTS, marks, marks[1:]):
-            parts[k].append(b - a)
-        sent.append(r.sent_at)
-        arrived.append(t["arrival"])
-        first.append(t["first_token"])
-    burst = {"first_arrival": min(arrived) - min(sent), "engine_p50": pct(first, 50) - min(arrived)} if sent else {}
-    return {**{k: pct(v, 50) for k, v in parts.items()}, "requests": len(sent), **burst}
+        moments[r.response_id] = [r.sent_at, t["handler"], t["arrival"], t["first_token"], t["first_sent"],
+                                  r.sent_at + r.ttft]
+    return moments
 
 
 def summarize(results: list[Result], duration: float, slo_ttft: float, slo_itl: float) -> dict:
