@@ -22,8 +22,12 @@ five runs take turns --repeats rounds:
     exp_pass   torch.exp of the logits into a buffer: one pass of exp, which any exact top-p draw needs
                (every token's probability enters the normaliser), the floor of a sampled step
     lse_pass   the sampler's own pass over the vocabulary (the block maxima of every row in one op, then
-               x / T, exp and sum a row at a time in a buffer): sampled minus this is the work on the
-               nucleus
+               the sum of exp2(x / (T ln 2)) a row at a time in a buffer): sampled minus this is the work
+               on the nucleus
+
+--engine-rows takes a real model's rows instead: the logits SmolLM2-135M-Instruct (the course's offline
+model, on its own 49,152-token vocabulary) gave the engine at its 8th decode step, continuing 64
+passages of the README at T = 0.6, top-p 0.95.
 
 The medians give the ratios to greedy (the goal: sampled at most 1.1x) and to argmax (greedy before).
 With several threads, libgomp's idle threads spin between parallel regions (OMP_WAIT_POLICY, recorded);
@@ -64,6 +68,40 @@ def model_like_logits(rows: int, vocab: int, seed: int, head: int = 40) -> torch
     return logits.scatter_(1, ids, top - slope * ranks.log())
 
 
+def engine_logits(rows: int, step: int = 8) -> torch.Tensor:
+    """[rows, 49152] float32: the logits the engine sampled from at its `step`-th decode step, SmolLM2-135M-
+    Instruct (the course's offline model) continuing `rows` passages of this project's README at
+    temperature 0.6, top-p 0.95. A real model's rows, on its own vocabulary (not Qwen2.5's 151,936)."""
+    import minikv.engine.core as core
+    from minikv import LLM
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text().split()
+    prompts = [" ".join(text[i * 24:i * 24 + 24]) for i in range(rows)]
+    seen = []
+    real = {name: getattr(core, name) for name in ("sample", "sample_on_device")}  # (plain and overlapped steps)
+
+    def capture(name):
+        def run(logits, params, keys):
+            if logits.shape[0] == rows:  # a decode step of every sequence
+                seen.append(logits.float().clone())
+            return real[name](logits, params, keys)
+        return run
+
+    llm = LLM("smollm2-135m", max_num_seqs=rows)
+    for name in real:
+        setattr(core, name, capture(name))
+    try:
+        llm.generate(prompts, [SamplingParams(seed=i, max_tokens=step + 1, ignore_eos=True, **SAMPLED)
+                               for i in range(rows)])
+    finally:
+        for name, f in real.items():
+            setattr(core, name, f)
+        llm.close()
+    if len(seen) < step:
+        raise RuntimeError(f"the engine ran {len(seen)} decode steps of all {rows} rows, fewer than {step}")
+    return seen[step - 1]
+
+
 @contextlib.contextmanager
 def reference_path():
     """Top-p rows take the sorted path (`_sample_nucleus`) whatever the vocabulary."""
@@ -92,10 +130,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--checks", type=int, default=32)
+    ap.add_argument("--engine-rows", action="store_true",
+                    help="a real model's rows instead: SmolLM2-135M's logits as the engine samples them "
+                         "(its 49,152-token vocabulary; --vocab and --seed unused)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    logits = model_like_logits(args.rows, args.vocab, args.seed)
+    logits = engine_logits(args.rows) if args.engine_rows else model_like_logits(args.rows, args.vocab, args.seed)
+    args.vocab = logits.shape[-1]
     sampled = [SamplingParams(seed=i, **SAMPLED) for i in range(args.rows)]
     greedy = [SamplingParams() for _ in range(args.rows)]
     seeds = list(range(args.rows))
@@ -157,7 +199,8 @@ def main() -> None:
     if args.out:
         record = {"environment": environment(), "date": time.strftime("%Y-%m-%d"),
                   "args": vars(args) | {"out": str(args.out)},
-                  "logits": model_like_logits.__doc__, "sampling": SAMPLED,
+                  "logits": (engine_logits if args.engine_rows else model_like_logits).__doc__,
+                  "sampling": SAMPLED,
                   "tokens_equal_reference": [equal, total], "rows_left_to_sorted_path": sum(redone),
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
                   "nucleus_sizes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
