@@ -18,7 +18,10 @@ process and card, tokens checked before anything is timed.
    cache, `LLM(ckpt)` none: so offline runs again with the server's cache, like for like.) Each load
    records its engine steps, the milliseconds inside them and the engine's busy share (the server's
    /metrics, offline's `LLM.core`), and the CPU share of the server process and its engine process.
-   --client raw: the clients write their requests by hand (no client library's time in the TTFT).
+   The clients write their requests by hand, encoded before the clock starts (--client raw, the
+   default since 2026-11-28: with httpx the burst's first request reached the engine 53-68 ms after the
+   first send on an H200's host, raw 4-16 ms; the client library's time is not the server's).
+   --client httpx: the earlier records' clients.
    --offline-busy N: N processes spin on the CPU during every offline run, as the server's clients and
    HTTP process run beside its engine: whether the host itself (a clock shared by busy cores) slows the
    engine's steps alike.
@@ -96,7 +99,7 @@ CLIENT_PROCESSES = 8  # the 256 streaming clients, spread so that the clients ar
 
 def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: int = 3,
                       reqs: list[tuple[list[int], int]] | None = None, processes: int = CLIENT_PROCESSES,
-                      like_for_like: dict | None = None, offline_busy: int = 0, client: str = "httpx") -> dict:
+                      like_for_like: dict | None = None, offline_busy: int = 0, client: str = "raw") -> dict:
     """The workload `loads` times through `minikv serve` (its own process, warmed with 8 requests), then
     `loads` times offline through `LLM(ckpt)` (warmed alike), load k's prompts rotated by k tokens on both
     sides (`rotated`): every run, and each side's medians. One load of one server moves by up to 15% from
@@ -105,7 +108,7 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
     both sides, where `LLM(ckpt)` runs none). offline_busy: that many processes spinning on the CPU during
     every offline run (`busy_processes`), as the server's runs have its client processes and its HTTP
     process beside the engine process: does the host's shared state (clock, caches) slow the engine alike?
-    client: the clients' HTTP ("httpx", or "raw": written by hand, encoded before the clock starts;
+    client: the clients' HTTP ("raw": written by hand, encoded before the clock starts, or "httpx";
     minikv.bench.serve.run_load)."""
     from minikv.bench.serve import Req, ServerProcess, pct, run_load, ttft_parts
     from minikv.serve.app import TRACE_ENV
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-busy", type=int, default=0,
                     help="processes spinning on the CPU during each offline run (the server's runs have 8 client "
                          "processes and its HTTP process beside the engine): 9 loads the host alike")
-    ap.add_argument("--client", default="httpx", choices=["httpx", "raw"],
+    ap.add_argument("--client", default="raw", choices=["raw", "httpx"],
                     help="the clients' HTTP: httpx, or raw (requests written by hand, encoded before the clock "
                          "starts: no client library's CPU time in the server's TTFT)")
     args = ap.parse_args(argv)
