@@ -156,3 +156,25 @@ def test_random_requests_at_every_route_never_break_the_server(server):
     want = server.engine.llm.derive().generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
     assert server.engine.alive
+
+
+def test_the_bytes_check_for_surrogates_misses_no_body_whose_walk_finds_one():
+    """The handler walks a parsed body for lone surrogates only when its bytes may hold one
+    (`may_hold_surrogate`): every random body whose walk finds one must be flagged by its bytes, as UTF-8
+    (escapes, or a surrogate's own bytes, which json.loads takes with surrogatepass) and as UTF-16."""
+    from minikv.serve.protocol import lone_surrogate, may_hold_surrogate
+
+    rng = random.Random(17)
+    found = flagged = 0
+    for i in range(3000):
+        body = mutated(rng, i % 2 == 0) if i % 3 else value(rng)
+        escaped = json.dumps(body).encode()
+        raws = [escaped, json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                json.dumps(body).encode("utf-16")]
+        for raw in raws:
+            parsed = json.loads(raw)
+            flagged += may_hold_surrogate(raw)
+            if lone_surrogate(parsed) is not None:
+                found += 1
+                assert may_hold_surrogate(raw), raw[:200]
+    assert found > 100 and flagged < 3 * 3000, (found, flagged)  # the check met surrogates, and passes most

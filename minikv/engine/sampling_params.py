@@ -16,7 +16,12 @@ MAX_SEED = 2**63 - 1
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)  # True is an int to Python, not to us
+    # True is an int to Python, not to us; a plain int first, without the ABC's check
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
+
+
+def _is_real(x) -> bool:
+    return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
 @dataclass
@@ -47,14 +52,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
             setattr(self, name, int(value))
         t = self.temperature
-        if not isinstance(t, Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise ValueError(f"temperature {t!r} is below {MIN_TEMPERATURE}: logits / temperature overflows, and "
                              "sampling is already greedy there; use temperature=0 for greedy")
         self.temperature = float(t)
         p = self.top_p
-        if not isinstance(p, Real) or isinstance(p, bool) or not 0.0 < p <= 1.0:  # nan fails the comparison too
+        if not _is_real(p) or not 0.0 < p <= 1.0:  # nan fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {p!r}; use 1.0 to disable it")
         self.top_p = float(p)
         if not _is_int(self.top_k) or self.top_k < 0:

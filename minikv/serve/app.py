@@ -245,7 +245,7 @@ def build_app(engine: EngineLoop, served_name: str, isolate_tenants: bool = Fals
             why = "it nests too deeply" if isinstance(e, RecursionError) else f"{e}"[:200]
             raise ApiError(400, f"the request body is not valid JSON: {why}") from None
         try:
-            parsed = parse_request(body, chat, [served_name])
+            parsed = parse_request(body, chat, [served_name], raw)
             check_max_tokens(parsed, chat)
         except ApiError as e:
             deps.metrics.rejected_request("bad_request" if e.status < 404 else "not_found")

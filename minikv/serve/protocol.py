@@ -57,6 +57,18 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SCALARS = {int, float, bool, type(None)}  # what JSON gives besides strings, lists and objects
 
 
+# where a parsed body's strings can hold a surrogate at all: a JSON escape \ud800-\udfff, or the bytes of
+# one encoded as UTF-8 (json.loads of bytes decodes them with surrogatepass)
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def may_hold_surrogate(raw: bytes) -> bool:
+    """False when the body `raw` (as json.loads reads it) surely parses to no surrogate: UTF-8 without a
+    surrogate's escape or bytes. One scan of the bytes in C, where `lone_surrogate` walks the parsed body
+    (a prompt of a thousand token ids: a type check each)."""
+    return json.detect_encoding(raw) != "utf-8" or _SURROGATE_BYTES.search(raw) is not None
+
+
 def lone_surrogate(body: Any) -> str | None:
     """The path of the first string (or key) in a parsed JSON body holding a lone UTF-16 surrogate
     (JSON "\\ud83d" alone: not Unicode text, no tokenizer takes it), or None. Walks without recursion."""
@@ -78,7 +90,15 @@ def lone_surrogate(body: Any) -> str | None:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))  # (JSON's ints first: no ABC)
+
+
+def _is_number(x: Any) -> bool:
+    return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
+
+
+_KINDS = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict)}
 
 
 def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
@@ -86,9 +106,7 @@ def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    ok = {"int": _is_int(value), "number": isinstance(value, Real) and not isinstance(value, bool),
-          "bool": isinstance(value, bool), "str": isinstance(value, str), "dict": isinstance(value, dict)}[kind]
-    if not ok:
+    if not _KINDS[kind](value):
         want = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
                 "dict": "an object"}[kind]
         raise ApiError(400, f"'{name}' must be {want}, got {type(value).__name__} {value!r}", param=name)
@@ -148,11 +166,12 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"})}
 
 
-def parse_request(body: Any, chat: bool, served_names: list[str]) -> Parsed:
-    """Check one /v1/completions or /v1/chat/completions body; raise ApiError on the first problem."""
+def parse_request(body: Any, chat: bool, served_names: list[str], raw: bytes | None = None) -> Parsed:
+    """Check one /v1/completions or /v1/chat/completions body; raise ApiError on the first problem. raw: the
+    bytes it was parsed from, when at hand (they tell whether a surrogate needs looking for)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    bad = lone_surrogate(body)
+    bad = lone_surrogate(body) if raw is None or may_hold_surrogate(raw) else None
     if bad is not None:
         raise ApiError(400, f"'{bad:.80}' holds a lone UTF-16 surrogate (such as \\ud83d without its pair), which "
                             "is not Unicode text; send valid UTF-8 (both halves of a surrogate pair)",
