@@ -191,8 +191,12 @@ def test_close_releases_the_weights_it_loaded_unless_another_open_engine_shares_
     assert alone.loaded.released and next(alone.model.parameters()).device.type == "meta"
     with pytest.raises(ValueError, match="released when the engine that loaded them was closed"):
         alone.derive()
-    kept = LLM("tiny-random", **PAGED)
+    kept = LLM("tiny-random", device="cpu", **PAGED)
     kept.close()  # on a CPU the default keeps them: later engines may still be built on kept.loaded
     assert not kept.loaded.released and kept.derive().generate(PROMPTS[0], PARAMS)[0].token_ids
+    if torch.cuda.is_available():  # on a GPU the default gives them back
+        gone = LLM("tiny-random", device="cuda", **PAGED)
+        gone.close()
+        assert gone.loaded.released
     with pytest.raises(ValueError, match="release_weights must be"):
         kept.close(release_weights="yes")

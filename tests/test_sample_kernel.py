@@ -1,5 +1,6 @@
-"""The GPU sampling kernel (minikv/kernels/sample.py, run here in Triton's interpreter) draws the same
-token as the torch sampler, row for row: temperature alone, top-p on peaked and flat rows, ties."""
+"""The GPU sampling kernel (minikv/kernels/sample.py: on a GPU where there is one, otherwise in Triton's
+interpreter) draws the same token as the torch sampler on the CPU, row for row: temperature alone, top-p on
+peaked and flat rows, ties."""
 import pytest
 import torch
 
@@ -8,10 +9,12 @@ from minikv import SamplingParams
 from minikv.engine.sampler import draw_key, filtered_probs, sample
 from minikv.kernels.sample import sample_rows
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernel runs (tests/conftest.py: the interpreter)
+
 
 def draws(params: list[SamplingParams], keys: list[int], rows: list[int] | None = None) -> torch.Tensor:
     """The packed settings the kernel reads: a draw for each of `rows` (default: every row, in order)."""
-    return sampler.pack_draws(params, keys, list(range(len(params))) if rows is None else rows)
+    return sampler.pack_draws(params, keys, list(range(len(params))) if rows is None else rows).to(DEV)
 
 
 def rows_of_every_shape(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -30,7 +33,7 @@ def test_kernel_draws_the_torch_samplers_token(dtype):
               for i in range(n)]
     keys = [draw_key(i, 11) for i in range(n)]
     want = sample(logits.float(), params, keys)
-    got = sample_rows(logits, draws(params, keys)).tolist()
+    got = sample_rows(logits.to(DEV), draws(params, keys)).tolist()
     assert got == want
 
 
@@ -41,7 +44,7 @@ def test_kernel_on_a_row_of_ties_keeps_the_lowest_ids_in_the_nucleus():
     path's partial top-k may order ties otherwise: an equally valid nucleus, but another one.)"""
     n, vocab = 300, 1000
     params, keys = [SamplingParams(temperature=1.0, top_p=0.45)] * n, [draw_key(s, 0) for s in range(n)]
-    got = sample_rows(torch.zeros(n, vocab), draws(params, keys)).tolist()
+    got = sample_rows(torch.zeros(n, vocab, device=DEV), draws(params, keys)).tolist()
     allowed = (filtered_probs(torch.zeros(vocab), params[0]) > 0).nonzero()[:, 0].tolist()
     assert allowed == list(range(450))
     assert max(got) < 450 and len(set(got)) > 200  # spread over the nucleus
@@ -51,7 +54,7 @@ def test_kernel_reads_only_the_rows_it_is_given():
     logits = rows_of_every_shape(8, 500, seed=1)
     params, keys = [SamplingParams(temperature=0.8, top_p=0.9)] * 8, [draw_key(7, r) for r in range(8)]
     rows = [6, 1, 3]
-    got = sample_rows(logits, draws(params, keys, rows)).tolist()
+    got = sample_rows(logits.to(DEV), draws(params, keys, rows)).tolist()
     assert got == sample(logits[rows], params[:3], [keys[r] for r in rows])
 
 
@@ -65,12 +68,14 @@ def test_the_engines_sampler_through_the_kernel_matches_the_cpu_path(monkeypatch
     keys = [draw_key(i, 3) for i in range(n)]
     want = sample(logits, params, keys)
     monkeypatch.setattr(sampler, "_use_kernel", lambda dev: True)
-    assert sampler.sample_on_device(logits, params, keys).tolist() == want
+    assert sampler.sample_on_device(logits.to(DEV), params, keys).tolist() == want
 
 
 def test_kernel_refuses_a_bad_layout():
-    logits = torch.zeros(4, 100)
+    logits = torch.zeros(4, 100, device=DEV)
     with pytest.raises(ValueError, match="contiguous rows"):
         sample_rows(logits.t(), draws([SamplingParams(temperature=1.0)] * 2, [1, 2]))
     with pytest.raises(ValueError, match=r"\[draws, 5\] int64"):
         sample_rows(logits, torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="one device"):
+        sample_rows(logits, torch.zeros(2, 5, dtype=torch.long, device="meta"))

@@ -146,6 +146,12 @@ def sample_rows(logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if packed.dim() != 2 or packed.shape[1] != 5 or packed.dtype != torch.int64 or not packed.is_contiguous():
         raise ValueError(f"packed must be a contiguous [draws, 5] int64 tensor, got {tuple(packed.shape)} "
                          f"{packed.dtype}")
+    if packed.device != logits.device:
+        raise ValueError(f"packed is on {packed.device} and the logits on {logits.device}: the kernel reads both "
+                         "on one device (packed.to(logits.device))")
+    if logits.device.type != "cuda" and not interpreted():
+        raise ValueError(f"the sampling kernel runs on a CUDA device, or on the CPU in Triton's interpreter "
+                         f"(TRITON_INTERPRET=1 before triton is imported); the logits are on {logits.device}")
     out = torch.empty(packed.shape[0], dtype=torch.long, device=logits.device)
     if packed.shape[0] == 0:
         return out
