@@ -26,7 +26,7 @@ five runs take turns --repeats rounds:
                on the nucleus
 
 --engine-rows takes a real model's rows instead: the logits SmolLM2-135M-Instruct (the course's offline
-model, on its own 49,152-token vocabulary) gave the engine at its 8th decode step, continuing 64
+model, on its own 49,152-token vocabulary) gave the engine for the 8th token of each of 64
 passages of the README at T = 0.6, top-p 0.95.
 
 The medians give the ratios to greedy (the goal: sampled at most 1.1x) and to argmax (greedy before).
@@ -69,9 +69,10 @@ def model_like_logits(rows: int, vocab: int, seed: int, head: int = 40) -> torch
 
 
 def engine_logits(rows: int, step: int = 8) -> torch.Tensor:
-    """[rows, 49152] float32: the logits the engine sampled from at its `step`-th decode step, SmolLM2-135M-
-    Instruct (the course's offline model) continuing `rows` passages of this project's README at
-    temperature 0.6, top-p 0.95. A real model's rows, on its own vocabulary (not Qwen2.5's 151,936)."""
+    """[rows, 49152] float32: the logits the engine sampled the `step`-th token of every row from (the first
+    from the prefill), SmolLM2-135M-Instruct (the course's offline model) continuing `rows` passages of this
+    project's README at temperature 0.6, top-p 0.95. A real model's rows, on its own vocabulary (not
+    Qwen2.5's 151,936)."""
     import minikv.engine.core as core
     from minikv import LLM
 
@@ -82,7 +83,7 @@ def engine_logits(rows: int, step: int = 8) -> torch.Tensor:
 
     def capture(name):
         def run(logits, params, keys):
-            if logits.shape[0] == rows:  # a decode step of every sequence
+            if logits.shape[0] == rows:  # a token of every sequence
                 seen.append(logits.float().clone())
             return real[name](logits, params, keys)
         return run
@@ -98,7 +99,7 @@ def engine_logits(rows: int, step: int = 8) -> torch.Tensor:
             setattr(core, name, f)
         llm.close()
     if len(seen) < step:
-        raise RuntimeError(f"the engine ran {len(seen)} decode steps of all {rows} rows, fewer than {step}")
+        raise RuntimeError(f"the engine sampled all {rows} rows in {len(seen)} steps, fewer than {step}")
     return seen[step - 1]
 
 

@@ -323,3 +323,13 @@ def test_a_step_trace_timeline_counts_the_steps_and_tokens_scheduled_by_each_mar
     assert timeline(rows, 10.0, 10.4) == {"marks_s": [0.05, 0.1, 0.2, 0.3], "steps": [2, 2, 3, 3],
                                           "tokens": [12, 12, 13, 13]}
     assert timeline(rows, 10.0, marks=(1.0,))["tokens"] == [22]  # no end: the last step counts too
+
+
+@pytest.mark.slow  # SmolLM2 generates a few tokens for 4 prompts: seconds
+def test_the_cpu_sampling_benchmark_takes_the_engines_own_rows(smollm2_dir):
+    """`cpu_sampling.py --engine-rows`: the logits the engine sampled each row's 2nd token from, captured on
+    their way to the sampler (plain or overlapped step), one row a prompt, over SmolLM2's vocabulary."""
+    bench = research_script("cpu_sampling")
+    logits = bench.engine_logits(4, step=2)
+    assert logits.shape == (4, 49_152) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert not torch.equal(logits[0], logits[1])  # each row its own prompt's
