@@ -389,12 +389,14 @@ def _lse_and_block_max(logits: torch.Tensor, rows: list[int], temperature: torch
         _strided_max(block_max[a:b], GROUP, out=group_max[a:b])
         torch.div(group_max[a:b].amax(1, keepdim=True), t[a:b], out=m[a:b])
         if one:  # a row at a time
-            for i, xr, tr, zr, mr in zip(range(a, b), x.split(1), t[a:b].split(1), z[a:b].split(1), m[a:b, 0].tolist()):
+            rows_ = zip(range(a, b), x.split(1), t[a:b].split(1), (t[a:b] / LOG2E).split(1), z[a:b].split(1),
+                        m[a:b, 0].tolist())
+            for i, xr, tr, tr2, zr, mr in rows_:  # tr2: T ln 2
                 if abs(mr) > 60.0:
                     shift[i] = mr
                     s = torch.div(xr, tr, out=buf).sub_(mr).exp_()
                 else:
-                    s = torch.div(xr, tr / LOG2E, out=buf).exp2_()
+                    s = torch.div(xr, tr2, out=buf).exp2_()
                 torch.sum(s, dim=-1, keepdim=True, out=zr)
         elif bool((m[a:b].abs() <= 60.0).all()):  # the chunk whole
             s = torch.div(x, t[a:b] / LOG2E, out=buf[:b - a]).exp2_()
@@ -444,6 +446,8 @@ def _members(groups: torch.Tensor, w: int, size: int) -> torch.Tensor:
     short last group's lanes past the last column hold w (see `_pick`)."""
     g = w // size
     lane = torch.arange(size)
+    if w % size == 0:  # no short group: one op over the members (Qwen2.5's and SmolLM2's vocabularies are
+        return groups[..., None] + g * lane  # multiples of 16)
     return torch.where(groups[..., None] < g, groups[..., None] + g * lane, g * size + lane).clamp_max_(w)
 
 
