@@ -15,12 +15,14 @@ MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1
 
 
-def _is_int(x) -> bool:
-    # True is an int to Python, not to us; a plain int first, without the ABC's check
+def is_int(x) -> bool:
+    """An integer of any kind (numpy's too), not a bool: True is an int to Python, not to us. A plain int is
+    answered first, without the ABC's check (the server asks this of every field of every request)."""
     return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
+    """A real number of any kind, not a bool (plain floats and ints first, as `is_int`)."""
     return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
 
 
@@ -48,32 +50,32 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("max_tokens", "n"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
             setattr(self, name, int(value))
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
+        if not is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise ValueError(f"temperature {t!r} is below {MIN_TEMPERATURE}: logits / temperature overflows, and "
                              "sampling is already greedy there; use temperature=0 for greedy")
         self.temperature = float(t)
         p = self.top_p
-        if not _is_real(p) or not 0.0 < p <= 1.0:  # nan fails the comparison too
+        if not is_real(p) or not 0.0 < p <= 1.0:  # nan fails the comparison too
             raise ValueError(f"top_p must be in (0, 1], got {p!r}; use 1.0 to disable it")
         self.top_p = float(p)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it; vLLM's -1 is 0 here), got {self.top_k!r}")
         self.top_k = int(self.top_k)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.stop = self._stop_list(self.stop)
-        if not _is_int(self.priority):
+        if not is_int(self.priority):
             raise ValueError(f"priority must be an integer (lower = more important, default 0), got {self.priority!r}")
         self.priority = int(self.priority)
         if self.seed is not None:
             top = MAX_SEED - (self.n - 1)
-            if not _is_int(self.seed) or not 0 <= self.seed <= top:
+            if not is_int(self.seed) or not 0 <= self.seed <= top:
                 raise ValueError(f"seed must be None or an integer in [0, 2**63 - n] = [0, {top}] (sample i of n "
                                  f"draws from seed + i), got {self.seed!r}")
             self.seed = int(self.seed)

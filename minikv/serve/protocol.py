@@ -16,10 +16,9 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any
 
-from minikv.engine.sampling_params import SamplingParams
+from minikv.engine.sampling_params import SamplingParams, is_int, is_real
 
 
 class ApiError(Exception):
@@ -89,15 +88,7 @@ def lone_surrogate(body: Any) -> str | None:
     return None
 
 
-def _is_int(x: Any) -> bool:
-    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))  # (JSON's ints first: no ABC)
-
-
-def _is_number(x: Any) -> bool:
-    return type(x) is float or type(x) is int or (isinstance(x, Real) and not isinstance(x, bool))
-
-
-_KINDS = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
+_KINDS = {"int": is_int, "number": is_real, "bool": lambda v: isinstance(v, bool),
           "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict)}
 
 
@@ -125,7 +116,7 @@ def _prompt(body: dict) -> str | list[int]:
         return p
     if isinstance(p, list) and p and set(map(type, p)) <= {int}:  # token ids, checked at C speed
         return p
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):  # ints of another type (a subclass)
+    if isinstance(p, list) and p and all(is_int(t) for t in p):  # ints of another type (a subclass)
         return [int(t) for t in p]
     if isinstance(p, list) and p and all(isinstance(t, (str, list)) for t in p):
         raise ApiError(400, f"'prompt' holds {len(p)} prompts; this server takes one prompt per request "
