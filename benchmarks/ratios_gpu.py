@@ -49,7 +49,7 @@ from minikv import LLM, SamplingParams
 from minikv.bench import environment
 from minikv.bench.prefix_ttft import build_prompts
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint, workload
-from minikv.engine.step_trace import StepTrace, timeline
+from minikv.engine.step_trace import StepTrace, first_steps, timeline
 
 
 def turns(i: int) -> tuple[str, ...]:
@@ -155,6 +155,14 @@ def offline_vs_server(ckpt: str, tmp: Path, server_args: list[str] = (), loads: 
         rows = json.loads(steps.read_text())
         for run in served:
             run["timeline"] = timeline(rows, run["first_send"], run["first_send"] + run["seconds"])
+            run["first_steps"] = first_steps(rows, run["first_send"], run["first_send"] + run["seconds"])
+        loop_path = Path(str(steps) + ".loop.json")
+        if loop_path.exists():  # the core's loop: its turns (commands applied, step) and collections, first 400 ms
+            loop_rows = json.loads(loop_path.read_text())
+            for run in served:
+                t = run["first_send"]
+                run["core_loop"] = [[r[0]] + [round((x - t) * 1e3, 2) if isinstance(x, float) else x for x in r[1:]]
+                                    for r in loop_rows if 0 <= r[1] - t <= 0.4]
     # the offline engine fits its pool to the memory free now: wait until the server's engine process has
     # given its pool back, or offline runs with a smaller pool (preemptions) and the ratio measures that
     memory_wait_s = wait_for_device_memory(free_before)
@@ -201,6 +209,7 @@ def offline_runs(ckpt: str, reqs: list[tuple[list[int], int]], loads: int, busy:
                      "ttft_p50_s": pct([o.time_to_first_token for o in outs], 50),
                      "ttft_mean_s": statistics.fmean(o.time_to_first_token for o in outs),
                      "timeline": timeline(trace.rows, t0, t0 + seconds),
+                     "first_steps": first_steps(trace.rows, t0, t0 + seconds),
                      "first_token_p50_s": pct([o.metrics.token_times[0] for o in outs], 50)  # after the first
                      - min(o.metrics.arrival_time for o in outs),  # arrival: the burst as the engine saw it
                      **load_figures(before, engine_counters(llm), seconds)})

@@ -222,6 +222,7 @@ class EngineCore:
         self._kv_identity: str | None = None  # kv_identity(), taken on first use and again after a reset
         self._async_scheduling = cfg.async_scheduling
         self._inflight: InFlight | None = None  # the overlapped step launched but not yet read back
+        self.intake: Callable[[], None] | None = None  # see `_take_arrivals`
         self._placeholders: list[Sequence] = []  # sequences whose last token is a PLACEHOLDER right now
         self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
         self.num_steps = 0  # steps run since start (an empty one too), and the seconds spent inside them:
@@ -624,8 +625,19 @@ class EngineCore:
         logits, rows = self.runner.run(batch)
         return self._end_step(batch, self._finish_step(batch, logits, [batch.seqs[r] for r in rows]))
 
+    def _take_arrivals(self) -> None:
+        """Called right before the scheduler forms a batch. A driver that takes requests from elsewhere (the
+        engine process's command pipe, minikv/serve/core_process.py) sets `intake` to add what has arrived
+        since it last looked: a request that came in while the last step was being launched then runs in
+        the very next step. Without it, an overlapped step's successor is formed before control returns to
+        the driver, so a burst's requests waited two steps, not one (the first two steps of a burst were a
+        prompt or two each). `intake` may only add requests (`add`), never abort or step."""
+        if self.intake is not None:
+            self.intake()
+
     def _schedule(self) -> ScheduledBatch:
         """The next step's batch (empty when nothing is left to run); observers see it."""
+        self._take_arrivals()
         batch = self.scheduler.schedule()
         while not batch and self.is_paged and self.scheduler.preempt_stalled():
             batch = self.scheduler.schedule()  # stalled beams made room for a waiting sequence
@@ -696,6 +708,7 @@ class EngineCore:
                 self._placeholders.append(seq)
         self.scheduler.update(without_finished(t.batch))
         # 2. schedule and prepare t+1 while the device runs t
+        self._take_arrivals()
         nxt_batch, prepared = self.scheduler.schedule(), None
         if nxt_batch.preempted:  # min_free_blocks rules this out; a preempted sequence may hold a placeholder
             raise RuntimeError(f"an overlapped step preempted {[s.request_id for s in nxt_batch.preempted]}, "

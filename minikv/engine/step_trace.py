@@ -22,6 +22,11 @@ class StepTrace:
         self.rows.append((time.perf_counter(), sum(batch.num_new_tokens), len(batch.seqs)))
 
 
+def first_steps(rows: list, start: float, end: float = float("inf"), n: int = 48) -> list[tuple[float, int, int]]:
+    """The first `n` steps scheduled between `start` and `end`: (ms after `start`, tokens, sequences)."""
+    return [(round((t - start) * 1e3, 1), k, s) for t, k, s in sorted(r for r in rows if start <= r[0] <= end)[:n]]
+
+
 def timeline(rows: list, start: float, end: float = float("inf"),
              marks: tuple[float, ...] = MARKS_S) -> dict[str, list]:
     """By each mark (seconds after `start`): the steps scheduled (before `end`) and the tokens they ran, so far."""

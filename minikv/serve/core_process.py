@@ -15,7 +15,9 @@ a pipe waits for it while the other does socket work: an event loop taking in a 
 kept the engine thread from forwarding anything until the whole burst was in: every request of it went
 to the core in one message (benchmarks/NOTES_step_profile.md). Sent at once, the first requests of a
 burst are prefilled while the rest are still arriving. The core takes every command that is waiting
-before it steps.
+before it steps, and, inside a step, the requests that arrived while the last one was launched, right
+before the step forms its batch (`Inbox`, `EngineCore.intake`): with async scheduling a step's successor
+is formed inside the same call, so without that a burst's requests waited two steps.
 
 The core runs steps back to back while it has work, whatever the server is doing: a server busy
 writing SSE chunks just finds several steps' events waiting and hands each client all its new
@@ -39,6 +41,7 @@ with the next message, or when the sender's loop comes round. The reader reads t
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -56,7 +59,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from minikv.engine.core import EngineEvent, EngineRequest
-from minikv.engine.gc_pause import frozen_heap
+from minikv.engine.gc_pause import frozen_heap, refreeze
 from minikv.engine.prompts import parse_prompt
 from minikv.engine.sampling_params import SamplingParams
 
@@ -180,25 +183,28 @@ class EventReader:
 def _core_main(model, options: dict, command_end: Connection, conn: Connection, detokenize: bool = True) -> None:
     """The core process: build the engine, then take commands and step until told to stop. With
     MINIKV_CORE_PROFILE=PATH set, the loop runs under cProfile and its stats go to PATH on stop; with
-    MINIKV_STEP_TRACE=PATH, every step's moment, tokens and sequences go to PATH each time the core falls idle
-    (step_trace.py)."""
+    MINIKV_STEP_TRACE=PATH, every step's moment, tokens and sequences go to PATH, and the loop's turns and
+    collections to PATH.loop.json (`_serve_commands`), each time the core falls idle (step_trace.py)."""
     commands, results = EventReader(command_end), EventWriter(conn)
     path = os.environ.get("MINIKV_CORE_PROFILE")
     try:
         if not path:
-            return _core_loop(model, options, commands, results, detokenize)
+            return _core_loop(model, options, commands, results, detokenize, own_process=True)
         import cProfile
 
         profile = cProfile.Profile()
         try:
-            profile.runcall(_core_loop, model, options, commands, results, detokenize)
+            profile.runcall(_core_loop, model, options, commands, results, detokenize, True)
         finally:
             profile.dump_stats(path)
     finally:
         results.finish()  # its last words ("stopped", or why it could not start) reach the server
 
 
-def _core_loop(model, options: dict, commands, results, detokenize: bool) -> None:
+def _core_loop(model, options: dict, commands, results, detokenize: bool, own_process: bool = False) -> None:
+    """own_process: this is the engine's own process (`_core_main`), where nothing else lives: its heap is
+    frozen again each time it falls idle (`_serve_commands`). Not in a process that other engines share (a
+    test that runs this loop in its own thread): a refreeze there would freeze their objects too."""
     try:
         from minikv.engine.llm import LLM
 
@@ -212,54 +218,125 @@ def _core_loop(model, options: dict, commands, results, detokenize: bool) -> Non
     except BaseException as e:  # noqa: BLE001  the server says why and exits
         results.put(("start_failed", type(e).__name__, str(e), traceback.format_exc()))
         return
-    steps_path, on_idle = os.environ.get("MINIKV_STEP_TRACE"), None  # each step's moment and size (step_trace.py)
+    steps_path, on_idle, loop = os.environ.get("MINIKV_STEP_TRACE"), None, None  # (step_trace.py)
     if steps_path:  # written whenever the core falls idle with new steps: however the process ends later
         from minikv.engine.step_trace import StepTrace
 
-        trace, written = StepTrace(), [0]
+        trace, written, loop = StepTrace(), [0], []  # each step's moment and size; the loop's turns (below)
 
         def on_idle() -> None:
             if len(trace.rows) > written[0]:
                 Path(steps_path).write_text(json.dumps(trace.rows))
+                Path(steps_path + ".loop.json").write_text(json.dumps(loop))
                 written[0] = len(trace.rows)
+
+        def on_gc(phase, info, began=[0.0]):  # noqa: B006  (the start of the collection under way)
+            if phase == "start":
+                began[0] = time.perf_counter()
+            else:
+                loop.append(("gc", began[0], time.perf_counter(), info["generation"]))
         llm.add_observer(trace)
-    with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
-        _serve_commands(core, view, commands, results, on_idle)
+        gc.callbacks.append(on_gc)
+    try:
+        with frozen_heap():  # the model, loaded above, is never walked by a full collection (gc_pause.py)
+            _serve_commands(core, view, commands, results, on_idle, loop, own_process)
+    finally:
+        if loop is not None:
+            gc.callbacks.remove(on_gc)
 
 
-def _serve_commands(core, view, commands, results, on_idle=None) -> None:
+class Inbox:
+    """The core's commands, in the order the server sent them. Between steps the loop applies every one that
+    has come. While a step forms its batch, `intake` (the core's, `EngineCore._take_arrivals`) applies the
+    adds at the head of the pipe, so a request that arrived while the last step was launched runs in the very
+    next one. An abort or a stop read there waits, with everything after it, for the loop after the step:
+    nothing is reordered, and no request ends inside a step. Answers to adds go out as soon as they are made."""
+
+    def __init__(self, core, commands, results, view):
+        self.core, self.commands, self.results, self.view = core, commands, results, view
+        self.held = None  # a command read inside a step that is not an add: the next one `get` returns
+        self.answers: list[tuple] = []
+        self.applied = 0  # adds applied inside steps (the loop's trace counts them)
+
+    def get(self, timeout: float | None = 0.0):
+        """The next command; queue.Empty if none came within `timeout` (0: none waiting)."""
+        if self.held is not None:
+            cmd, self.held = self.held, None
+            return cmd
+        return self.commands.get_nowait() if timeout == 0.0 else self.commands.get(timeout=timeout)
+
+    def apply(self, cmd) -> bool:
+        """Apply one command (a "batch" one by one); False if it was a stop (the engine is closed then)."""
+        for one in cmd[1] if cmd[0] == "batch" else (cmd,):
+            if one[0] == "stop":
+                self.core.close()
+                self.results.put(("stopped",))
+                return False
+            _apply(self.core, one, self.answers)
+        return True
+
+    def send_answers(self) -> None:
+        if self.answers:
+            self.results.put(("answers", self.answers, self.view.snapshot()))
+            self.answers = []
+
+    def intake(self) -> None:
+        """(Inside a step, before its batch is formed.) The adds waiting at the head of the pipe."""
+        while self.held is None:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if any(one[0] != "add" for one in (cmd[1] if cmd[0] == "batch" else (cmd,))):
+                self.held = cmd
+                break
+            self.apply(cmd)
+            self.applied += 1
+        self.send_answers()
+
+
+def _serve_commands(core, view, commands, results, on_idle=None, loop_trace=None, refreeze_when_idle=False) -> None:
     """Take commands, step while there is work, send each step's events, until told to stop. on_idle: called
-    each time the core has no work left, before it waits for the next command."""
+    each time the core has no work left, before it waits for the next command. loop_trace: a list that gets
+    one row per turn ("it", start, commands applied before the step, step start, end, events, adds the
+    step took in itself) and one per collection ("gc", start, end, generation) (MINIKV_STEP_TRACE).
+    refreeze_when_idle: after its last live request, what survived joins the frozen heap (gc_pause.refreeze:
+    the prefix cache's entries outlive every request, and a full collection of the next burst would walk
+    them all: 23-32 ms a collection on the GPU host after two loads, NOTES_step_profile.md)."""
     parent = mp.parent_process()
+    inbox = Inbox(core, commands, results, view)
+    core.intake = inbox.intake
+    busy = False  # whether it stepped since it was last idle
     while True:
         try:
             if core.has_unfinished():
-                cmd = commands.get_nowait()
+                cmd = inbox.get()
             else:  # idle: wait for a command (and meanwhile hand the server what the pipe could not take)
+                if busy and refreeze_when_idle:
+                    refreeze()
+                busy = False
                 if on_idle is not None:
                     on_idle()
-                cmd = commands.get(timeout=FLUSH_WAIT_S if results.pending and not results.flush() else PARENT_CHECK_S)
+                cmd = inbox.get(timeout=FLUSH_WAIT_S if results.pending and not results.flush() else PARENT_CHECK_S)
         except queue.Empty:
             cmd = None
             if getattr(commands, "closed", False) or (parent is not None and not parent.is_alive()):
                 core.close()  # the server is gone (killed), or let go of its end without a stop: so is the engine
                 return
-        answers = []
+        t0, applied = time.perf_counter(), 0
         while cmd is not None:
-            for one in cmd[1] if cmd[0] == "batch" else (cmd,):
-                if one[0] == "stop":
-                    core.close()
-                    results.put(("stopped",))
-                    return
-                _apply(core, one, answers)
+            if not inbox.apply(cmd):
+                return
+            applied += 1
             try:
-                cmd = commands.get_nowait()
+                cmd = inbox.get()
             except queue.Empty:
                 cmd = None
-        if answers:
-            results.put(("answers", answers, view.snapshot()))
+        inbox.send_answers()
+        t1 = time.perf_counter()
         events, failed = [], None
         if core.has_unfinished():
+            busy = True
             try:
                 events = core.step()
             except BaseException as e:  # noqa: BLE001  the core recovered its state; the server fails the live requests
@@ -269,6 +346,9 @@ def _serve_commands(core, view, commands, results, on_idle=None) -> None:
             events = core.take_events()
         if events or failed:
             results.put(("events", to_wire(events), view.snapshot(), failed))
+        if loop_trace is not None:
+            loop_trace.append(("it", t0, applied, t1, time.perf_counter(), len(events), inbox.applied))
+            inbox.applied = 0
 
 
 WireEvent = namedtuple("WireEvent", [f.name for f in fields(EngineEvent)])  # an EngineEvent's fields, read alike
