@@ -196,3 +196,59 @@ def test_the_engine_process_steps_with_its_start_up_heap_frozen_and_thaws_when_i
     assert seen and all(count > 0 for count in seen), seen
     assert [m[0] for m in list(results.q.queue)][-1] == "stopped"
     assert gc.get_freeze_count() == 0
+
+
+class Node:
+    def __init__(self):
+        self.other = None
+
+
+def test_refreeze_collects_the_runs_garbage_and_freezes_what_survived_until_the_run_ends():
+    import weakref
+
+    from minikv.engine.gc_pause import refreeze
+
+    assert refreeze() is False and gc.get_freeze_count() == 0  # outside a run: nothing to add to
+    with frozen_heap():
+        before = gc.get_freeze_count()
+        kept = [[i] for i in range(2000)]  # what a run keeps (a cache's entries): tracked containers
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # garbage the run made: a cycle only the collector frees
+        dead = weakref.ref(a)
+        del a, b
+        assert refreeze() is True
+        assert dead() is None, "the cycle was frozen instead of collected"
+        assert gc.get_freeze_count() >= before + len(kept)
+        young = len(gc.get_objects(generation=2))
+        assert young < len(kept), f"{young} objects left for a full collection to walk"
+    assert gc.get_freeze_count() == 0, "the run's end thaws the refrozen objects too"
+    assert len(kept) == 2000
+
+
+def test_the_engine_process_refreezes_when_it_falls_idle(monkeypatch):
+    """After its last live request the engine process moves what survived into the frozen heap (its prefix
+    cache's entries would otherwise be walked by every full collection of the next burst)."""
+    from minikv.engine.core import EngineRequest
+    from minikv.serve import core_process
+
+    commands, calls = Pipe(), []
+
+    def refreeze():  # the loop fell idle: record, then end the loop
+        calls.append(sum(1 for m in results.q.queue if m[0] == "events"))
+        commands.put(("stop",))
+        return True
+
+    monkeypatch.setattr(core_process, "refreeze", refreeze)
+    results = Pipe()
+    commands.put(("add", EngineRequest([1, 2, 3], PARAMS, "r1", None, None, None)))
+    watchdog = threading.Timer(120, commands.put, [("stop",)])
+    watchdog.start()
+    try:
+        core_process._core_loop("tiny-random", dict(kv_backend="paged", block_size=4, num_blocks=32,
+                                                    prefix_caching="hash"), commands, results, True, own_process=True)
+    finally:
+        watchdog.cancel()
+    assert len(calls) == 1 and calls[0] > 0, "refrozen once, after the request's steps"
+    finished = [e for m in results.q.queue if m[0] == "events" for e in m[1] if e[4] is not None]
+    assert finished, "the request ended before the core fell idle"
+    assert [m[0] for m in results.q.queue][-1] == "stopped"

@@ -58,3 +58,23 @@ def frozen_heap() -> Iterator[None]:
             if _holders == 0 and _thaw:
                 gc.unfreeze()
                 _thaw = False
+
+
+def refreeze() -> bool:
+    """Inside a run that holds the freeze (`frozen_heap`): collect the garbage made since it began, then
+    freeze what survived as well. For a run that lasts for good, the server's engine process: what it keeps
+    from request to request (a prefix cache's entry per cached block, the spans of its index) would
+    otherwise stay young, and every full collection of the run would walk all of it: a pause that grows
+    with the traffic served (23-32 ms a collection in a burst after two loads on the GPU host,
+    benchmarks/NOTES_step_profile.md). Called when the run falls idle, after the last live request:
+    nothing of a request is then alive to be frozen, and the collection costs what the next one would
+    have. Garbage made later by what it froze (a cycle among them) waits for the thaw, as with the first
+    freeze. So only where the run owns the process: in one that other engines share (a notebook's, a
+    test's) it would freeze theirs too, and an engine stopped there would wait for the last run's end to
+    be freed. Returns whether it froze (False outside a run, or with the collector off)."""
+    with _lock:
+        if _holders == 0 or not gc.isenabled():
+            return False
+        gc.collect()
+        gc.freeze()
+        return True
