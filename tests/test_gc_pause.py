@@ -252,3 +252,45 @@ def test_the_engine_process_refreezes_when_it_falls_idle(monkeypatch):
     finished = [e for m in results.q.queue if m[0] == "events" for e in m[1] if e[4] is not None]
     assert finished, "the request ended before the core fell idle"
     assert [m[0] for m in results.q.queue][-1] == "stopped"
+
+
+def test_what_the_engine_process_refreezes_when_idle_holds_no_finished_request():
+    """A refreeze at idle must not freeze a finished request that something still points at (the last
+    step's sequences, say): a Sequence is its own root, a cycle only the collector frees, so once frozen
+    and then let go it would never be freed while the process runs: a leak per idle moment."""
+    import weakref
+
+    from minikv.engine.core import EngineCore, EngineRequest
+    from minikv.engine.gc_pause import refreeze as real_refreeze
+    from minikv.serve import core_process
+
+    commands, alive, seen = Pipe(), weakref.WeakSet(), []
+    add = EngineCore.add
+
+    def tracked_add(self, request):
+        seq = add(self, request)
+        alive.add(seq)
+        return seq
+
+    def refreeze():  # the loop fell idle: refreeze for real, count the requests still alive, go on
+        froze = real_refreeze()
+        gc.collect()
+        seen.append(len(alive))
+        commands.put(("add", EngineRequest([4, 5, 6], PARAMS, f"r{len(seen)}", None, None, None))
+                     if len(seen) < 4 else ("stop",))
+        return froze
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(EngineCore, "add", tracked_add)
+        mp_.setattr(core_process, "refreeze", refreeze)
+        commands.put(("add", EngineRequest([1, 2, 3], PARAMS, "r0", None, None, None)))
+        watchdog = threading.Timer(120, commands.put, [("stop",)])
+        watchdog.start()
+        try:
+            core_process._core_loop("tiny-random", dict(kv_backend="paged", block_size=4, num_blocks=32,
+                                                        prefix_caching="hash"), commands, Pipe(), True,
+                                    own_process=True)
+        finally:
+            watchdog.cancel()
+    assert seen == [0, 0, 0, 0], f"finished requests still alive (frozen) at each idle moment: {seen}"
+    assert gc.get_freeze_count() == 0

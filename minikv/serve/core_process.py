@@ -313,6 +313,7 @@ def _serve_commands(core, view, commands, results, on_idle=None, loop_trace=None
                 cmd = inbox.get()
             else:  # idle: wait for a command (and meanwhile hand the server what the pipe could not take)
                 if busy and refreeze_when_idle:
+                    core.last_tokens = []  # (in-process observers' view of the last step: nobody reads it here)
                     refreeze()
                 busy = False
                 if on_idle is not None:
