@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 
 import pytest
+from test_gc_pause import Pipe  # (tests/ is on the path) the engine process's pipes, as queues of this process
 
 from minikv import LLM, SamplingParams
 from minikv.serve.core_process import Inbox
@@ -40,9 +41,11 @@ def test_a_request_added_by_intake_runs_in_the_next_batch_with_the_tokens_it_get
     llm.add_observer(seen)
     core.add(llm.request(PROMPTS[0], PARAMS, "a"))
 
+    arrived = []
+
     def intake():  # "b" arrives while the first step is launched
-        if len(seen.ids) == 1 and "b" not in core._requests:
-            core.add(llm.request(PROMPTS[1], PARAMS, "b"))
+        if len(seen.ids) == 1 and not arrived:
+            arrived.append(core.add(llm.request(PROMPTS[1], PARAMS, "b")))
     core.intake = intake
     tokens: dict[str, list[int]] = {"a": [], "b": []}
     events = core.step()
@@ -64,21 +67,6 @@ def test_a_request_added_by_intake_runs_in_the_next_batch_with_the_tokens_it_get
     assert [tokens["a"], tokens["b"]] == alone
 
 
-class FakeCommands:
-    """The command pipe's reader: get_nowait / get(timeout) over a list, queue.Empty when it is empty."""
-
-    def __init__(self, cmds):
-        self.cmds = list(cmds)
-
-    def get_nowait(self):
-        if not self.cmds:
-            raise queue.Empty
-        return self.cmds.pop(0)
-
-    def get(self, timeout=None):
-        return self.get_nowait()
-
-
 class FakeCore:
     def __init__(self):
         self.calls: list[tuple] = []
@@ -98,12 +86,15 @@ class Req:
         self.request_id, self.prompt_token_ids = rid, [1, 2, 3]
 
 
-class Results:
-    def __init__(self):
-        self.messages: list[tuple] = []
+def commands_of(cmds) -> Pipe:
+    pipe = Pipe()
+    for c in cmds:
+        pipe.put(c)
+    return pipe
 
-    def put(self, msg):
-        self.messages.append(msg)
+
+def messages(results: Pipe) -> list:
+    return list(results.q.queue)
 
 
 class View:
@@ -114,14 +105,14 @@ class View:
 def test_the_inbox_takes_only_the_adds_at_the_head_inside_a_step_and_keeps_the_order():
     cmds = [("add", Req("r1")), ("batch", [("add", Req("r2")), ("add", Req("r3"))]), ("abort", "r1"),
             ("add", Req("r4")), ("stop",)]
-    core, results = FakeCore(), Results()
-    inbox = Inbox(core, FakeCommands(cmds), results, View())
+    core, results = FakeCore(), Pipe()
+    inbox = Inbox(core, commands_of(cmds), results, View())
     inbox.intake()  # inside a step: the two adds at the head (three requests), then the abort is held
     assert core.calls == [("add", "r1"), ("add", "r2"), ("add", "r3")]
     assert inbox.applied == 2 and inbox.held == ("abort", "r1")
-    assert results.messages == [("answers", [("accepted", r, 3) for r in ("r1", "r2", "r3")], "snapshot")]
+    assert messages(results) == [("answers", [("accepted", r, 3) for r in ("r1", "r2", "r3")], "snapshot")]
     inbox.intake()  # a held command blocks the head: nothing more inside this step
-    assert len(core.calls) == 3 and len(results.messages) == 1
+    assert len(core.calls) == 3 and len(messages(results)) == 1
     # after the step, the loop reads on in order: the held abort first, then the rest
     applied = []
     while True:
@@ -134,13 +125,13 @@ def test_the_inbox_takes_only_the_adds_at_the_head_inside_a_step_and_keeps_the_o
             break
     assert applied == ["abort", "add", "stop"]
     assert core.calls[3:] == [("abort", "r1"), ("add", "r4"), ("close",)]
-    assert results.messages[-1] == ("stopped",)
+    assert messages(results)[-1] == ("stopped",)
 
 
 def test_the_inbox_holds_a_batch_that_is_not_all_adds():
     cmds = [("batch", [("add", Req("r1")), ("abort", "r0")]), ("add", Req("r2"))]
-    core, results = FakeCore(), Results()
-    inbox = Inbox(core, FakeCommands(cmds), results, View())
+    core, results = FakeCore(), Pipe()
+    inbox = Inbox(core, commands_of(cmds), results, View())
     inbox.intake()
-    assert core.calls == [] and results.messages == [] and inbox.held[0] == "batch"
+    assert core.calls == [] and messages(results) == [] and inbox.held[0] == "batch"
     assert inbox.apply(inbox.get()) and core.calls == [("add", "r1"), ("abort", "r0")]
