@@ -265,9 +265,14 @@ class Inbox:
             return cmd
         return self.commands.get_nowait() if timeout == 0.0 else self.commands.get(timeout=timeout)
 
+    @staticmethod
+    def parts(cmd) -> tuple | list:
+        """The commands one message holds: a "batch" holds several."""
+        return cmd[1] if cmd[0] == "batch" else (cmd,)
+
     def apply(self, cmd) -> bool:
         """Apply one command (a "batch" one by one); False if it was a stop (the engine is closed then)."""
-        for one in cmd[1] if cmd[0] == "batch" else (cmd,):
+        for one in self.parts(cmd):
             if one[0] == "stop":
                 self.core.close()
                 self.results.put(("stopped",))
@@ -287,7 +292,7 @@ class Inbox:
                 cmd = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if any(one[0] != "add" for one in (cmd[1] if cmd[0] == "batch" else (cmd,))):
+            if any(one[0] != "add" for one in self.parts(cmd)):
                 self.held = cmd
                 break
             self.apply(cmd)

@@ -88,8 +88,9 @@ def lone_surrogate(body: Any) -> str | None:
     return None
 
 
-_KINDS = {"int": is_int, "number": is_real, "bool": lambda v: isinstance(v, bool),
-          "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict)}
+_KINDS = {"int": (is_int, "an integer"), "number": (is_real, "a number"),  # kind -> (check, what the error asks)
+          "bool": (lambda v: isinstance(v, bool), "true or false"), "str": (lambda v: isinstance(v, str), "a string"),
+          "dict": (lambda v: isinstance(v, dict), "an object")}
 
 
 def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
@@ -97,9 +98,8 @@ def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if not _KINDS[kind](value):
-        want = {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
-                "dict": "an object"}[kind]
+    ok, want = _KINDS[kind]
+    if not ok(value):
         raise ApiError(400, f"'{name}' must be {want}, got {type(value).__name__} {value!r}", param=name)
     return value
 
