@@ -77,7 +77,7 @@ async def call(app, body: bytes) -> int:
 async def bare(scope, receive, send) -> None:
     """The same JSON and request parsing, no framework."""
     msg = await receive()
-    parse_request(json.loads(msg["body"]), False, ["m"])
+    parse_request(json.loads(msg["body"]), False, ["m"], msg["body"])  # the raw bytes, as the route passes them
     await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": b'{"error": "x"}'})
 
