@@ -291,6 +291,18 @@ def test_a_run_freezes_a_heap_the_interpreter_froze_at_start_and_thaws_it_after(
     assert r["frozen_after"] == 0
 
 
+def test_the_eager_step_benchmark_times_lone_prompts_and_batches_of_each_size(tmp_path):
+    """benchmarks/eager_step_gpu.py on the CPU, tiny: a figure for every length and batch asked, in the record."""
+    eager = research_script("eager_step_gpu")
+    out = tmp_path / "eager.json"
+    r = eager.main(["--model", "tiny-random", "--lengths", "20,40", "--batches", "1,3", "--prompt-len", "32",
+                    "--out", str(out)])
+    assert json.loads(out.read_text()) == r
+    assert [k for k in r if k.startswith(("ttft_ms_", "wall_ms_"))] == [
+        "ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"]
+    assert all(r[k] > 0 for k in ("ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"))
+
+
 def test_the_ingress_benchmark_times_the_servers_route_and_the_same_parsing_bare(tmp_path):
     """benchmarks/serve_ingress_cpu.py: both sides take every request to its (fake engine's) 500."""
     ingress = research_script("serve_ingress_cpu")
