@@ -33,6 +33,7 @@ import json
 import os
 import pstats
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -237,11 +238,11 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
             else:
                 collected.append((began[0], time.perf_counter() - began[0], info["generation"]))
         heap = {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()}  # before the burst
-        spy = None
+        spies = []
         if os.environ.get("SERVE_BURST_SPY"):  # py-spy samples whichever thread of this process holds the lock
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--gil", "--threads",
-                                    "--nonblocking", "--format", "raw", "-r", "1000", "-d", "5",
-                                    "-o", os.environ["SERVE_BURST_SPY"]], stdout=subprocess.DEVNULL)
+            spies.append(spy(os.getpid(), os.environ["SERVE_BURST_SPY"], gil=True))
+        if os.environ.get("SERVE_BURST_CORE_SPY"):  # and every sample of the engine process, busy or waiting
+            spies.append(spy(proc.process.pid, os.environ["SERVE_BURST_CORE_SPY"]))
         gc.callbacks.append(on_gc)
         try:
             results = [r for c in clients for r in json.loads(c.stdout.read())]
@@ -249,8 +250,8 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
                 c.wait()
         finally:
             gc.callbacks.remove(on_gc)
-        if spy is not None:
-            spy.wait()
+        for one in spies:
+            one.wait()
     results.sort(key=lambda r: r["id"])
     errors = [r["error"] for r in results if r["error"]]
     rows = []
@@ -278,6 +279,15 @@ def run_server(prompts, outputs, options, num_clients: int, profile: Path | None
             if st["arrive"] else None}
 
 
+def spy(pid: int, out: str, gil: bool = False, seconds: int = 5) -> subprocess.Popen:
+    """py-spy (on PATH) recording process `pid` for `seconds`, 1,000 samples a second, into `out` (raw folded
+    stacks, by thread: benchmarks/spy_summary.py reads them). gil: only the thread holding the interpreter
+    lock; otherwise every thread's samples, including those waiting. Nonblocking: the process never stops."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), *(["--gil"] if gil else ["--idle"]), "--threads",
+                             "--nonblocking", "--format", "raw", "-r", "1000", "-d", str(seconds), "-o", out],
+                            stdout=subprocess.DEVNULL)
+
+
 def run_offline(prompts, outputs, options, model=None) -> dict:
     from minikv import LLM, SamplingParams
     from minikv.serve.tiny import tiny_random_with_text
@@ -285,7 +295,12 @@ def run_offline(prompts, outputs, options, model=None) -> dict:
     with LLM(model if model is not None else tiny_random_with_text(), **options) as llm:
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in outputs]
         llm.generate(prompts[:8], params[:8])  # warm
+        recording = spy(os.getpid(), os.environ["SERVE_BURST_OFFLINE_SPY"]) if os.environ.get(
+            "SERVE_BURST_OFFLINE_SPY") else None  # the same burst offline: this process's samples
         res = llm.generate(prompts, params)
+        if recording is not None:  # stopped with the burst (py-spy writes what it has on SIGINT)
+            recording.send_signal(signal.SIGINT)
+            recording.wait()
     ttft = [r.time_to_first_token for r in res]
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99)}
 

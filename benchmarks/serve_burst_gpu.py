@@ -29,6 +29,7 @@ if __name__ == "__main__":  # run as a script: minikv from this checkout, instal
 
 def main(argv: list[str] | None = None) -> int:
     from serve_burst_cpu import STAGES, run_offline, run_server
+    from spy_summary import summarize
 
     from minikv.bench import environment
     from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint, workload
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", action="store_true", help="also write every request's stamps, per round, beside --out")
     ap.add_argument("--spy", action="store_true", help="and py-spy's samples of the thread holding the server's "
                     "interpreter lock during the burst (py-spy on PATH; the figures then carry its cost)")
+    ap.add_argument("--core-spy", action="store_true", help="and py-spy's samples of the engine process during the "
+                    "burst, beside those of offline's process during the same burst; both summed up in the record by "
+                    "thread, line and function (benchmarks/spy_summary.py; py-spy on PATH)")
     args = ap.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -66,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SERVE_BURST_ROWS"] = str(Path(args.out).with_suffix(f".rows{k}.json"))
         if args.spy:
             os.environ["SERVE_BURST_SPY"] = str(Path(args.out).with_suffix(f".spy{k}.txt"))
+        spied = {side: Path(args.out).with_suffix(f".{side}spy{k}.txt") for side in ("core", "offline")}
+        if args.core_spy:
+            os.environ.update({f"SERVE_BURST_{side.upper()}_SPY": str(path) for side, path in spied.items()})
         served = run_server(prompts, outputs, server_options, args.clients, None, model=ckpt, warm=8)
         if args.device == "cuda":
             torch.cuda.empty_cache()
         offline = run_offline(prompts, outputs, offline_options, model=ckpt)
         rounds.append({"server": served, "offline": offline})
+        if args.core_spy:  # the engine's own process in the server against offline's, the same burst
+            rounds[-1]["spy"] = {side: summarize(path.read_text()) if path.exists() else
+                                 {"error": f"py-spy wrote no {path.name}: is it on PATH, and may it trace a process?"}
+                                 for side, path in spied.items()}
         st = served["stages_after_send_s"]
         print(f"[burst] round {k}: TTFT p50 server {served['ttft_p50_s']:.3f} s, offline {offline['ttft_p50_s']:.3f} s "
               f"({served['ttft_p50_s'] / offline['ttft_p50_s']:.2f}x), errors {served['errors']}; server stages p50: "

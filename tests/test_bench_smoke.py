@@ -115,7 +115,8 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
 
 @pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s"),
                                           ("serve_prefix_ab_gpu", "--loads"), ("host_run_cpu", "--burst"),
-                                          ("serve_burst_gpu", "--switch-interval")])
+                                          ("serve_burst_gpu", "--core-spy"), ("spy_summary", "--top"),
+                                          ("eager_step_gpu", "--lengths")])
 def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
     """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
     Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
@@ -301,6 +302,30 @@ def test_the_eager_step_benchmark_times_lone_prompts_and_batches_of_each_size(tm
     assert [k for k in r if k.startswith(("ttft_ms_", "wall_ms_"))] == [
         "ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"]
     assert all(r[k] > 0 for k in ("ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"))
+
+
+def test_the_spy_summary_charges_each_sample_to_its_thread_leaf_project_line_and_functions():
+    """benchmarks/spy_summary.py on py-spy's raw lines: a library leaf is charged to the project's line that
+    called it, a function counts once per sample however often it recurs, and a line that is not raw output
+    is refused."""
+    summary = research_script("spy_summary")
+    raw = ("thread (7): MainThread;run (minikv/engine/core.py:10);step (minikv/engine/core.py:20);"
+           "select (selectors.py:415) 30\n"
+           "thread (7): MainThread;run (minikv/engine/core.py:10);run (minikv/engine/core.py:12);"
+           "forward (minikv/model/llama.py:5) 50\n"
+           "thread (9): minikv-http;handle (asyncio/events.py:88) 20\n")
+    s = summary.summarize(raw)
+    assert s["samples"] == 100 and list(s["threads"]) == ["MainThread", "minikv-http"]
+    main = s["threads"]["MainThread"]
+    assert main["samples"] == 80
+    assert main["leaf_lines"] == [["forward (minikv/model/llama.py:5)", 50], ["select (selectors.py:415)", 30]]
+    assert main["own_lines"] == [["forward (minikv/model/llama.py:5)", 50], ["step (minikv/engine/core.py:20)", 30]]
+    assert main["functions"] == [["run (minikv/engine/core.py)", 80], ["forward (minikv/model/llama.py)", 50],
+                                 ["step (minikv/engine/core.py)", 30]]
+    assert s["threads"]["minikv-http"]["own_lines"] == [["(none of the project's)", 20]]
+    assert summary.summarize("f (a.py:1);g (b.py:2) 3\n")["threads"]["?"]["samples"] == 3  # without --threads
+    with pytest.raises(ValueError, match="raw output"):
+        summary.summarize("thread (7): MainThread;f (a.py:1)\n")
 
 
 def test_the_ingress_benchmark_times_the_servers_route_and_the_same_parsing_bare(tmp_path):
