@@ -26,6 +26,16 @@ process and card, tokens checked before anything is timed.
    HTTP process run beside its engine: whether the host itself (a clock shared by busy cores) slows the
    engine's steps alike.
 3. a second engine in the same process after `close()`: its num_blocks over the first's. Goal: 1.00.
+4. the decode step (--parts decode): `LLM(ckpt)` with its defaults (async scheduling, CUDA graphs) on the
+   nano-vllm workload; after 150 steps (prefills done, ~250 sequences decoding) the host's wall clock
+   around 50 steps (median), then torch.profiler over 20 more (`step_profile.device_profile`: the union
+   of the kernels' spans per step, and kernel time by family) and the bytes floor (`step_profile.bytes_floor`:
+   every weight and the running sequences' K/V read once at the card's copy bandwidth). Goals: the split
+   attention's merge kernel at most 0.15 of the split kernel, device busy time at most 1.6x the floor,
+   wall time at most 1.15x device busy time.
+5. CPU sampling (--parts sampling): `cpu_sampling.py` on this host's CPU, one thread, 64 model-like rows of
+   a 151,936-token vocabulary: top-p 0.95 at T 0.6 over greedy (medians; tokens checked against the
+   sorted path first). Goal: at most 1.1x.
 
 Prints one table of ratios and writes a JSON record (device, versions, commit, every raw figure).
 """
@@ -334,6 +344,75 @@ def load_figures(before: dict, after: dict, seconds: float) -> dict:
             "busy": d["step_seconds"] / seconds}
 
 
+def sibling(name: str):
+    """benchmarks/<name>.py, the script beside this one, as a module (whether this one runs as a script or
+    was loaded from its file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_step(ckpt: str, skip: int = 150, steps: int = 50, profile_steps: int = 20,
+                reqs: list[tuple[list[int], int]] | None = None, **options) -> dict:
+    """Part 4 (the docstring): the decode step's wall time and, on a GPU, its device time, the bytes floor
+    and the three ratios (`decode_ratios`). options: more LLM arguments (the defaults otherwise)."""
+    step_profile = sibling("step_profile")
+    llm = LLM(ckpt, **options)
+    try:
+        for prompt, n in reqs if reqs is not None else workload():
+            llm.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        for _ in range(skip):
+            llm.step()
+        sync()
+        walls = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            llm.step()
+            walls.append(time.perf_counter() - t)
+        sync()
+        running = llm.scheduler.running
+        out = {"skip": skip, "steps": steps, "running_seqs": len(running), "async_scheduling": llm.async_scheduling,
+               "wall_ms_per_step": statistics.median(walls) * 1e3}
+        if torch.cuda.is_available():
+            context = sum(s.num_tokens for s in running)  # the K/V the profiled steps read, as they begin
+            out["bytes_floor"] = step_profile.bytes_floor(llm, context, len(running))
+            out["device"] = step_profile.device_profile(llm, profile_steps)
+            out.update(decode_ratios(out["wall_ms_per_step"], out["device"], out["bytes_floor"]))
+    finally:
+        llm.close()
+    return out
+
+
+def decode_ratios(wall_ms: float, device: dict, floor: dict) -> dict:
+    """The decode step's goals from `step_profile.device_profile`'s figures (kernel time by family per step,
+    busy time: the union of the kernels' spans) and its bytes floor: merge over split attention kernel,
+    busy time over the floor, wall time over busy time (None where a figure is missing)."""
+    family, busy = device["device_ms_by_family"], device["device_busy_ms_per_step"]
+    split = family.get("attention", 0.0)
+    return {"merge_over_split": family.get("attention merge", 0.0) / split if split else None,
+            "device_over_floor": busy / floor["floor_ms"] if floor["floor_ms"] else None,
+            "wall_over_device": wall_ms / busy if busy else None}
+
+
+def cpu_sampling(rows: int = 64, vocab: int = 151_936, repeats: int = 9, checks: int = 4) -> dict:
+    """Part 5: `cpu_sampling.py` in a process of its own at one thread (OMP_NUM_THREADS=1, as its records
+    are), on this host's CPU: sampled over greedy, and its tokens checked against the sorted path."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "cpu_sampling.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("cpu_sampling.py")), "--rows", str(rows),
+                        "--vocab", str(vocab), "--threads", "1", "--repeats", str(repeats), "--checks", str(checks),
+                        "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        record = json.loads(out.read_text())
+    row = record["results"][0]
+    return {"rows": rows, "vocab": vocab, "cpu": record["environment"]["device"],
+            "sampled_over_greedy": row["sampled_over_greedy"], "median_ms": row["median_ms"],
+            "tokens_equal_reference": record["tokens_equal_reference"]}
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -408,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--label", default="")
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--parts", default="prefix,serve,second", help="comma-separated: prefix, serve, second")
+    ap.add_argument("--parts", default="prefix,serve,second,decode,sampling",
+                    help="comma-separated: prefix, serve, second, decode, sampling")
     ap.add_argument("--server-args", default="", help="more `minikv serve` flags, e.g. --no-engine-process")
     ap.add_argument("--serve-loads", type=int, default=3, help="loads of the server, and offline runs (medians)")
     ap.add_argument("--offline-busy", type=int, default=0,
@@ -493,6 +573,29 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['second_num_blocks']:,} / {r['first_num_blocks']:,}"))
         rows.append(("GPU memory still allocated after close()", f"{r['allocated_after_close_bytes'] / 2**20:.0f} MiB",
                      "the pool, graphs and weights of an engine that shares nothing"))
+    if "decode" in parts:
+        r = decode_step(ckpt)
+        record["decode"] = r
+        dev, floor = r["device"], r["bytes_floor"]
+        rows.append(("decode step: merge / split attention kernel", f"{r['merge_over_split']:.2f}",
+                     f"{dev['device_ms_by_family'].get('attention merge', 0.0):.3f} / "
+                     f"{dev['device_ms_by_family'].get('attention', 0.0):.3f} ms per step, "
+                     f"{r['running_seqs']} sequences decoding"))
+        rows.append(("decode step: device busy / bytes floor", f"{r['device_over_floor']:.2f}",
+                     f"{dev['device_busy_ms_per_step']:.3f} / {floor['floor_ms']:.3f} ms (weights "
+                     f"{floor['weights_bytes'] / 1e9:.2f} GB + K/V {floor['kv_bytes'] / 1e9:.2f} GB at "
+                     f"{floor['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s)"))
+        rows.append(("decode step: wall / device busy", f"{r['wall_over_device']:.2f}",
+                     f"{r['wall_ms_per_step']:.3f} / {dev['device_busy_ms_per_step']:.3f} ms (async scheduling "
+                     f"{'on' if r['async_scheduling'] else 'off'})"))
+    if "sampling" in parts:
+        r = cpu_sampling()
+        record["cpu_sampling"] = r
+        med = r["median_ms"]
+        rows.append(("CPU sampling, top-p / greedy (1 thread)", f"{r['sampled_over_greedy']:.2f}",
+                     f"{med['sampled']:.1f} / {med['greedy']:.1f} ms, {r['rows']} rows of {r['vocab']:,}, "
+                     f"{r['cpu']}; tokens equal to the sorted path {r['tokens_equal_reference'][0]}/"
+                     f"{r['tokens_equal_reference'][1]}"))
     rows.table()
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     return 0

@@ -212,6 +212,24 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     assert ratios.rotated(reqs, 1) == [([6, 7, 8, 9, 5], 6), ([11, 12, 10], 4), ([14, 15, 16, 13], 5)]
 
 
+def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_the_right_way():
+    """--parts decode,sampling: the decode step's wall clock over the running sequences (the device's figures
+    only where there is one), its three ratios from the profiler's figures, and the CPU sampling step's
+    ratio from cpu_sampling.py in its own process, with its tokens checked."""
+    ratios = research_script("ratios_gpu")
+    reqs = [([1, 2, 3, 4], 12), ([5, 6], 9), ([7, 8, 9], 3)]
+    r = ratios.decode_step("tiny-random", skip=3, steps=4, reqs=reqs, kv_backend="paged")
+    assert r["running_seqs"] == 2 and r["steps"] == 4 and r["wall_ms_per_step"] > 0  # the 3-token one ended
+    assert ("device" in r) == torch.cuda.is_available()
+    got = ratios.decode_ratios(2.2, {"device_ms_by_family": {"attention": 0.8, "attention merge": 0.1, "matmul": 1.0},
+                                     "device_busy_ms_per_step": 2.0}, {"floor_ms": 1.25})
+    assert got == pytest.approx({"merge_over_split": 0.125, "device_over_floor": 1.6, "wall_over_device": 1.1})
+    assert ratios.decode_ratios(1.0, {"device_ms_by_family": {}, "device_busy_ms_per_step": 0.0},
+                                {"floor_ms": 1.0})["merge_over_split"] is None
+    s = ratios.cpu_sampling(rows=4, vocab=4096, repeats=1, checks=1)
+    assert s["tokens_equal_reference"] == [4, 4] and s["sampled_over_greedy"] > 0 and s["vocab"] == 4096
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_the_gpu_ratios_cpu_share_reads_a_process_and_its_busiest_child():
     """process_cpu: the CPU seconds of a process (all its threads) and of its busiest child, from /proc: a
