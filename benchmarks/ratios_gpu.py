@@ -507,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "ratios_gpu", "label": args.label, **environment("cuda", args.commit),
               "host_cpus": host_cpus()}
     rows = Rows()
+
+    def save() -> None:  # after every part: a later part that fails leaves the earlier ones' figures on file
+        Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     if "prefix" in parts:
         for n in (8192, 2048):
             r = prefix_hits(ckpt, n)
@@ -516,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"off {r['warm_median_s']['None'] * 1e3:.1f} ms, "
                              f"hit {r['warm_median_s'][k] * 1e3:.1f} ms, "
                              f"tokens identical {r['tokens_identical'][k]}"))
+    save()
     if "serve" in parts:
         server_args = args.server_args.split()
         r = offline_vs_server(ckpt, tmp, server_args, loads=args.serve_loads,
@@ -566,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             for x in r[side]["runs"] if x.get("timeline"))
         rows.append(("steps:tokens scheduled by 50/100/200/300 ms after the burst's start", "",
                      f"server {marks('server') or '(no step trace came back)'}; offline {marks('offline')}"))
+    save()
     if "second" in parts:
         r = second_engine(ckpt)
         record["second_engine"] = r
@@ -573,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['second_num_blocks']:,} / {r['first_num_blocks']:,}"))
         rows.append(("GPU memory still allocated after close()", f"{r['allocated_after_close_bytes'] / 2**20:.0f} MiB",
                      "the pool, graphs and weights of an engine that shares nothing"))
+    save()
     if "decode" in parts:
         r = decode_step(ckpt)
         record["decode"] = r
@@ -588,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("decode step: wall / device busy", f"{r['wall_over_device']:.2f}",
                      f"{r['wall_ms_per_step']:.3f} / {dev['device_busy_ms_per_step']:.3f} ms (async scheduling "
                      f"{'on' if r['async_scheduling'] else 'off'})"))
+    save()
     if "sampling" in parts:
         r = cpu_sampling()
         record["cpu_sampling"] = r
@@ -596,8 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{med['sampled']:.1f} / {med['greedy']:.1f} ms, {r['rows']} rows of {r['vocab']:,}, "
                      f"{r['cpu']}; tokens equal to the sorted path {r['tokens_equal_reference'][0]}/"
                      f"{r['tokens_equal_reference'][1]}"))
+    save()
     rows.table()
-    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     return 0
 
 
