@@ -12,6 +12,10 @@ token ids in [100, 50000):
 - wall_ms_NxL: N (--batches) prompts of L = 1,024 tokens (--prompt-len) at once, one output token each
   (one prefill step of N x L tokens, within the default token budget), wall time with the device
   synchronized before and after, the median of the last 5 of 6.
+- profile_N (on a GPU): one more lone prompt of N tokens, its first step under torch.profiler
+  (`step_profile.device_profile`): the step's wall time (with the profiler's own cost), its device
+  busy time (the union of its kernels' spans) and the kernels it launched. A step whose device busy
+  time is far below its wall time waits on the host: launches, or what runs around them.
 - build_s: building the engine (weights, pool, graph capture); the first tree built in a fresh machine
   also compiles the Triton kernels, so compare it only between runs of the same state.
 A step whose wall stays flat as N grows is bound by the host; one that grows with N, by the device.
@@ -31,18 +35,19 @@ import torch
 
 if __name__ == "__main__":  # run as a script: minikv from this checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile.py, beside this script
 
 from minikv import LLM, SamplingParams  # noqa: E402
 from minikv.bench import environment  # noqa: E402
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint  # noqa: E402
 
 
-def measure(model: str, lengths: list[int], batches: list[int], prompt_len: int) -> dict:
+def measure(model: str, lengths: list[int], batches: list[int], prompt_len: int, options: dict | None = None) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t = time.perf_counter()
-    llm = LLM(model, max_model_len=4096) if cuda else LLM(model, kv_backend="paged")
+    llm = LLM(model, **({"max_model_len": 4096} if cuda else {"kv_backend": "paged"}) | (options or {}))
     sync()
     res = {"build_s": round(time.perf_counter() - t, 2),
            "alloc_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None}
@@ -54,6 +59,17 @@ def measure(model: str, lengths: list[int], batches: list[int], prompt_len: int)
             ts = [llm.generate([[rng.randrange(lo, hi) for _ in range(n)]], [one], use_tqdm=False)[0]
                   .time_to_first_token * 1e3 for _ in range(7)]
             res[f"ttft_ms_{n}"] = round(statistics.median(ts[2:]), 2)
+        if cuda:
+            import step_profile
+
+            for n in lengths:
+                llm.add_request([rng.randrange(lo, hi) for _ in range(n)], one)
+                d = step_profile.device_profile(llm, 1)  # the prefill, and its sampling, launched and synced
+                while llm.has_unfinished():
+                    llm.step()
+                res[f"profile_{n}"] = {"wall_ms": d["wall_ms_per_step"], "device_busy_ms": d["device_busy_ms_per_step"],
+                                       "kernels": round(sum(calls for _, calls, _ in d["kernels"])),
+                                       "device_ms_by_family": d["device_ms_by_family"]}
         for N in batches:
             walls = []
             for _ in range(6):
@@ -82,13 +98,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", type=ints, default=[300, 700, 1500, 3000], help="one-prompt lengths (comma-separated)")
     ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 16], help="prompts in one step (comma-separated)")
     ap.add_argument("--prompt-len", type=int, default=1024, help="tokens of each prompt of a batch")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='more LLM arguments as JSON, e.g. \'{"cuda_graph_max_tokens": 2048}\'')
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_random_checkpoint(QWEN25_05B_SHAPE, Path(tmp) / "qwen2.5-0.5b-random",
                                                          dtype=torch.bfloat16))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         res = {"benchmark": "eager_step_gpu", "label": args.label, "model": args.model or "qwen2.5-0.5b shapes",
-               **environment(device), **measure(model, args.lengths, args.batches, args.prompt_len)}
+               **environment(device), "options": args.options,
+               **measure(model, args.lengths, args.batches, args.prompt_len, args.options)}
     print("[eager]", json.dumps(res))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")

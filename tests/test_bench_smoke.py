@@ -315,8 +315,9 @@ def test_the_eager_step_benchmark_times_lone_prompts_and_batches_of_each_size(tm
     eager = research_script("eager_step_gpu")
     out = tmp_path / "eager.json"
     r = eager.main(["--model", "tiny-random", "--lengths", "20,40", "--batches", "1,3", "--prompt-len", "32",
+                    "--options", "{\"block_size\": 8}",
                     "--out", str(out)])
-    assert json.loads(out.read_text()) == r
+    assert json.loads(out.read_text()) == r and r["options"] == {"block_size": 8}
     assert [k for k in r if k.startswith(("ttft_ms_", "wall_ms_"))] == [
         "ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"]
     assert all(r[k] > 0 for k in ("ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"))
