@@ -33,7 +33,6 @@ import json
 import os
 import pstats
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -298,8 +297,7 @@ def run_offline(prompts, outputs, options, model=None) -> dict:
         recording = spy(os.getpid(), os.environ["SERVE_BURST_OFFLINE_SPY"]) if os.environ.get(
             "SERVE_BURST_OFFLINE_SPY") else None  # the same burst offline: this process's samples
         res = llm.generate(prompts, params)
-        if recording is not None:  # stopped with the burst (py-spy writes what it has on SIGINT)
-            recording.send_signal(signal.SIGINT)
+        if recording is not None:  # (py-spy writes nothing if stopped early: past the burst it samples this wait)
             recording.wait()
     ttft = [r.time_to_first_token for r in res]
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99)}
