@@ -413,6 +413,10 @@ def cpu_sampling(rows: int = 64, vocab: int = 151_936, repeats: int = 9, checks:
             "tokens_equal_reference": record["tokens_equal_reference"]}
 
 
+def ratio_text(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -583,15 +587,15 @@ def main(argv: list[str] | None = None) -> int:
         r = decode_step(ckpt)
         record["decode"] = r
         dev, floor = r["device"], r["bytes_floor"]
-        rows.append(("decode step: merge / split attention kernel", f"{r['merge_over_split']:.2f}",
+        rows.append(("decode step: merge / split attention kernel", ratio_text(r['merge_over_split']),
                      f"{dev['device_ms_by_family'].get('attention merge', 0.0):.3f} / "
                      f"{dev['device_ms_by_family'].get('attention', 0.0):.3f} ms per step, "
                      f"{r['running_seqs']} sequences decoding"))
-        rows.append(("decode step: device busy / bytes floor", f"{r['device_over_floor']:.2f}",
+        rows.append(("decode step: device busy / bytes floor", ratio_text(r['device_over_floor']),
                      f"{dev['device_busy_ms_per_step']:.3f} / {floor['floor_ms']:.3f} ms (weights "
                      f"{floor['weights_bytes'] / 1e9:.2f} GB + K/V {floor['kv_bytes'] / 1e9:.2f} GB at "
                      f"{floor['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s)"))
-        rows.append(("decode step: wall / device busy", f"{r['wall_over_device']:.2f}",
+        rows.append(("decode step: wall / device busy", ratio_text(r['wall_over_device']),
                      f"{r['wall_ms_per_step']:.3f} / {dev['device_busy_ms_per_step']:.3f} ms (async scheduling "
                      f"{'on' if r['async_scheduling'] else 'off'})"))
     save()
