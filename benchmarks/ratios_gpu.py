@@ -413,6 +413,30 @@ def cpu_sampling(rows: int = 64, vocab: int = 151_936, repeats: int = 9, checks:
             "tokens_equal_reference": record["tokens_equal_reference"]}
 
 
+def decode_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The table's rows of the decode part (`decode_step`'s figures, on a GPU)."""
+    dev, floor = r["device"], r["bytes_floor"]
+    return [("decode step: merge / split attention kernel", ratio_text(r["merge_over_split"]),
+             f"{dev['device_ms_by_family'].get('attention merge', 0.0):.3f} / "
+             f"{dev['device_ms_by_family'].get('attention', 0.0):.3f} ms per step, "
+             f"{r['running_seqs']} sequences decoding"),
+            ("decode step: device busy / bytes floor", ratio_text(r["device_over_floor"]),
+             f"{dev['device_busy_ms_per_step']:.3f} / {floor['floor_ms']:.3f} ms (weights "
+             f"{floor['weights_bytes'] / 1e9:.2f} GB + K/V {floor['kv_bytes'] / 1e9:.2f} GB at "
+             f"{floor['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s)"),
+            ("decode step: wall / device busy", ratio_text(r["wall_over_device"]),
+             f"{r['wall_ms_per_step']:.3f} / {dev['device_busy_ms_per_step']:.3f} ms (async scheduling "
+             f"{'on' if r['async_scheduling'] else 'off'})")]
+
+
+def sampling_row(r: dict) -> tuple[str, str, str]:
+    """The table's row of the sampling part (`cpu_sampling`'s figures)."""
+    med, (equal, total) = r["median_ms"], r["tokens_equal_reference"]
+    return ("CPU sampling, top-p / greedy (1 thread)", ratio_text(r["sampled_over_greedy"]),
+            f"{med['sampled']:.1f} / {med['greedy']:.1f} ms, {r['rows']} rows of {r['vocab']:,}, {r['cpu']}; "
+            f"tokens equal to the sorted path {equal}/{total}")
+
+
 def ratio_text(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -584,29 +608,13 @@ def main(argv: list[str] | None = None) -> int:
                      "the pool, graphs and weights of an engine that shares nothing"))
     save()
     if "decode" in parts:
-        r = decode_step(ckpt)
-        record["decode"] = r
-        dev, floor = r["device"], r["bytes_floor"]
-        rows.append(("decode step: merge / split attention kernel", ratio_text(r['merge_over_split']),
-                     f"{dev['device_ms_by_family'].get('attention merge', 0.0):.3f} / "
-                     f"{dev['device_ms_by_family'].get('attention', 0.0):.3f} ms per step, "
-                     f"{r['running_seqs']} sequences decoding"))
-        rows.append(("decode step: device busy / bytes floor", ratio_text(r['device_over_floor']),
-                     f"{dev['device_busy_ms_per_step']:.3f} / {floor['floor_ms']:.3f} ms (weights "
-                     f"{floor['weights_bytes'] / 1e9:.2f} GB + K/V {floor['kv_bytes'] / 1e9:.2f} GB at "
-                     f"{floor['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s)"))
-        rows.append(("decode step: wall / device busy", ratio_text(r['wall_over_device']),
-                     f"{r['wall_ms_per_step']:.3f} / {dev['device_busy_ms_per_step']:.3f} ms (async scheduling "
-                     f"{'on' if r['async_scheduling'] else 'off'})"))
+        record["decode"] = r = decode_step(ckpt)
+        for row in decode_rows(r):
+            rows.append(row)
     save()
     if "sampling" in parts:
-        r = cpu_sampling()
-        record["cpu_sampling"] = r
-        med = r["median_ms"]
-        rows.append(("CPU sampling, top-p / greedy (1 thread)", f"{r['sampled_over_greedy']:.2f}",
-                     f"{med['sampled']:.1f} / {med['greedy']:.1f} ms, {r['rows']} rows of {r['vocab']:,}, "
-                     f"{r['cpu']}; tokens equal to the sorted path {r['tokens_equal_reference'][0]}/"
-                     f"{r['tokens_equal_reference'][1]}"))
+        record["cpu_sampling"] = r = cpu_sampling()
+        rows.append(sampling_row(r))
     save()
     rows.table()
     return 0

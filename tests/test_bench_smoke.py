@@ -228,6 +228,16 @@ def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_th
                                 {"floor_ms": 1.0})["merge_over_split"] is None
     s = ratios.cpu_sampling(rows=4, vocab=4096, repeats=1, checks=1)
     assert s["tokens_equal_reference"] == [4, 4] and s["sampled_over_greedy"] > 0 and s["vocab"] == 4096
+    row = ratios.sampling_row(s)  # the table's rows, as a GPU run prints them
+    assert row[0].startswith("CPU sampling") and row[1] == f"{s['sampled_over_greedy']:.2f}" and "4/4" in row[2]
+    on_a_gpu = {**r, "device": {"device_ms_by_family": {"attention": 0.8, "attention merge": 0.1},
+                                "device_busy_ms_per_step": 2.0},
+                "bytes_floor": {"floor_ms": 1.25, "weights_bytes": 1e9, "kv_bytes": 2e9,
+                                "copy_bandwidth_bytes_s": 3e12},
+                **got, "merge_over_split": None}
+    assert [(name, value) for name, value, _ in ratios.decode_rows(on_a_gpu)] == [
+        ("decode step: merge / split attention kernel", "n/a"), ("decode step: device busy / bytes floor", "1.60"),
+        ("decode step: wall / device busy", "1.10")]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
