@@ -35,10 +35,9 @@ import torch
 
 if __name__ == "__main__":  # run as a script: minikv from this checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_profile.py, beside this script
 
 from minikv import LLM, SamplingParams  # noqa: E402
-from minikv.bench import environment  # noqa: E402
+from minikv.bench import environment, load_script  # noqa: E402
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint  # noqa: E402
 
 
@@ -60,8 +59,7 @@ def measure(model: str, lengths: list[int], batches: list[int], prompt_len: int,
                   .time_to_first_token * 1e3 for _ in range(7)]
             res[f"ttft_ms_{n}"] = round(statistics.median(ts[2:]), 2)
         if cuda:
-            import step_profile
-
+            step_profile = load_script(Path(__file__).with_name("step_profile.py"))
             for n in lengths:
                 llm.add_request([rng.randrange(lo, hi) for _ in range(n)], one)
                 d = step_profile.device_profile(llm, 1)  # the prefill, and its sampling, launched and synced

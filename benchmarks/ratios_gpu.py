@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.bench import environment
+from minikv.bench import environment, load_script
 from minikv.bench.prefix_ttft import build_prompts
 from minikv.bench.throughput import QWEN25_05B_SHAPE, make_random_checkpoint, workload
 from minikv.engine.step_trace import StepTrace, first_steps, timeline
@@ -344,22 +344,11 @@ def load_figures(before: dict, after: dict, seconds: float) -> dict:
             "busy": d["step_seconds"] / seconds}
 
 
-def sibling(name: str):
-    """benchmarks/<name>.py, the script beside this one, as a module (whether this one runs as a script or
-    was loaded from its file)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def decode_step(ckpt: str, skip: int = 150, steps: int = 50, profile_steps: int = 20,
                 reqs: list[tuple[list[int], int]] | None = None, **options) -> dict:
     """Part 4 (the docstring): the decode step's wall time and, on a GPU, its device time, the bytes floor
     and the three ratios (`decode_ratios`). options: more LLM arguments (the defaults otherwise)."""
-    step_profile = sibling("step_profile")
+    step_profile = load_script(Path(__file__).with_name("step_profile.py"))
     llm = LLM(ckpt, **options)
     try:
         for prompt, n in reqs if reqs is not None else workload():

@@ -44,7 +44,8 @@ def parse(text: str) -> list[tuple[str, list[str], int]]:
         frames = stack.split(";")
         thread = "?"
         if frames and frames[0].startswith("thread ("):
-            thread = frames.pop(0).partition(": ")[2] or frames[0]
+            head = frames.pop(0)
+            thread = head.partition(": ")[2] or head  # "thread (551): MainThread", or the bare "thread (551)"
         out.append((thread, frames, int(count)))
     return out
 

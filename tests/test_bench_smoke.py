@@ -1,7 +1,6 @@
 """The GPU benchmark scripts run end to end on tiny shapes here, so they cannot rot between the
 rare runs on a GPU: every method they time must produce the reference's result. The kernel research
 scripts live beside their records in benchmarks/ (not in the package) and are loaded from there."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from minikv.bench import decode_attention
+from minikv.bench import decode_attention, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def research_script(name: str):
     """benchmarks/<name>.py, imported as a module."""
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / f"{name}.py")
 
 
 decode_variants = research_script("decode_variants")

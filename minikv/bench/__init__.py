@@ -47,6 +47,17 @@ def environment(device="cpu", commit: str | None = None) -> dict:
             "commit": commit}
 
 
+def load_script(path: Path):
+    """A script under benchmarks/ (beside its records, not in the package) as a module, loaded from its
+    file: the scripts that measure with another's functions, and the tests that run them, load it so."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token, or None when the sequences are equal."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
