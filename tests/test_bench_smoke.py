@@ -349,6 +349,7 @@ def test_the_spy_summary_charges_each_sample_to_its_thread_leaf_project_line_and
                                  ["step (minikv/engine/core.py)", 30]]
     assert s["threads"]["minikv-http"]["own_lines"] == [["(none of the project's)", 20]]
     assert summary.summarize("f (a.py:1);g (b.py:2) 3\n")["threads"]["?"]["samples"] == 3  # without --threads
+    assert list(summary.summarize("thread (5);f (minikv/a.py:1) 2\n")["threads"]) == ["thread (5)"]  # no name
     with pytest.raises(ValueError, match="raw output"):
         summary.summarize("thread (7): MainThread;f (a.py:1)\n")
 
