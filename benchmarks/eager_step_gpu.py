@@ -18,7 +18,8 @@ token ids in [100, 50000):
   time is far below its wall time waits on the host: launches, or what runs around them.
 - build_s: building the engine (weights, pool, graph capture); the first tree built in a fresh machine
   also compiles the Triton kernels, so compare it only between runs of the same state.
-A step whose wall stays flat as N grows is bound by the host; one that grows with N, by the device.
+A step whose wall stays flat as N grows pays a fixed cost (profile_N says whether the host's or the
+device's); one that grows with N is bound by its work on the device.
 """
 from __future__ import annotations
 
