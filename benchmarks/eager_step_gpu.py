@@ -14,8 +14,11 @@ token ids in [100, 50000):
   synchronized before and after, the median of the last 5 of 6.
 - profile_N (on a GPU): one more lone prompt of N tokens, its first step under torch.profiler
   (`step_profile.device_profile`): the step's wall time (with the profiler's own cost), its device
-  busy time (the union of its kernels' spans) and the kernels it launched. A step whose device busy
+  busy time (the union of its kernels' spans), the kernels it launched, the costliest of them, and the
+  host's synchronizing ops. A step whose device busy
   time is far below its wall time waits on the host: launches, or what runs around them.
+- tokens_alone, tokens_together: 8 greedy tokens of one more prompt of each length (the same prompts in
+  every run), each alone and all in one step, to compare trees and options.
 - build_s: building the engine (weights, pool, graph capture); the first tree built in a fresh machine
   also compiles the Triton kernels, so compare it only between runs of the same state.
 A step whose wall stays flat as N grows pays a fixed cost (profile_N says whether the host's or the
@@ -68,7 +71,14 @@ def measure(model: str, lengths: list[int], batches: list[int], prompt_len: int,
                     llm.step()
                 res[f"profile_{n}"] = {"wall_ms": d["wall_ms_per_step"], "device_busy_ms": d["device_busy_ms_per_step"],
                                        "kernels": round(sum(calls for _, calls, _ in d["kernels"])),
-                                       "device_ms_by_family": d["device_ms_by_family"]}
+                                       "device_ms_by_family": d["device_ms_by_family"],
+                                       "top_kernels_ms": d["top_kernels_ms"], "host_sync_ops_ms": d["host_sync_ops_ms"]}
+        # greedy tokens, for comparing trees or options (the same seed gives every run the same prompts)
+        check = random.Random(7)
+        prompts = [[check.randrange(lo, hi) for _ in range(n)] for n in lengths]
+        eight = SamplingParams(max_tokens=8, ignore_eos=True)
+        res["tokens_alone"] = [llm.generate([p], [eight], use_tqdm=False)[0].token_ids for p in prompts]
+        res["tokens_together"] = [o.token_ids for o in llm.generate(prompts, [eight] * len(prompts), use_tqdm=False)]
         for N in batches:
             walls = []
             for _ in range(6):

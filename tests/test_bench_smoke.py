@@ -327,6 +327,8 @@ def test_the_eager_step_benchmark_times_lone_prompts_and_batches_of_each_size(tm
     assert [k for k in r if k.startswith(("ttft_ms_", "wall_ms_"))] == [
         "ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"]
     assert all(r[k] > 0 for k in ("ttft_ms_20", "ttft_ms_40", "wall_ms_1x32", "wall_ms_3x32"))
+    # a prompt's greedy tokens do not depend on the step it shares (CPU float32: exactly)
+    assert [len(t) for t in r["tokens_alone"]] == [8, 8] and r["tokens_together"] == r["tokens_alone"]
 
 
 def test_the_spy_summary_charges_each_sample_to_its_thread_leaf_project_line_and_functions():
