@@ -219,7 +219,15 @@ def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_th
     assert ("device" in r) == torch.cuda.is_available()
     got = ratios.decode_ratios(2.2, {"device_ms_by_family": {"attention": 0.8, "attention merge": 0.1, "matmul": 1.0},
                                      "device_busy_ms_per_step": 2.0}, {"floor_ms": 1.25})
-    assert got == pytest.approx({"merge_over_split": 0.125, "device_over_floor": 1.6, "wall_over_device": 1.1})
+    assert got == pytest.approx({"merge_over_split": 0.125, "merge_exposed_over_split": None, "device_over_floor": 1.6,
+                                 "wall_over_device": 1.1})
+    # the merge launched early: the profiler's 0.75 ms is mostly its wait; 0.05 ms comes after the split
+    split_merge = [(0.0, 0.8, "attention"), (0.1, 0.85, "attention merge"), (0.9, 1.0, "matmul")]
+    exposed = research_script("step_profile").exposed_by_family(split_merge)
+    assert exposed == pytest.approx({"attention": 0.8, "attention merge": 0.05, "matmul": 0.1})
+    assert ratios.decode_ratios(2.2, {"device_ms_by_family": {"attention": 0.8, "attention merge": 0.75},
+                                      "exposed_ms_by_family": exposed, "device_busy_ms_per_step": 0.95},
+                                {"floor_ms": 1.0})["merge_exposed_over_split"] == pytest.approx(0.0625)
     assert ratios.decode_ratios(1.0, {"device_ms_by_family": {}, "device_busy_ms_per_step": 0.0},
                                 {"floor_ms": 1.0})["merge_over_split"] is None
     s = ratios.cpu_sampling(rows=4, vocab=4096, repeats=1, checks=1)
@@ -232,8 +240,9 @@ def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_th
                                 "copy_bandwidth_bytes_s": 3e12},
                 **got, "merge_over_split": None}
     assert [(name, value) for name, value, _ in ratios.decode_rows(on_a_gpu)] == [
-        ("decode step: merge / split attention kernel", "n/a"), ("decode step: device busy / bytes floor", "1.60"),
-        ("decode step: wall / device busy", "1.10")]
+        ("decode step: merge / split attention kernel", "n/a"),
+        ("decode step: merge's exposed time / split kernel", "n/a"),
+        ("decode step: device busy / bytes floor", "1.60"), ("decode step: wall / device busy", "1.10")]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
