@@ -225,6 +225,7 @@ def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_th
     split_merge = [(0.0, 0.8, "attention"), (0.1, 0.85, "attention merge"), (0.9, 1.0, "matmul")]
     exposed = research_script("step_profile").exposed_by_family(split_merge)
     assert exposed == pytest.approx({"attention": 0.8, "attention merge": 0.05, "matmul": 0.1})
+    assert sum(exposed.values()) == pytest.approx(0.95)  # the busy time: the union of the spans
     assert ratios.decode_ratios(2.2, {"device_ms_by_family": {"attention": 0.8, "attention merge": 0.75},
                                       "exposed_ms_by_family": exposed, "device_busy_ms_per_step": 0.95},
                                 {"floor_ms": 1.0})["merge_exposed_over_split"] == pytest.approx(0.0625)
