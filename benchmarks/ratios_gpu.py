@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -449,13 +450,20 @@ def server_name(server) -> str:
 
 
 def second_engine(ckpt: str) -> dict:
+    """Part 3: two engines one after the other; with memory still allocated after the first's close(), where
+    it was allocated (torch's allocator history, recorded while the first engine lived: `kept_by_frame`)."""
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    first = LLM(ckpt)
-    n1 = first.stats()["config"]["num_blocks"]
-    first.close()
-    after_close = torch.cuda.memory_allocated() - base  # pool, graphs and (unshared) weights all given back
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        first = LLM(ckpt)
+        n1 = first.stats()["config"]["num_blocks"]
+        first.close()
+        after_close = torch.cuda.memory_allocated() - base  # pool, graphs and (unshared) weights all given back
+        kept = kept_by_frame(torch.cuda.memory._snapshot()) if after_close > 0 else {}
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     del first
     gc.collect()
     torch.cuda.empty_cache()
@@ -463,7 +471,24 @@ def second_engine(ckpt: str) -> dict:
     n2 = second.stats()["config"]["num_blocks"]
     second.close()
     return {"first_num_blocks": n1, "second_num_blocks": n2, "ratio": n2 / n1,
-            "allocated_after_close_bytes": after_close}
+            "allocated_after_close_bytes": after_close, "kept_by_frame": kept}
+
+
+def kept_by_frame(snapshot: dict, top: int = 5) -> dict[str, int]:
+    """Bytes of the allocator's live blocks by where they were allocated: the project's innermost frames (up
+    to 3, innermost first), or torch's outermost one where no frame is the project's. Blocks allocated
+    before the history was recorded have no frames ("before the record")."""
+    out: dict[str, int] = defaultdict(int)
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames
+                    if "minikv" in f["filename"] or "benchmarks" in f["filename"]][:3]
+            theirs = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames][-1:]
+            out[" < ".join(ours or theirs) or "before the record"] += block["size"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
 
 class Rows(list):
@@ -600,8 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         record["second_engine"] = r
         rows.append(("second engine num_blocks / first", f"{r['ratio']:.3f}",
                      f"{r['second_num_blocks']:,} / {r['first_num_blocks']:,}"))
+        kept = "; ".join(f"{size / 2**20:.0f} MiB at {where}" for where, size in r["kept_by_frame"].items())
         rows.append(("GPU memory still allocated after close()", f"{r['allocated_after_close_bytes'] / 2**20:.0f} MiB",
-                     "the pool, graphs and weights of an engine that shares nothing"))
+                     "the pool, graphs and weights of an engine that shares nothing"
+                     + (f"; allocated at: {kept}" if kept else "")))
     save()
     if "decode" in parts:
         record["decode"] = r = decode_step(ckpt)

@@ -246,6 +246,26 @@ def test_the_gpu_ratios_decode_and_sampling_parts_measure_on_a_cpu_and_divide_th
         ("decode step: device busy / bytes floor", "1.60"), ("decode step: wall / device busy", "1.10")]
 
 
+def test_the_second_engine_part_names_where_memory_kept_after_close_was_allocated():
+    """ratios_gpu.kept_by_frame on an allocator snapshot's shape: live blocks summed by the project's innermost
+    frames (torch's outermost where none is the project's); free blocks and inactive ones not counted."""
+    ratios = research_script("ratios_gpu")
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+    linear = [frame("/torch/nn/functional.py", 9, "linear"), frame("/x/minikv/model/llama.py", 171, "forward_fused"),
+              frame("/x/minikv/model/llama.py", 217, "forward_fused")]
+    snapshot = {"segments": [
+        {"blocks": [{"state": "active_allocated", "size": 32 << 20, "frames": linear}] * 3
+         + [{"state": "inactive", "size": 1 << 30, "frames": linear}]},
+        {"blocks": [{"state": "active_allocated", "size": 2 << 20, "frames": [frame("/t/torch/cuda/graphs.py", 1, "g"),
+                                                                              frame("/t/torch/x.py", 2, "outer")]},
+                    {"state": "active_allocated", "size": 1 << 20}]}]}
+    assert ratios.kept_by_frame(snapshot) == {
+        "llama.py:171 forward_fused < llama.py:217 forward_fused": 96 << 20, "x.py:2 outer": 2 << 20,
+        "before the record": 1 << 20}
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_the_gpu_ratios_cpu_share_reads_a_process_and_its_busiest_child():
     """process_cpu: the CPU seconds of a process (all its threads) and of its busiest child, from /proc: a
