@@ -139,17 +139,12 @@ def device_profile(llm, steps: int) -> dict:
         elif e.key.startswith(("cuda", "aten::item", "aten::_local_scalar_dense", "aten::to", "aten::copy_")):
             host_ops[e.key] += e.self_cpu_time_total
     device_ms = sum(by_family.values()) / steps / 1e3
-    # kernels that overlap (the merge launched early with programmatic dependent launch) count once here
-    kernel_spans = sorted((e.time_range.start, e.time_range.end, family(e.name)) for e in prof.events()
-                          if e.device_type is not None and "CUDA" in str(e.device_type)
-                          and e.time_range.end > e.time_range.start)
-    spans = [(a, b) for a, b, _ in kernel_spans]
-    busy, (lo, hi) = 0.0, spans[0] if spans else (0.0, 0.0)
-    for a, b in spans[1:]:
-        if a > hi:
-            busy, lo = busy + hi - lo, a
-        hi = max(hi, b)
-    busy += hi - lo
+    # busy time: the union of the kernels' spans, so kernels that overlap (the merge launched early with
+    # programmatic dependent launch) count once; it is the sum of the families' exposed times
+    exposed = exposed_by_family([(e.time_range.start, e.time_range.end, family(e.name)) for e in prof.events()
+                                 if e.device_type is not None and "CUDA" in str(e.device_type)
+                                 and e.time_range.end > e.time_range.start])
+    busy = sum(exposed.values())
     calls: dict[str, int] = defaultdict(int)
     for e in prof.key_averages():
         if e.device_type is not None and "CUDA" in str(e.device_type):
@@ -164,7 +159,7 @@ def device_profile(llm, steps: int) -> dict:
     return {"steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3), "device_ms_per_step": round(device_ms, 3),
             "device_busy_ms_per_step": round(busy / steps / 1e3, 3), "kernels": kernels,
             "device_ms_by_family": per_step(sorted(by_family.items(), key=lambda kv: -kv[1])),
-            "exposed_ms_by_family": per_step(sorted(exposed_by_family(kernel_spans).items(), key=lambda kv: -kv[1])),
+            "exposed_ms_by_family": per_step(sorted(exposed.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": per_step((k[:90], v) for k, v in top),
             "host_sync_ops_ms": per_step(sorted(host_ops.items(), key=lambda kv: -kv[1])[:8])}
 
