@@ -140,8 +140,10 @@ def _step_graphs(llm: LLM, max_tokens: int = 32) -> StepGraphs:
     return graphs
 
 
-def test_token_buckets_double_from_16_up_to_the_limit_and_max_model_len():
+def test_token_buckets_double_from_16_to_1024_then_add_1024_up_to_the_limit_and_max_model_len():
     assert token_buckets(256, 4096) == [16, 32, 64, 128, 256]
+    assert token_buckets(8192, 32768) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]
+    assert token_buckets(8192, 4000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072]
     assert token_buckets(100, 4096) == [16, 32, 64]
     assert token_buckets(256, 40) == [16, 32]
     assert token_buckets(8, 4096) == []

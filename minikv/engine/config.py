@@ -240,7 +240,7 @@ class _Draft:
     attention: str | None = None
     kv_layout: str | None = None
     cuda_graphs: bool | None = None
-    cuda_graph_max_tokens: int = 256  # with cuda_graphs: steps of up to this many tokens replay too (0: decode only)
+    cuda_graph_max_tokens: int = 8192  # with cuda_graphs: steps of up to this many tokens replay too (0: decode only)
     async_scheduling: bool | None = None  # overlap step t+1's host work with step t on the device (paged)
     kv_cache_dtype: str = "auto"  # what the pool stores: "auto" (the model's dtype), "int8" or "fp8" (e4m3)
     fused_ops: bool | None = None  # the model's fused Triton kernels and merged matmuls; None: on a GPU only

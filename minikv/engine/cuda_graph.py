@@ -28,23 +28,27 @@ sized by the largest. What a graph freezes, and so what must stay fixed:
   leave splits empty.
 - tensor addresses: the pool, the weights and these buffers are allocated once, before capture.
 
-Small prefill and mixed steps get graphs too (`StepGraphs`, bucketed by token count: 16, 32, ... up to
-`cuda_graph_max_tokens`, as vLLM V1's piecewise graphs are). A prefix hit runs only its new suffix
-(a 2,048-token hit with 32 new tokens is a 32-token step): eagerly that is ~150 kernel launches from
-Python for ~2 ms of GPU work. A step of T tokens over B sequences runs the graph of the smallest bucket
-T_b >= T; its rows hold every sequence the bucket can take (min(T_b, max_num_seqs)) plus one:
+Prefill and mixed steps get graphs too (`StepGraphs`, bucketed by token count: 16, 32, ... 1,024, then every
+1,024 up to `cuda_graph_max_tokens`, 8,192 by default, as vLLM V1's piecewise graphs are). A prefix hit
+runs only its new suffix (a 2,048-token hit with 32 new tokens is a 32-token step): eagerly that is ~150
+kernel launches from Python for ~2 ms of GPU work. A step of T tokens over B sequences runs the graph of
+the smallest bucket T_b >= T; its rows hold every sequence the bucket can take (min(T_b, max_num_seqs)) plus one:
 
     tokens         [ seq 0 .. seq B-1 (T tokens) | padding tokens [T, T_b) ]
     sequences      [ 0 .. B-1 | B: the padding tokens, slot -1, attends over block 0 | B+1..: 0 tokens ]
     logits_indices [ the step's sampled rows | 0 ... ]
 
-The prefill kernel's grid is frozen at capture (every row, cdiv(T_b, BLOCK_M) query tiles); a program
-past its sequence's queries returns at once, so a real sequence of any length up to T_b is covered.
+The prefill kernel's grid is frozen at capture: cdiv(T_b, BLOCK_M) + rows query tiles per head, laid out
+flat (minikv/kernels/prefill_attention.py), so any split of the T_b tokens among the rows is covered and a
+tile past its sequence's queries returns at once.
 Buckets of at most 32 tokens (the backend's query_rows_max) read their context through the split-K
 decode kernel instead, one row per token with its own causal length (minikv/attention/triton_backend.py):
 a short suffix over a long cached prefix then spreads over the GPU, where the prefill kernel would give
 each (sequence, head) one program walking the whole context alone.
-Larger steps (long prompts, big chunks) stay eager: their launches are a small part of their time.
+Larger steps stay eager. Measured on an H200 (benchmarks/eager_step_gpu.py, Qwen2.5-0.5B shapes): an eager
+step's forward launches about a dozen kernels a layer from Python, and a lone prompt of 300 tokens waited
+12-22 ms for its first token while the device was busy 2.4 ms (8.8 ms at 3,000 tokens); steps of up to
+~8,000 tokens wait on the host unless replayed.
 """
 from __future__ import annotations
 
@@ -155,11 +159,25 @@ class DecodeGraphs:
         return capture_graph(lambda: self._forward(bs), self.device, self.memory_pool)
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream of every warm-up
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every capture's warm-up runs on, in every engine of the process. cuBLAS keeps a
+    workspace (32 MiB on a Hopper card) for each stream it has run on (pytorch/pytorch#99196). With a new
+    stream per capture, 1,056 MiB (33 x 32 MiB) stayed allocated at a matmul after the engine closed
+    (benchmarks/NOTES_step_profile.md). A stream holds no engine alive."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[index] = torch.cuda.Stream(index)
+    return _WARMUP_STREAMS[index]
+
+
 def capture_graph(forward: Callable[[], None], device: torch.device, memory_pool) -> torch.cuda.CUDAGraph:
     """Record `forward` (one step on static buffers) as a CUDA graph in `memory_pool`. The warm-up run on a
     side stream (it compiles the Triton kernels and sets up cuBLAS) computes the step the buffers hold, so
     any K/V it stores are the ones a replay stores again."""
-    stream = torch.cuda.Stream(device)
+    stream = warmup_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         forward()
@@ -171,11 +189,13 @@ def capture_graph(forward: Callable[[], None], device: torch.device, memory_pool
 
 
 def token_buckets(max_tokens: int, max_model_len: int) -> list[int]:
-    """The step sizes (new tokens) that get a graph: 16, 32, 64, ... up to max_tokens, none past max_model_len."""
+    """The step sizes (new tokens) that get a graph: 16, 32, 64, ... 1,024, then every 1,024 (2,048, 3,072,
+    ...), up to max_tokens, none past max_model_len. Past 1,024 a step pays for its padding tokens in every
+    matmul, so a step of 4,200 tokens runs the graph of 5,120, not of 8,192."""
     sizes, t = [], 16
     while t <= min(max_tokens, max_model_len):
         sizes.append(t)
-        t *= 2
+        t = t * 2 if t < 1024 else t + 1024
     return sizes
 
 

@@ -118,8 +118,8 @@ class LLM:
         "torch" otherwise), kv_layout (the pool's storage order: "nhd" token-major or "hnd"
         head-major; default the attention's own), cuda_graphs (decode steps replayed from CUDA graphs;
         default on with Triton attention on a GPU, see minikv/engine/cuda_graph.py), cuda_graph_max_tokens
-        (with cuda_graphs, steps of up to this many new tokens replay from graphs too, bucketed 16, 32, ...;
-        default 256, 0 for decode steps only), kv_cache_dtype (what
+        (with cuda_graphs, steps of up to this many new tokens replay from graphs too, bucketed 16, 32, ...,
+        1,024, 2,048, 3,072, ...; default 8,192, 0 for decode steps only), kv_cache_dtype (what
         the pool stores: "auto" the model's dtype, "int8" or "fp8" e4m3 with a float32 scale per token
         and KV head, and for int8 a zero point, about half the bytes of a 16-bit pool; see
         minikv/cache/blocks/quant.py),

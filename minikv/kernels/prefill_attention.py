@@ -9,7 +9,14 @@ The new tokens of sequence b sit at the end of its context; their K/V are alread
 This one kernel covers a whole prompt, a chunk of a long prompt (chunked prefill), a prompt whose
 prefix came from the prefix cache, and a decode row mixed into the batch (q_len = 1).
 
-    grid = (B, num_heads, cdiv(max_query_len, BLOCK_M))   one program = BLOCK_M query rows of one head
+    grid = (num_heads, cdiv(T, BLOCK_M) + B)   one program = BLOCK_M query rows of one head
+
+The query tiles are laid out flat, as in varlen FlashAttention: sequence b's tiles start at program
+query_start_loc[b] // BLOCK_M + b (strictly increasing in b, and room for its cdiv(q_len, BLOCK_M)
+tiles), so a program finds its sequence by a binary search over query_start_loc. The grid depends on
+T and B only, never on the longest query: a CUDA graph recorded for T_b tokens and many padding rows
+launches ~T_b / BLOCK_M + rows programs per head, not rows x T_b / BLOCK_M (most of which would return
+at once, at a cost: a 300-token step in a bucket of 512 paid nearly 6x its eager attention).
 
 Each program streams key tiles [0, last position of its rows] through the block table with the
 same online softmax as the decode kernel; a tile's mask is causal (key pos <= query pos) and, with
@@ -30,7 +37,7 @@ from minikv.kernels.decode_attention import check_paged_layout
 from minikv.kernels.quant import load_kv_tiles, quant_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every number of sequences
 def _prefill_kernel(
     q_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -40,6 +47,7 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [B+1]
     seq_lens_ptr,  # [B]
     out_ptr,  # [T, num_heads, head_dim]
+    num_seqs,  # B
     scale_log2e,
     window,  # keys in (pos - window, pos] when SLIDING
     sinks,  # and keys [0, sinks) when SLIDING
@@ -59,10 +67,20 @@ def _prefill_kernel(
     QUANT: tl.constexpr,  # int8/fp8 values with scales: dequantize each tile as it is read
     HAS_ZERO: tl.constexpr,  # int8: x = q * scale + zero (fp8: q * scale)
 ):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    m_tile = tl.program_id(2)
+    head = tl.program_id(0)  # heads vary fastest: programs running together read the same K/V tiles
+    tile_id = tl.program_id(1)
+    # the last sequence b whose first tile, query_start_loc[b] // BLOCK_M + b, is at most tile_id
+    lo_b: tl.int32 = 0
+    hi_b: tl.int32 = num_seqs  # invariant: first_tile(lo_b) <= tile_id < first_tile(hi_b), first_tile(num_seqs) = inf
+    while hi_b - lo_b > 1:
+        mid = (lo_b + hi_b) // 2
+        if tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_M + mid <= tile_id:
+            lo_b = mid
+        else:
+            hi_b = mid
+    b = lo_b
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int32)
+    m_tile = tile_id - (q_start // BLOCK_M + b)
     q_len = tl.load(query_start_loc_ptr + b + 1).to(tl.int32) - q_start
     if m_tile * BLOCK_M >= q_len:
         return
@@ -145,7 +163,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B+1] offsets of each sequence's rows in q
     seq_lens: torch.Tensor,  # [B] context length after this step
     scale: float,
-    max_query_len: int,
+    max_query_len: int,  # kept for callers: the flat grid needs only T and B
     sliding_window: int | None = None,
     sink_tokens: int = 0,  # with a sliding window: keys [0, sink_tokens) stay in sight (StreamingLLM)
     block_m: int | None = None,
@@ -178,9 +196,9 @@ def paged_prefill_attention(
     block_n = block_n or PREFILL_CONFIG["block_n"]
     launch = {} if interp else {"num_warps": num_warps or PREFILL_CONFIG["num_warps"],
                                 "num_stages": num_stages or PREFILL_CONFIG["num_stages"]}
-    grid = (B, num_heads, triton.cdiv(max_query_len, block_m))
+    grid = (num_heads, triton.cdiv(T, block_m) + B)  # flat query tiles (top of the file)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, block_tables, query_start_loc, seq_lens, out, B,
         scale * math.log2(math.e), sliding_window or 0, sink_tokens if sliding_window else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
