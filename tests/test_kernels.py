@@ -9,7 +9,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before minikv.kernels defines the kernels
 
-import itertools  # noqa: E402, I001  (the block keeps triton after minikv.kernels)
+import importlib  # noqa: E402, I001  (the block keeps triton after minikv.kernels)
+import itertools  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -268,6 +269,22 @@ def test_prefill_flat_tiles_cover_every_row_with_rows_of_no_tokens():
                                       max(query_lens), block_m=block_m, out=poisoned(q.shape, q.dtype))
         assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, f"flat tiles of {block_m}")
 
+
+
+@pytest.mark.parametrize("module, kernel, count", [
+    ("prefill_attention", "_prefill_kernel", "num_seqs"), ("fused_norm", "_add_rms_norm_kernel", "num_rows"),
+    ("fused_activation", "_silu_and_mul_kernel", "num_rows"), ("fused_rope", "_rotary_qkv_kernel", "num_rows")])
+def test_kernels_compile_once_for_every_count_of_rows_or_sequences(module, kernel, count):
+    """Triton compiles an integer argument's kernel anew when the integer is 1 or a multiple of 16, unless the
+    argument is left unspecialized. A count of rows or sequences changes every step: a server's engine process
+    compiled the prefill kernel mid-burst on its first step of 16 sequences (one 0.5 s step on an H200,
+    benchmarks/NOTES_step_profile.md). On a GPU the jitted function holds the list, on the interpreter its
+    arguments do."""
+    fn = getattr(importlib.import_module(f"minikv.kernels.{module}"), kernel)
+    unspecialized = (fn.do_not_specialize if hasattr(fn, "do_not_specialize")
+                     else fn.kwargs.get("do_not_specialize")) or []
+    names = [fn.arg_names[i] if isinstance(i, int) else i for i in unspecialized]
+    assert count in names, f"{kernel} specializes on {count}: add do_not_specialize=[{count!r}] to its @triton.jit"
 
 @pytest.mark.parametrize("window", [3, 40])
 def test_prefill_sliding_window(window):
