@@ -257,17 +257,20 @@ def test_prefill_flat_tiles_cover_every_row_with_rows_of_no_tokens():
     tiles of 16 rows, sequences starting mid-tile, and rows of no tokens around them, as a CUDA graph's
     padding rows are (they must neither write nor shift a neighbour's tiles). Every real row is checked
     against float64; a row no program wrote would keep the poison."""
-    query_lens = [0, 17, 0, 1, 33, 0, 16, 5, 0]
-    seq_lens = [0, 40, 0, 9, 33, 0, 80, 5, 0]
-    q, k_cache, v_cache, tables, meta = mixed_batch([n for n in query_lens if n], [s for s, n in
-                                                    zip(seq_lens, query_lens) if n], 8, 2, 3, torch.float32, seed=5)
-    starts = torch.tensor([0] + list(itertools.accumulate(query_lens)))
-    full_tables = torch.zeros(len(query_lens), tables.shape[1], dtype=tables.dtype)
-    full_tables[torch.tensor([i for i, n in enumerate(query_lens) if n])] = tables
-    for block_m in (16, 64):
-        out = paged_prefill_attention(q, k_cache, v_cache, full_tables, starts, torch.tensor(seq_lens), SCALE,
-                                      max(query_lens), block_m=block_m, out=poisoned(q.shape, q.dtype))
-        assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, f"flat tiles of {block_m}")
+    layouts = [([0, 17, 0, 1, 33, 0, 16, 5, 0], [0, 40, 0, 9, 33, 0, 80, 5, 0]),
+               ([21, 3, 0, 0, 0, 0, 0], [21, 50, 0, 0, 0, 0, 0]),  # a graph's padding rows: empty, last
+               ([0, 0, 64, 0, 0], [0, 0, 70, 0, 0])]  # the tokens end on a tile's edge
+    for query_lens, seq_lens in layouts:
+        q, k_cache, v_cache, tables, meta = mixed_batch([n for n in query_lens if n], [s for s, n in zip(
+            seq_lens, query_lens) if n], 8, 2, 3, torch.float32, seed=5)
+        starts = torch.tensor([0] + list(itertools.accumulate(query_lens)))
+        full_tables = torch.zeros(len(query_lens), tables.shape[1], dtype=tables.dtype)
+        full_tables[torch.tensor([i for i, n in enumerate(query_lens) if n])] = tables
+        for block_m in (16, 64):
+            out = paged_prefill_attention(q, k_cache, v_cache, full_tables, starts, torch.tensor(seq_lens), SCALE,
+                                          max(query_lens), block_m=block_m, out=poisoned(q.shape, q.dtype))
+            assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6,
+                         f"flat tiles of {block_m}, rows {query_lens}")
 
 
 

@@ -16,7 +16,9 @@ query_start_loc[b] // BLOCK_M + b (strictly increasing in b, and room for its cd
 tiles), so a program finds its sequence by a binary search over query_start_loc. The grid depends on
 T and B only, never on the longest query: a CUDA graph recorded for T_b tokens and many padding rows
 launches ~T_b / BLOCK_M + rows programs per head, not rows x T_b / BLOCK_M (most of which would return
-at once, at a cost: a 300-token step in a bucket of 512 paid nearly 6x its eager attention).
+at once, at a cost: a 300-token step in a bucket of 512 paid nearly 6x its eager attention). The graph's
+padding rows, empty and last, each own one tile; its program sees that from two loads and returns before
+the search (benchmarks/NOTES_step_profile.md has what each layout cost on an H200).
 
 Each program streams key tiles [0, last position of its rows] through the block table with the
 same online softmax as the decode kernel; a tile's mask is causal (key pos <= query pos) and, with
@@ -69,6 +71,13 @@ def _prefill_kernel(
 ):
     head = tl.program_id(0)  # heads vary fastest: programs running together read the same K/V tiles
     tile_id = tl.program_id(1)
+    # A CUDA graph's padding rows hold no tokens and come last: their first tiles are T // BLOCK_M + b, and
+    # each is its row's only tile. Such a program returns after two loads, not a binary search.
+    num_tokens = tl.load(query_start_loc_ptr + num_seqs).to(tl.int32)
+    tail = tile_id - num_tokens // BLOCK_M  # the row whose first tile this is, were the row to start at T
+    tail_ok = (tail >= 0) & (tail < num_seqs)
+    if tl.load(query_start_loc_ptr + tail, mask=tail_ok, other=-1).to(tl.int32) == num_tokens:
+        return  # rows tail.. start at T: all empty, and this tile is row tail's
     # the last sequence b whose first tile, query_start_loc[b] // BLOCK_M + b, is at most tile_id
     lo_b: tl.int32 = 0
     hi_b: tl.int32 = num_seqs  # invariant: first_tile(lo_b) <= tile_id < first_tile(hi_b), first_tile(num_seqs) = inf
