@@ -10,8 +10,10 @@ from minikv.engine.config import (
     DeviceInfo,
     EngineConfig,
     ScratchShape,
+    gpu_defaults,
     step_scratch_bytes,
 )
+from minikv.engine.cuda_graph import step_graph_tokens
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -154,6 +156,25 @@ def test_the_scratch_reserve_grows_with_the_budget_and_the_vocabulary():
     small = step_scratch_bytes(QWEN_05B, 512, 8)
     assert step_scratch_bytes(QWEN_05B, 16384, 8) - small == (16384 - 512) * (6 * 896 + 3 * 4864) * 2
     assert step_scratch_bytes(QWEN_05B, 512, 256) - small == 8 * 248 * 151936 * 4
+
+
+def test_the_reserve_counts_the_step_graphs_pool_and_no_graph_is_larger_than_a_step_can_be():
+    """Step graphs keep their largest step's activations in their own pool, beside an eager step's: the
+    pool leaves room for both. The largest graph is the bucket that holds the token budget, capped by
+    cuda_graph_max_tokens and max_model_len: a budget of 3,000 tokens needs the graph of 3,072, not 8,192."""
+    per_token = (6 * 896 + 3 * 4864) * 2
+    assert step_scratch_bytes(QWEN_05B, 512, 8, graph_tokens=2048) - step_scratch_bytes(QWEN_05B, 512, 8) \
+        == 2048 * per_token
+    assert step_graph_tokens(8192, 16384, 32768) == 8192
+    assert step_graph_tokens(8192, 3000, 32768) == 3072 and step_graph_tokens(8192, 1000, 32768) == 1024
+    assert step_graph_tokens(8192, 16384, 4096) == 4096 and step_graph_tokens(0, 16384, 4096) == 0
+
+    def pool(info, graph_tokens, budget=None):
+        return gpu_defaults(info, QWEN_05B, QWEN_BLOCK, 16, 32768, None, budget, None,
+                            graph_tokens=graph_tokens)["num_blocks"] * QWEN_BLOCK
+    for info in (H100, L4):
+        assert 0 <= pool(info, 0) - pool(info, 8192) - 8192 * per_token < QWEN_BLOCK
+        assert 0 <= pool(info, 0, 3000) - pool(info, 8192, 3000) - 3072 * per_token < QWEN_BLOCK
 
 
 def test_a_card_too_full_for_one_block_says_what_to_free():

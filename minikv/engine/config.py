@@ -30,6 +30,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from minikv.engine.cuda_graph import step_graph_tokens
+
 KV_BACKENDS = ("naive", "contiguous", "paged")
 ATTENTION_IMPLS = ("torch", "triton")
 KV_LAYOUTS = ("nhd", "hnd")
@@ -78,19 +80,23 @@ class ScratchShape:
     dtype_bytes: int
 
 
-def step_scratch_bytes(shape: ScratchShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+def step_scratch_bytes(shape: ScratchShape, max_num_batched_tokens: int, max_num_seqs: int,
+                       graph_tokens: int = 0) -> int:
     """A generous bound on the memory one step needs besides weights and pool: the largest step's
     activations (residual, norms, q/k/v, MLP's gate, up and product: ~6 x hidden + 3 x intermediate per
     token) and the logits of every sampled row in float32 with the sampler's temporaries (8x: its noise
-    over a whole vocabulary is int64), plus 1 GiB for CUDA graphs, cuBLAS workspaces and the allocator."""
+    over a whole vocabulary is int64), plus 1 GiB for decode graphs, cuBLAS workspaces and the allocator.
+    Step graphs of up to `graph_tokens` keep their largest step's activations in their own pool, beside
+    what an eager step uses: as many bytes again for that many tokens (0.33 GB at 8,192 tokens for
+    Qwen2.5-0.5B, 1.1 GB for Llama-3.1-8B)."""
     per_token = (6 * shape.hidden_size + 3 * shape.intermediate_size) * shape.dtype_bytes
     logits = 8 * max_num_seqs * shape.vocab_size * 4
-    return max_num_batched_tokens * per_token + logits + 2**30
+    return (max_num_batched_tokens + graph_tokens) * per_token + logits + 2**30
 
 
 def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, block_size: int, max_model_len: int,
                  max_num_seqs: int | None, max_num_batched_tokens: int | None, pool_bytes: int | None,
-                 cap_seqs: bool = True) -> dict[str, int]:
+                 cap_seqs: bool = True, graph_tokens: int = 0) -> dict[str, int]:
     """max_num_seqs, max_num_batched_tokens and num_blocks for a paged engine on this card, each only
     where not given (None). As vLLM and nano-vllm do: hundreds of sequences, a budget in the thousands,
     and the pool takes what the weights and a step's scratch leave of the free memory.
@@ -99,7 +105,8 @@ def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, bl
         smaller card:            256 sequences,  8,192 tokens per step
         then: the budget at least max_model_len (a whole prompt fits one step) and max_num_seqs;
               max_num_seqs at most the pool's tokens / min(max_model_len, 1,024), unless cap_seqs is
-              False (a pool given in blocks: its owner sized it, often small on purpose, to see preemption)"""
+              False (a pool given in blocks: its owner sized it, often small on purpose, to see preemption)
+    graph_tokens: the largest step graph (cuda_graph_max_tokens with graphs on, else 0), at most the budget."""
     size = "large" if info.total_memory >= LARGE_GPU_MEMORY else "small"
     seqs = max_num_seqs if max_num_seqs is not None else GPU_MAX_NUM_SEQS[size]
     budget = max_num_batched_tokens
@@ -107,7 +114,8 @@ def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, bl
         budget = max(GPU_MAX_NUM_BATCHED_TOKENS[size], max_model_len, seqs)
     out = {"max_num_seqs": seqs, "max_num_batched_tokens": budget}
     if pool_bytes is None:
-        pool_bytes = int(info.free_memory * DEFAULT_GPU_KV_FRACTION) - step_scratch_bytes(shape, budget, seqs)
+        pool_bytes = (int(info.free_memory * DEFAULT_GPU_KV_FRACTION)
+                      - step_scratch_bytes(shape, budget, seqs, step_graph_tokens(graph_tokens, budget, max_model_len)))
     out["num_blocks"] = max(0, pool_bytes // bytes_per_block)
     if max_num_seqs is None and cap_seqs:
         capacity = out["num_blocks"] * block_size
@@ -596,7 +604,8 @@ class _Draft:
             shape = shape if shape is not None else ScratchShape(4096, 14336, 128256, 2)  # an 8B model: a safe bound
             picked = gpu_defaults(info, shape, bytes_per_block, self.block_size, self.max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, self.kv_cache_memory if self.num_blocks is None else
-                                  self.num_blocks * bytes_per_block, cap_seqs=self.num_blocks is None)
+                                  self.num_blocks * bytes_per_block, cap_seqs=self.num_blocks is None,
+                                  graph_tokens=self.cuda_graph_max_tokens if self.cuda_graphs else 0)
             why = f"fitted to {info.name} ({info.total_memory / 2**30:.0f} GiB, {info.free_memory / 2**30:.0f} free)"
             for name in ("max_num_seqs", "max_num_batched_tokens", "num_blocks"):
                 if getattr(self, name) is None and not (name == "num_blocks" and self.kv_cache_memory is not None):

@@ -54,7 +54,7 @@ from minikv.cache.tiers.tiered import TieredStore
 from minikv.engine.batch import ScheduledBatch
 from minikv.engine.beam import BeamSearch, take_beam_rows
 from minikv.engine.config import EngineConfig, ScratchShape
-from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs
+from minikv.engine.cuda_graph import DecodeGraphs, StepGraphs, step_graph_tokens
 from minikv.engine.detokenizer import DecodeState, detokenize, flush, text_in_core
 from minikv.engine.fair import VirtualTokenCounter
 from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, samples_of
@@ -234,9 +234,10 @@ class EngineCore:
         if cfg.cuda_graphs:
             graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,
                                   self.max_model_len, c.vocab_size)
-            if cfg.cuda_graph_max_tokens and self.max_model_len >= 16:
+            largest = step_graph_tokens(cfg.cuda_graph_max_tokens, cfg.max_num_batched_tokens, self.max_model_len)
+            if largest >= 16:  # the smallest bucket; no graph for a step larger than any step can be
                 small = StepGraphs(self.model, self.backend, self.device, self.block_size, cfg.max_num_seqs,
-                                   self.max_model_len, graphs.logits, cfg.cuda_graph_max_tokens, graphs.memory_pool)
+                                   self.max_model_len, graphs.logits, largest, graphs.memory_pool)
             with torch.inference_mode():
                 graphs.capture_all()
                 if small is not None:

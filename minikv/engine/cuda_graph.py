@@ -29,7 +29,8 @@ sized by the largest. What a graph freezes, and so what must stay fixed:
 - tensor addresses: the pool, the weights and these buffers are allocated once, before capture.
 
 Prefill and mixed steps get graphs too (`StepGraphs`, bucketed by token count: 16, 32, ... 1,024, then every
-1,024 up to `cuda_graph_max_tokens`, 8,192 by default, as vLLM V1's piecewise graphs are). A prefix hit
+1,024 up to `cuda_graph_max_tokens`, 8,192 by default, and no larger than the bucket that holds the token
+budget: `step_graph_tokens`; as vLLM V1's piecewise graphs are). A prefix hit
 runs only its new suffix (a 2,048-token hit with 32 new tokens is a 32-token step): eagerly that is ~150
 kernel launches from Python for ~2 ms of GPU work. A step of T tokens over B sequences runs the graph of
 the smallest bucket T_b >= T; its rows hold every sequence the bucket can take (min(T_b, max_num_seqs)) plus one:
@@ -195,8 +196,22 @@ def token_buckets(max_tokens: int, max_model_len: int) -> list[int]:
     sizes, t = [], 16
     while t <= min(max_tokens, max_model_len):
         sizes.append(t)
-        t = t * 2 if t < 1024 else t + 1024
+        t = _next_bucket(t)
     return sizes
+
+
+def _next_bucket(t: int) -> int:
+    return t * 2 if t < 1024 else t + 1024
+
+
+def step_graph_tokens(cuda_graph_max_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+    """The largest step size worth a graph: cuda_graph_max_tokens, but no larger than the bucket that holds
+    the token budget (no step is larger than the budget: a budget of 3,000 needs the graph of 3,072, not those
+    up to 8,192) and than max_model_len. Below 16, no step graph. The pool reserve counts this many tokens."""
+    cover = 16
+    while cover < max_num_batched_tokens:
+        cover = _next_bucket(cover)
+    return min(cuda_graph_max_tokens, cover, max_model_len)
 
 
 class StepGraphs:
