@@ -106,7 +106,7 @@ def gpu_defaults(info: DeviceInfo, shape: ScratchShape, bytes_per_block: int, bl
         then: the budget at least max_model_len (a whole prompt fits one step) and max_num_seqs;
               max_num_seqs at most the pool's tokens / min(max_model_len, 1,024), unless cap_seqs is
               False (a pool given in blocks: its owner sized it, often small on purpose, to see preemption)
-    graph_tokens: the largest step graph (cuda_graph_max_tokens with graphs on, else 0), at most the budget."""
+    graph_tokens: cuda_graph_max_tokens with step graphs on, else 0; the reserve counts `step_graph_tokens` of it."""
     size = "large" if info.total_memory >= LARGE_GPU_MEMORY else "small"
     seqs = max_num_seqs if max_num_seqs is not None else GPU_MAX_NUM_SEQS[size]
     budget = max_num_batched_tokens
