@@ -279,10 +279,10 @@ def test_prefill_flat_tiles_cover_every_row_with_rows_of_no_tokens():
     ("fused_activation", "_silu_and_mul_kernel", "num_rows"), ("fused_rope", "_rotary_qkv_kernel", "num_rows")])
 def test_kernels_compile_once_for_every_count_of_rows_or_sequences(module, kernel, count):
     """Triton compiles an integer argument's kernel anew when the integer is 1 or a multiple of 16, unless the
-    argument is left unspecialized. A count of rows or sequences changes every step: a server's engine process
-    compiled the prefill kernel mid-burst on its first step of 16 sequences (one 0.5 s step on an H200,
-    benchmarks/NOTES_step_profile.md). On a GPU the jitted function holds the list, on the interpreter its
-    arguments do."""
+    argument is left unspecialized. A count of rows or sequences changes every step: until the prefill
+    kernel's num_seqs was unspecialized, a server's engine process stalled 0.5 s on a step of 80 or 16
+    sequences mid-burst (H200, benchmarks/NOTES_step_profile.md). On a GPU the jitted function holds the
+    list, on the interpreter its arguments do."""
     fn = getattr(importlib.import_module(f"minikv.kernels.{module}"), kernel)
     unspecialized = (fn.do_not_specialize if hasattr(fn, "do_not_specialize")
                      else fn.kwargs.get("do_not_specialize")) or []
