@@ -112,7 +112,7 @@ def test_decode_profile_counts_the_instructions_that_matter_and_needs_a_gpu():
 @pytest.mark.parametrize("script, flag", [("decode_variants", "--previous"), ("decode_tune", "--budget-s"),
                                           ("serve_prefix_ab_gpu", "--loads"), ("host_run_cpu", "--burst"),
                                           ("serve_burst_gpu", "--core-spy"), ("spy_summary", "--top"),
-                                          ("eager_step_gpu", "--lengths")])
+                                          ("eager_step_gpu", "--lengths"), ("decode_gemm_gpu", "--rows")])
 def test_research_scripts_run_from_a_checkout_with_nothing_installed(tmp_path, script, flag):
     """`python benchmarks/<script>.py --help` from anywhere: the script finds minikv in its checkout.
     Python runs without site (-S), so the installed minikv (an editable finder) is not seen."""
@@ -428,3 +428,16 @@ def test_the_cpu_sampling_benchmark_takes_the_engines_own_rows(smollm2_dir):
     logits = bench.engine_logits(4, step=2)
     assert logits.shape == (4, 49_152) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert not torch.equal(logits[0], logits[1])  # each row its own prompt's
+
+
+def test_the_decode_gemm_benchmark_checks_its_kernel_and_needs_a_gpu_to_time(capsys):
+    """The few-rows GEMM of benchmarks/decode_gemm_gpu.py against float64 on tiny shapes (with and without a
+    bias and splits over K, tiles the rows and columns do not fill); timing it needs a GPU."""
+    gemm = research_script("decode_gemm_gpu")
+    assert gemm.smoke() == 0 and "12 cases" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="256"):
+        gemm.FewRowsGemm(300, 64, 64, 32, 32, 1, 4, torch.device("cpu"))
+    narrow = list(gemm.configs(896, 896, 66))  # 896 columns fill the card only when split over K
+    assert narrow and all(-(-896 // bn) * sk >= 66 and sk > 1 for bn, _, sk, _ in narrow)
+    if not torch.cuda.is_available():
+        assert gemm.main([]) == 2 and "no CUDA device" in capsys.readouterr().err
