@@ -273,7 +273,6 @@ def test_prefill_flat_tiles_cover_every_row_with_rows_of_no_tokens():
                          f"flat tiles of {block_m}, rows {query_lens}")
 
 
-
 @pytest.mark.parametrize("module, kernel, count", [
     ("prefill_attention", "_prefill_kernel", "num_seqs"), ("fused_norm", "_add_rms_norm_kernel", "num_rows"),
     ("fused_activation", "_silu_and_mul_kernel", "num_rows"), ("fused_rope", "_rotary_qkv_kernel", "num_rows")])
@@ -288,6 +287,7 @@ def test_kernels_compile_once_for_every_count_of_rows_or_sequences(module, kerne
                      else fn.kwargs.get("do_not_specialize")) or []
     names = [fn.arg_names[i] if isinstance(i, int) else i for i in unspecialized]
     assert count in names, f"{kernel} specializes on {count}: add do_not_specialize=[{count!r}] to its @triton.jit"
+
 
 @pytest.mark.parametrize("window", [3, 40])
 def test_prefill_sliding_window(window):
