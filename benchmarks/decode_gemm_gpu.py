@@ -12,7 +12,7 @@ bandwidth. This script says which matmul loses how much, and whether a kernel sh
 Qwen2.5-0.5B's matmuls at --rows rows (218: the decode part of ratios_gpu.py): qkv (N = 1,152, with bias),
 o (896), gate_up (9,728), down (896 from K = 4,864), each with 24 layers' own random bf16 weights, so that, as
 in a step, every call reads its weights from memory and not from the 50 MB L2. A CUDA graph of the 24 calls is
-timed (events, median; `minikv.bench.decode_attention.Clock`), per call = replay / 24. The floor of a call: its
+timed (events, median; `minikv.bench.decode_attention.kernel_time`), per call = replay / 24. The floor of a call: its
 weight, input and output bytes at the card's copy bandwidth (`measure_limits`, the throughput floor's).
 1. correctness first: every candidate against float32 torch on the same inputs; one that is off by more than
    bf16's rounding is reported and not timed;
@@ -146,7 +146,7 @@ def smoke() -> int:
 
 def measure(rows: int, reps: int) -> dict:
     from minikv.bench import environment
-    from minikv.bench.decode_attention import Clock
+    from minikv.bench.decode_attention import Clock, kernel_time
     from minikv.bench.throughput import measure_limits
 
     dev = torch.device("cuda")
@@ -165,8 +165,8 @@ def measure(rows: int, reps: int) -> dict:
         tol = 4 * want.abs().max().item() * 2 ** -8  # a few bf16 roundings of the largest output
         floor_us = (N * K + rows * K + rows * N) * 2 / bw * 1e6
 
-        def timed(call) -> float:
-            return clock(graph_of(lambda: [call(x, w, b, o) for w, b, o in zip(ws, bs, outs)])) / LAYERS
+        def timed(call) -> float:  # the 24 layers' calls replayed from one CUDA graph, per call
+            return kernel_time(clock, lambda: [call(x, w, b, o) for w, b, o in zip(ws, bs, outs)]) / LAYERS
 
         cublas = timed(cublas_linear)
         row = {"N": N, "K": K, "bias": has_bias, "floor_us": round(floor_us, 2), "cublas_us": round(cublas, 2),
@@ -205,16 +205,6 @@ def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, o
         torch.mm(x, w.t(), out=out)
     else:
         torch.addmm(bias, x, w.t(), out=out)
-
-
-def graph_of(fn):
-    """fn recorded once as a CUDA graph (after a warm-up run): its replay."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main(argv: list[str] | None = None) -> int:
