@@ -484,10 +484,9 @@ def kept_by_frame(snapshot: dict, top: int = 5) -> dict[str, int]:
             if block.get("state") != "active_allocated":
                 continue
             frames = block.get("frames") or []
-            ours = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames
-                    if "minikv" in f["filename"] or "benchmarks" in f["filename"]][:3]
-            theirs = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames][-1:]
-            out[" < ".join(ours or theirs) or "before the record"] += block["size"]
+            ours = [f for f in frames if "minikv" in f["filename"] or "benchmarks" in f["filename"]][:3]
+            where = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours or frames[-1:]]
+            out[" < ".join(where) or "before the record"] += block["size"]
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
 
