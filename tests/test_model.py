@@ -127,3 +127,28 @@ def test_a_gguf_file_loads_through_transformers_into_the_cache(smollm2_dir, tmp_
     ref = load_model(str(smollm2_dir))
     ids = torch.tensor(ref.tokenizer.encode("Paged attention"))
     torch.testing.assert_close(full_logits(loaded, ids), full_logits(ref, ids), atol=0, rtol=0)
+
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_lm_head_gives_float32_logits_into_the_buffer_and_on_a_gpu_skips_the_16_bit_rounding(with_out, tmp_path):
+    """The LM head's logits are float32 whatever the weights. On a GPU with bf16 weights the GEMM writes
+    float32 itself: closer to the float64 product than bf16-rounded logits are. Elsewhere they are the
+    model's-dtype LM head, cast; into the graph's buffer when one is given."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    LlamaForCausalLM(LlamaConfig(**(COMMON | dict(vocab_size=4096, hidden_size=256)))).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), device=device, dtype=torch.bfloat16).model
+    x = torch.randn(9, 256, device=device, dtype=torch.bfloat16)
+    out = torch.full((9, 4096), float("nan"), device=device) if with_out else None
+    got = model._logits(x, out)
+    assert got.dtype == torch.float32 and got.shape == (9, 4096)
+    if with_out:
+        assert got.data_ptr() == out.data_ptr()
+    w = model.lm_head.weight
+    exact = x.double() @ w.double().t()
+    rounded = (x @ w.t()).float()
+    if device == "cuda":
+        assert (got.double() - exact).abs().max() < (rounded.double() - exact).abs().max()
+    else:
+        torch.testing.assert_close(got, rounded, atol=0, rtol=0)
