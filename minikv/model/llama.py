@@ -34,9 +34,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from minikv.attention.metadata import AttentionMetadata
 from minikv.model.config import ModelConfig
+
+MM_OUT_DTYPE = TorchVersion(torch.__version__) >= (2, 8)  # torch.mm(..., out_dtype=) on CUDA (the LM head)
 
 
 class RMSNorm(nn.Module):
@@ -288,11 +291,12 @@ class LlamaForCausalLM(nn.Module):
         """The LM head's float32 logits, into `out` when given. On a GPU with 16-bit weights the GEMM writes
         float32 itself (`torch.mm`'s out_dtype: cuBLAS accumulates in float32 anyway), so the logits skip the
         rounding to 16 bits and the cast kernel: on an H200 that cast read and wrote ~200 MB in 0.1 ms of a
-        218-sequence decode step's 2 ms of device time. Elsewhere: the LM head in the model's dtype, then
-        float32; into `out`, the cast and the copy are one kernel."""
+        218-sequence decode step's 2 ms of device time. Elsewhere (and before torch 2.8, which has no
+        out_dtype): the LM head in the model's dtype, then float32; into `out`, the cast and the copy are one
+        kernel."""
         w = self.lm_head.weight
         sixteen_bit = x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
-        if x.is_cuda and sixteen_bit and self.lm_head.bias is None:
+        if x.is_cuda and sixteen_bit and self.lm_head.bias is None and x.dim() == 2 and MM_OUT_DTYPE:
             return torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
         logits = self.lm_head(x)
         if out is None:
