@@ -99,7 +99,7 @@ def test_decode_and_prefill_at_the_engines_block_size_limits(block_size):
     meta = AttentionMetadata.build([1, 3, 13, 30], seq_lens)
     q = torch.randn(47, 6, HEAD_DIM)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+                                  out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, f"prefill, block size {block_size}")
 
 
@@ -247,7 +247,7 @@ def test_prefill_matches_references_for_prompts_chunks_cached_prefixes_and_decod
     q, k_cache, v_cache, tables, meta = mixed_batch(query_lens, seq_lens, block_size, 2, group, torch.float32,
                                                     seed=block_size + group)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+                                  out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6, "vs float64")
     assert_close(out, reference(q, k_cache, v_cache, tables, meta, dtype=torch.float32), 2e-6, "vs torch paged")
 
@@ -268,7 +268,7 @@ def test_prefill_flat_tiles_cover_every_row_with_rows_of_no_tokens():
         full_tables[torch.tensor([i for i, n in enumerate(query_lens) if n])] = tables
         for block_m in (16, 64):
             out = paged_prefill_attention(q, k_cache, v_cache, full_tables, starts, torch.tensor(seq_lens), SCALE,
-                                          max(query_lens), block_m=block_m, out=poisoned(q.shape, q.dtype))
+                                          block_m=block_m, out=poisoned(q.shape, q.dtype))
             assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-6,
                          f"flat tiles of {block_m}, rows {query_lens}")
 
@@ -293,14 +293,14 @@ def test_kernels_compile_once_for_every_count_of_rows_or_sequences(module, kerne
 def test_prefill_sliding_window(window):
     q, k_cache, v_cache, tables, meta = mixed_batch([30, 1, 70], [60, 9, 70], 16, 2, 3, torch.float32, seed=11)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                  meta.max_query_len, sliding_window=window, out=poisoned(q.shape, q.dtype))
+                                  sliding_window=window, out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta, window), 2e-6, f"window {window}")
 
 
 def test_prefill_float16_matches_references():
     q, k_cache, v_cache, tables, meta = mixed_batch([20, 1, 66], [50, 17, 66], 16, 2, 3, torch.float16, seed=13)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, SCALE,
-                                  meta.max_query_len, out=poisoned(q.shape, q.dtype))
+                                  out=poisoned(q.shape, q.dtype))
     assert_close(out, reference(q, k_cache, v_cache, tables, meta), 2e-3, "fp16 vs float64")
 
 

@@ -138,8 +138,7 @@ def test_triton_prefill_on_a_quantized_pool_equals_attention_over_the_dequantize
     k, v, params, tables = quantized_pool(seq_lens, block_size, 2, dtype, seed=block_size + 1, head_dim=head_dim)
     meta = AttentionMetadata.build(query_lens, seq_lens)
     q = torch.randn(sum(query_lens), 4, head_dim, generator=torch.Generator().manual_seed(3))
-    out = paged_prefill_attention(q, k, v, tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5,
-                                  meta.max_query_len, **params)
+    out = paged_prefill_attention(q, k, v, tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5, **params)
     assert (out.double() - reference(q, k, v, params, tables, meta)).abs().max() < 2e-6
 
 

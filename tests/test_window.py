@@ -89,7 +89,7 @@ def test_prefill_kernel_with_window_and_sinks_equals_reference_and_reads_no_free
     freed = give_back_dead_blocks(tables, meta, window, sinks, block_size)
     assert (freed < 0).sum() > (tables < 0).sum(), "the case frees some blocks"
     out = paged_prefill_attention(q, k_cache, v_cache, freed, meta.query_start_loc, meta.seq_lens, SCALE,
-                                  meta.max_query_len, sliding_window=window, sink_tokens=sinks, block_m=16,
+                                  sliding_window=window, sink_tokens=sinks, block_m=16,
                                   block_n=32, out=poisoned(q.shape, q.dtype))
     assert_close(out, want.float(), 2e-6, f"prefill, window {window}, sinks {sinks}")
 
@@ -235,7 +235,7 @@ def test_kernels_on_a_quantized_pool_with_window_sinks_and_given_back_blocks_equ
     meta = AttentionMetadata.build(query_lens, seq_lens)
     q = torch.randn(sum(query_lens), 4, HEAD_DIM)
     freed = give_back_dead_blocks(tables, meta, window, sinks, bs)
-    out = paged_prefill_attention(q, kq, vq, freed, meta.query_start_loc, meta.seq_lens, SCALE, meta.max_query_len,
+    out = paged_prefill_attention(q, kq, vq, freed, meta.query_start_loc, meta.seq_lens, SCALE,
                                   sliding_window=window, sink_tokens=sinks, k_scale=ks, v_scale=vs, k_zero=kz,
                                   v_zero=vz, block_m=16,
                                   block_n=16, out=poisoned(q.shape, q.dtype))

@@ -155,6 +155,6 @@ class TritonPagedBackend(PagedBackend):
             keys, values = self.gather(layer, meta)
             return attend(q, keys, values, meta, scale, self.sliding_window, self.sink_tokens)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                       scale, meta.max_query_len, sliding_window=self.sliding_window,
+                                       scale, sliding_window=self.sliding_window,
                                        sink_tokens=self.sink_tokens, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
                                        v_zero=v_zero)

@@ -256,7 +256,7 @@ def bench_prefill(name, B, qlen, L, block_size, dtype, device, clock, heads):
 
     def triton_fn(**kw):
         return paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.seq_lens, scale,
-                                       qlen, **kw)
+                                       **kw)
 
     def torch_ref(kc=k_cache, vc=v_cache, qq=q):
         keys, values = contiguous_kv(kc, tables, L).transpose(1, 2), contiguous_kv(vc, tables, L).transpose(1, 2)
@@ -314,7 +314,7 @@ def ragged_correctness(device, dtypes, smoke=False) -> list[dict]:
                 ref = attend(q.double(), keys, values, meta, scale, window)
                 out = torch.full_like(q, float("nan"))
                 paged_prefill_attention(q, kc, vc, tables, meta.query_start_loc, meta.seq_lens, scale,
-                                        meta.max_query_len, sliding_window=window, out=out)
+                                        sliding_window=window, out=out)
                 rows.append({"kernel": "prefill", **case, "rel_err": rel_err(out, ref)})
     for r in rows:
         r["ok"] = r["rel_err"] <= (1e-5 if r["dtype"] == "float32" else TOL)

@@ -172,7 +172,6 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B+1] offsets of each sequence's rows in q
     seq_lens: torch.Tensor,  # [B] context length after this step
     scale: float,
-    max_query_len: int,  # kept for callers: the flat grid needs only T and B
     sliding_window: int | None = None,
     sink_tokens: int = 0,  # with a sliding window: keys [0, sink_tokens) stay in sight (StreamingLLM)
     block_m: int | None = None,
