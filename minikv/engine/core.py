@@ -705,10 +705,12 @@ class EngineCore:
             events = self._finish_step(t.batch, t.logits, t.seqs)  # waits for the device: t is done after it
             return self._release(t, events)
         # 1. t's samples are one token each, still on the device: placeholders, and t counts as computed
-        for seq in t.seqs:
+        row_of, placeholders = {}, self._placeholders  # row_of: seq_id -> its row of t's samples (below)
+        for j, seq in enumerate(t.seqs):
             if not seq.is_finished:
                 seq.output_token_ids.append(PLACEHOLDER)
-                self._placeholders.append(seq)
+                placeholders.append(seq)
+                row_of[seq.seq_id] = j
         self.scheduler.update(without_finished(t.batch))
         # 2. schedule and prepare t+1 while the device runs t
         self._take_arrivals()
@@ -716,9 +718,8 @@ class EngineCore:
         if nxt_batch.preempted:  # min_free_blocks rules this out; a preempted sequence may hold a placeholder
             raise RuntimeError(f"an overlapped step preempted {[s.request_id for s in nxt_batch.preempted]}, "
                                "which min_free_blocks (minikv/engine/overlap.py) should rule out")
-        if nxt_batch:
-            row_of = {seq.seq_id: j for j, seq in enumerate(t.seqs) if not seq.is_finished}
-            fed = [(i, row_of[seq.seq_id]) for i, seq in enumerate(nxt_batch.seqs) if seq.seq_id in row_of]
+        if nxt_batch:  # a row of t+1 whose sequence sampled in t is fed t's id (a finished one is not scheduled)
+            fed = [(i, j) for i, seq in enumerate(nxt_batch.seqs) if (j := row_of.get(seq.seq_id)) is not None]
             prepared = self.runner.prepare_step(nxt_batch, fed)
         # 3. sample t on the device, start copying its ids to the host, launch t+1 fed by them
         ids = self._sample_on_device(t)
