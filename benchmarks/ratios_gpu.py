@@ -16,7 +16,8 @@ process and card, tokens checked before anything is timed.
    earlier one's in the server's prefix cache); output tok/s and TTFT p50, the medians and every run.
    Goals: server >= 0.85 of offline, TTFT p50 <= 1.5x. (The server runs its default hash prefix
    cache, `LLM(ckpt)` none: so offline runs again with the server's cache, like for like.) Each load
-   records its engine steps, the milliseconds inside them and the engine's busy share (the server's
+   records its engine steps, the milliseconds inside them, the engine's busy share and the host's own
+   share of a step (the rest: waits for the device; near 1, the host sets the pace) (the server's
    /metrics, offline's `LLM.core`), and the CPU share of the server process and its engine process.
    The clients write their requests by hand, encoded before the clock starts (--client raw, the
    default since 2026-11-28: with httpx the burst's first request reached the engine 53-68 ms after the
@@ -282,7 +283,7 @@ def wait_for_device_memory(free_before: int | None, timeout: float = 60.0, slack
 
 
 COUNTERS = {"preemptions": "minikv:num_preemptions_total", "steps": "minikv:engine_steps_total",
-            "step_seconds": "minikv:engine_step_seconds_total"}
+            "step_seconds": "minikv:engine_step_seconds_total", "wait_seconds": "minikv:engine_wait_seconds_total"}
 TTFT_METRIC = "minikv:time_to_first_token_seconds"  # a histogram: its _sum and _count
 
 
@@ -332,7 +333,8 @@ def process_cpu(pid: int) -> dict[str, float | None]:
 def engine_counters(llm) -> dict[str, float | None]:
     """The same counters of an engine in this process."""
     return {"preemptions": llm.view.num_preemptions, "steps": getattr(llm.core, "num_steps", None),
-            "step_seconds": getattr(llm.core, "step_seconds", None)}
+            "step_seconds": getattr(llm.core, "step_seconds", None),
+            "wait_seconds": getattr(llm.core, "wait_seconds", None)}
 
 
 def load_figures(before: dict, after: dict, seconds: float) -> dict:
@@ -341,10 +343,14 @@ def load_figures(before: dict, after: dict, seconds: float) -> dict:
     either runs more steps, or slower ones, or waits between them."""
     d = {k: after[k] - before[k] if after[k] is not None and before[k] is not None else None for k in COUNTERS}
     if d["steps"] is None or d["step_seconds"] is None:  # an older tree: no engine clock
-        return {"preemptions": int(d["preemptions"]), "steps": None, "ms_per_step": None, "busy": None}
+        return {"preemptions": int(d["preemptions"]), "steps": None, "ms_per_step": None, "busy": None,
+                "host_share": None}
     return {"preemptions": int(d["preemptions"]), "steps": int(d["steps"]),
             "ms_per_step": d["step_seconds"] / d["steps"] * 1e3 if d["steps"] else None,
-            "busy": d["step_seconds"] / seconds}
+            "busy": d["step_seconds"] / seconds,
+            # the host's own share of the time inside steps (the rest: waits for the device); None: an older tree
+            "host_share": (1 - d["wait_seconds"] / d["step_seconds"]) if d.get("wait_seconds") is not None
+            and d["step_seconds"] else None}
 
 
 def decode_step(ckpt: str, skip: int = 150, steps: int = 50, profile_steps: int = 20,
@@ -585,13 +591,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"server's memory; offline beside {r['offline_busy_processes']} busy processes; "
                      f"clients: {r['client']}"))
         ms = lambda side: " / ".join(f"{x['steps']} x {x['ms_per_step'] or 0:.2f} ms, busy {x['busy'] or 0:.2f}"  # noqa: E731
+                                     + (f", host {x['host_share']:.2f}" if x.get("host_share") is not None else "")
                                      for x in r[side]["runs"])
         share = lambda k: " / ".join(f"{x[k]:.2f}" if x.get(k) is not None else "?"  # noqa: E731
                                      for x in r["server"]["runs"])
         offline_ms = med_of(r, "offline")
         per_step = med_of(r, "server") / offline_ms if offline_ms else None  # (None: an old tree, no engine clock)
         rows.append(("server / offline ms per step", f"{per_step:.2f}" if per_step else "n/a",
-                     f"steps x ms inside each, busy share: server {ms('server')}; offline {ms('offline')}; "
+                     f"steps x ms inside each, busy share (and the host's own share of a step, the rest waits for "
+                     f"the device): server {ms('server')}; offline {ms('offline')}; "
                      f"CPU share of the server process {share('server_cpu_share')}, of its engine process "
                      f"{share('core_cpu_share')}"))
         like = r["offline_like_server"]

@@ -7,6 +7,8 @@ the pool must be identical, and the overlapped path must really have run (overla
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -89,6 +91,30 @@ def test_same_tokens_greedy_and_seeded_sampling_and_every_block_back(pair):
     assert on.num_overlapped_steps - before >= 8, "the overlapped path did not run"
     assert [len(t) for t, _, _ in want] == [4, 9, 1, 12, 6, 7]
     assert_clean(on)
+
+
+def test_the_engine_counts_its_waits_for_the_device_inside_its_steps(pair, monkeypatch):
+    """wait_seconds: the part of step_seconds an overlapped step spent waiting for the device's sampled ids
+    (a CPU has no device to wait for: the wait here stands in for one, 2 ms a step at least)."""
+    from minikv.engine.overlap import InFlight
+
+    _, on = pair
+    waits = []
+    real = InFlight.wait
+
+    def device_time(self):
+        waits.append(1)
+        time.sleep(0.002)
+        real(self)
+    monkeypatch.setattr(InFlight, "wait", device_time)
+    steps, inside, waited = on.core.num_steps, on.core.step_seconds, on.core.wait_seconds
+    outputs(on, PROMPTS, mixed_params())
+    overlapped_waits = on.core.wait_seconds - waited
+    assert overlapped_waits >= 0.002 * 8, "fewer waits counted than the overlapped steps made"
+    assert overlapped_waits <= on.core.step_seconds - inside, "waits are part of the time inside steps"
+    assert on.core.num_steps > steps and len(waits) >= 8
+    snap = on.view.snapshot()
+    assert snap.wait_seconds == on.core.wait_seconds and snap.step_seconds == on.core.step_seconds
 
 
 def test_eos_ends_a_request_at_the_same_token(pair):

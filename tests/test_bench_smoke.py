@@ -195,9 +195,17 @@ def test_the_gpu_ratios_server_part_measures_several_loads_of_each_side_on_a_tin
     assert like["options"]["prefix_caching"] == "hash" and len(like["runs"]) == 2 and like["num_blocks"] > 0
     assert all(run["output_tokens"] == 15 and run["steps"] >= 6 for run in like["runs"])
     assert ratios.server_cache([]) == "hash" and ratios.server_cache(["--prefix-caching", "none"]) is None
-    old_tree = {"preemptions": 0, "steps": None, "step_seconds": None}  # a tree without the engine's clock
+    old_tree = {"preemptions": 0, "steps": None, "step_seconds": None, "wait_seconds": None}  # no engine clock
     assert ratios.load_figures(old_tree, {**old_tree, "preemptions": 2}, 1.0) == {
-        "preemptions": 2, "steps": None, "ms_per_step": None, "busy": None}
+        "preemptions": 2, "steps": None, "ms_per_step": None, "busy": None, "host_share": None}
+    no_waits = {"preemptions": 0, "steps": 10, "step_seconds": 1.0, "wait_seconds": None}  # a clock, but no waits
+    assert ratios.load_figures(no_waits, {**no_waits, "steps": 20, "step_seconds": 1.5}, 1.0)["host_share"] is None
+    clock = {"preemptions": 0, "steps": 10, "step_seconds": 1.0, "wait_seconds": 0.5}
+    figures = ratios.load_figures(clock, {**clock, "steps": 20, "step_seconds": 2.0, "wait_seconds": 0.75}, 2.0)
+    assert figures["ms_per_step"] == pytest.approx(100.0) and figures["busy"] == pytest.approx(0.5)
+    assert figures["host_share"] == pytest.approx(0.75), "of a second inside steps, a quarter waited for the device"
+    assert all(run["host_share"] is not None and 0 <= run["host_share"] <= 1.0 + 1e-9
+               for run in r["server"]["runs"] + r["offline"]["runs"])
     assert ratios.server_cache(["--stream-interval", "8", "--prefix-caching=radix"]) == "radix"
     assert r["memory_wait_s"] == 0.0  # a CPU: no device memory to wait for (and LLM(ckpt) has no pool there)
     assert r["offline"]["num_blocks"] is None

@@ -359,6 +359,7 @@ def test_metrics_use_vllm_names_and_count_per_tenant(server):
     # the engine's own clock: 3 tokens took at least 3 steps, and the seconds inside them grew with them
     assert m["minikv:engine_steps_total"] - before["minikv:engine_steps_total"] >= 3
     assert m["minikv:engine_step_seconds_total"] > before["minikv:engine_step_seconds_total"]
+    assert 0 <= m["minikv:engine_wait_seconds_total"] <= m["minikv:engine_step_seconds_total"]
 
 
 def post_as(url: str, key: str, body: dict) -> httpx.Response:

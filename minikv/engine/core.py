@@ -227,6 +227,8 @@ class EngineCore:
         self.num_overlapped_steps = 0  # steps launched while the previous one still ran on the device
         self.num_steps = 0  # steps run since start (an empty one too), and the seconds spent inside them:
         self.step_seconds = 0.0  # a server's engine reads its busy share and ms per step from these two
+        self.wait_seconds = 0.0  # of those, the seconds an overlapped step waited for the device's sampled ids:
+        #   step_seconds - wait_seconds is the host's own work (near step_seconds: the host sets the pace)
         self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
         builders = {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}
         builders[cfg.kv_backend](cfg)
@@ -730,8 +732,11 @@ class EngineCore:
             self.num_overlapped_steps += 1
             self._notify("on_schedule", nxt_batch)  # after the launch: an observer's abort is deferred as usual
         # 4. only now wait for t's ids; append them (stop rules, text, events) while t+1 runs
+        waited = time.perf_counter()
         t.wait()
-        events = self._finish_overlapped(t, host.tolist(), nxt)
+        tokens = host.tolist()
+        self.wait_seconds += time.perf_counter() - waited
+        events = self._finish_overlapped(t, tokens, nxt)
         if nxt is not None and all(seq.is_finished for seq in nxt.batch.seqs):
             self._drain()  # nothing of t+1 is wanted: give its blocks back now, not a step later
         return events

@@ -37,6 +37,7 @@ class ViewSnapshot:
     waiting_by_tenant: dict = field(default_factory=dict)  # requests waiting for a seat, per tenant
     num_steps: int = 0  # engine steps since start, and the seconds spent inside them (EngineCore.run_step)
     step_seconds: float = 0.0
+    wait_seconds: float = 0.0  # of step_seconds, the waits for the device (EngineCore.wait_seconds)
 
 
 class EngineView:
@@ -128,7 +129,7 @@ class EngineView:
                             self.num_preemptions, cache.queries if cache is not None else 0,
                             cache.hits if cache is not None else 0, self.tenant_service(),
                             dict(Counter(s.root.tenant or "" for s in waiting)), self._core.num_steps,
-                            self._core.step_seconds)
+                            self._core.step_seconds, self._core.wait_seconds)
 
     # ---- the pool -----------------------------------------------------------------------------
     def _bm(self):

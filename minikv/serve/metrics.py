@@ -139,6 +139,10 @@ class ServerMetrics:
         metric("minikv:engine_step_seconds_total", "counter",
                "Seconds the engine spent inside its steps (over wall time: how busy it is; over steps: time per step).",
                view.step_seconds)
+        metric("minikv:engine_wait_seconds_total", "counter",
+               "Of those seconds, the ones the engine waited for the device (async scheduling: for the previous step's "
+               "sampled ids). Steps minus waits is the host's own work: near the steps' total, the host sets the pace.",
+               view.wait_seconds)
         metric("minikv:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
         metric("minikv:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
         metric("minikv:prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries since start.",
