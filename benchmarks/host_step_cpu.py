@@ -121,7 +121,8 @@ def run(args) -> dict:
     timer.wrap(runner, "forward", "forward")
     timer.wrap(core_mod, "sample_on_device", "sample")
     timer.wrap(core_mod, "sample", "sample")
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                            **(dict(temperature=0.6, top_p=0.95) if args.sampled else {}))
     for i in range(args.seqs):
         llm.add_request([(7 * i + 3 * j) % 500 + 3 for j in range(args.prompt_len)], params)
     for _ in range(args.skip):  # the prefills, and a few decode steps
@@ -147,7 +148,7 @@ def run(args) -> dict:
     med = timer.medians_ms()
     return {"label": args.label, "minikv_file": minikv.__file__, "running_seqs": running,
             "async_scheduling": args.async_scheduling, "prompt_len": args.prompt_len, "block_size": args.block_size,
-            "arrivals_per_step": args.arrivals, "options": json.loads(args.options),
+            "arrivals_per_step": args.arrivals, "options": json.loads(args.options), "sampled": args.sampled,
             "steps": args.steps, "median_ms": med, "host_ms": timer.host_ms(),
             "loadavg": os.getloadavg()}
 
@@ -166,6 +167,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arrivals", type=int, default=0,
                     help="requests (one token each) added before every measured step: mixed prefill + decode steps")
     ap.add_argument("--profile", action="store_true", help="then cProfile as many steps again")
+    ap.add_argument("--sampled", action="store_true",
+                    help="every row samples (temperature 0.6, top-p 0.95: the serve workload's), not greedy")
     ap.add_argument("--options", default="{}", help='more LLM arguments as JSON, e.g. \'{"prefix_caching": "hash"}\'')
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

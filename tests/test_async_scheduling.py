@@ -117,6 +117,52 @@ def test_the_engine_counts_its_waits_for_the_device_inside_its_steps(pair, monke
     assert snap.wait_seconds == on.core.wait_seconds and snap.step_seconds == on.core.step_seconds
 
 
+def test_steady_steps_keep_one_draw_plan_and_draw_what_a_fresh_plan_draws(pair, monkeypatch):
+    """The overlapped step keeps its sampling rows' DrawPlan while they are the same sequences in order: a
+    run of decode steps makes few plans, and every step's packed rows equal those of a plan made afresh."""
+    from minikv.engine.sampler import DrawPlan
+
+    off, on = pair
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=20 + i) for i in range(4)]
+    want = outputs(off, PROMPTS[:4], params)  # (the plain step makes a plan each step: not counted)
+    made, steps = [], []
+    real = DrawPlan.__init__
+
+    def counted(self, params):
+        made.append(1)
+        real(self, params)
+    monkeypatch.setattr(DrawPlan, "__init__", counted)
+    draws = on.core._draws
+
+    def checked(seqs):
+        plan, keys = draws(seqs)
+        fresh = object.__new__(DrawPlan)
+        real(fresh, [s.params for s in seqs])
+        assert torch.equal(plan.packed(keys), fresh.packed(keys)), "a kept plan drew other rows than a fresh one"
+        steps.append(len(seqs))
+        return plan, keys
+    monkeypatch.setattr(on.core, "_draws", checked)
+    assert outputs(on, PROMPTS[:4], params) == want
+    assert len(steps) >= 12 and len(made) <= len(steps) // 3, (len(made), len(steps))
+
+
+def test_a_running_request_keeps_the_params_it_was_added_with(pair):
+    """The engine takes a copy of a request's SamplingParams: changing the caller's object afterwards (here
+    shared by every request, as generate() shares one) changes no running request."""
+    off, on = pair
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)
+    want = [(o.token_ids, o.finish_reason) for o in off.generate(PROMPTS[:3], params)]
+    seqs = [on.add_request(p, params) for p in PROMPTS[:3]]
+    on.step()
+    on.step()
+    params.temperature, params.max_tokens, params.seed = 0.0, 2, 6
+    while on.has_unfinished():
+        on.step()
+    assert [(s.output_token_ids, s.finish_reason) for s in seqs] == want
+    assert all(s.params is not params for s in seqs)
+    assert_clean(on)
+
+
 def test_eos_ends_a_request_at_the_same_token(pair):
     off, on = pair
     greedy = off.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids

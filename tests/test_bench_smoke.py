@@ -449,3 +449,8 @@ def test_the_decode_gemm_benchmark_checks_its_kernel_and_needs_a_gpu_to_time(cap
     assert narrow and all(-(-896 // bn) * sk >= 66 and sk > 1 for bn, _, sk, _ in narrow)
     if not torch.cuda.is_available():
         assert gemm.main([]) == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_draw_plan_cpu_checks_that_the_kept_plan_packs_what_a_fresh_one_packs():
+    r = research_script("draw_plan_cpu").run(seqs=6, number=20)
+    assert r["seqs"] == 6 and r["us_per_step"]["fresh"] > 0 and r["us_per_step"]["kept"] > 0

@@ -27,6 +27,7 @@ construction (see `_recover`). Views, checkers and the server read the engine th
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -61,7 +62,7 @@ from minikv.engine.fork import clone, fork_samples, new_seed, sample_seed, sampl
 from minikv.engine.overlap import PLACEHOLDER, InFlight, min_free_blocks, without_finished
 from minikv.engine.prompts import check_token_range
 from minikv.engine.runner import ModelRunner
-from minikv.engine.sampler import draw_keys, sample, sample_on_device
+from minikv.engine.sampler import DrawPlan, draw_keys, sample, sample_on_device
 from minikv.engine.sampling_params import SamplingParams
 from minikv.engine.scheduler import Scheduler
 from minikv.engine.sequence import Sequence, SequenceStatus
@@ -230,6 +231,7 @@ class EngineCore:
         self.wait_seconds = 0.0  # of those, the seconds an overlapped step waited for the device's sampled ids:
         #   step_seconds - wait_seconds is the host's own work (near step_seconds: the host sets the pace)
         self._token_host = torch.empty(0, dtype=torch.long)  # pinned: where sampled ids land (GPU, overlapped)
+        self._drawn = None  # (ids, sequences, DrawPlan, seeds) of the last overlapped step's sampling rows (`_draws`)
         builders = {"naive": self._build_naive, "contiguous": self._build_contiguous, "paged": self._build_paged}
         builders[cfg.kv_backend](cfg)
         graphs = small = None
@@ -366,6 +368,7 @@ class EngineCore:
             for root in list(self._requests.values()):
                 self.abort(root)
             self._drain()  # an overlapped step still on the device: wait for it, give its blocks back
+            self._drawn = None
             offload = self.block_manager.offload if self.block_manager is not None else None
             if offload is not None:
                 offload.close()  # cached blocks queued for write-through go to the store before it closes
@@ -452,6 +455,8 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (or a list of them, one per prompt), "
                              f"got {type(params).__name__} {params!r}")
+        params = copy.copy(params)  # the engine's own: a caller's later change to a shared object changes no
+        #   running request (and the overlapped step keeps what it worked out from them, `_draws`)
         id_bytes = check_token_range(ids, self.model_config.vocab_size)
         self.check_length(len(ids))
         if params.stop and self.tokenizer is None:
@@ -745,7 +750,23 @@ class EngineCore:
         """Queue a prepared step on the device; its sampling keys are taken now (placeholders included)."""
         seqs = [batch.seqs[r] for r in prepared.sample_rows]
         logits = self.runner.forward(batch, prepared, fed_ids)
-        return InFlight(batch, logits, seqs, _keys(seqs))
+        plan, keys = self._draws(seqs)
+        return InFlight(batch, logits, seqs, keys, plan=plan)
+
+    def _draws(self, seqs: list[Sequence]) -> tuple[DrawPlan, np.ndarray]:
+        """The sampling rows' DrawPlan and this step's draw keys (`_keys`'s). The plan is kept while the rows
+        are the same sequences in the same order, as they are from one decode step to the next: a sequence's
+        params and seed never change once it is made (its params are the engine's copy, `new_sequence`). The
+        sequences are held with it, so no other object can take one of their ids meanwhile."""
+        ids = list(map(id, seqs))
+        if self._drawn is None or self._drawn[0] != ids:
+            plan = DrawPlan([s.params for s in seqs])
+            self._drawn = (ids, seqs, plan, np.array([seqs[i].seed for i in plan.sampled_rows], dtype=np.uint64))
+        _, _, plan, seeds = self._drawn
+        keys = np.zeros(len(seqs), dtype=np.int64)
+        if plan.sampled_rows:
+            keys[plan.rows] = draw_keys(seeds, [len(seqs[i].output_token_ids) for i in plan.sampled_rows])
+        return plan, keys
 
     def _can_overlap(self, t: InFlight) -> bool:
         """Can step t+1 be scheduled before t's tokens are known? (the cases in overlap.py's docstring)"""
@@ -763,7 +784,7 @@ class EngineCore:
         the host (a failing row ends alone, as in the plain step) and their ids sent back; a failed row
         feeds id 0 into t+1, a wasted row."""
         try:
-            return sample_on_device(t.logits, [s.params for s in t.seqs], t.keys)
+            return sample_on_device(t.logits, [s.params for s in t.seqs], t.keys, t.plan)
         except Exception:  # noqa: BLE001  _sample finds whose row it is
             tokens = self._sample(t.logits, t.seqs, t.keys)
             t.failed_rows = {i for i, tok in enumerate(tokens) if tok is None}

@@ -70,6 +70,7 @@ class InFlight:
     free_after: list[Sequence] = field(default_factory=list)  # finished; blocks go back once the step is done
     failed_rows: set[int] = field(default_factory=set)  # rows whose sampling failed (finish_reason "error")
     done: torch.cuda.Event | None = None  # recorded after the step's sampled ids were copied to the host
+    plan: object = None  # the sampling rows' DrawPlan (minikv/engine/sampler.py), None: made when sampled
 
     def wait(self) -> None:
         """Block until the device has finished this step (its ids are on the host)."""

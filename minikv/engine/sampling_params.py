@@ -35,6 +35,9 @@ class SamplingParams:
     ignore_eos   keep going past EOS (benchmarks use it to fix the output length)
     stop         strings that end the output when generated (not included in the text); None = none
     n            parallel samples of one prompt (they share the prompt's KV blocks when paged)
+
+    The engine takes a copy when it takes a request: changing this object afterwards changes no request
+    already added (one object shared by many prompts, as `generate` shares it, is fine).
     """
 
     max_tokens: int = 64
