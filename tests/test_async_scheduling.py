@@ -144,6 +144,19 @@ def test_steady_steps_keep_one_draw_plan_and_draw_what_a_fresh_plan_draws(pair, 
     monkeypatch.setattr(on.core, "_draws", checked)
     assert outputs(on, PROMPTS[:4], params) == want
     assert len(steps) >= 12 and len(made) <= len(steps) // 3, (len(made), len(steps))
+    assert on.core._drawn is None, "a finished batch's sequences are still held by the kept plan"
+    seqs = [on.add_request(p, q) for p, q in zip(PROMPTS[:4], params)]
+    on.step()
+    on.step()
+    assert on.core._drawn is not None and on.core._drawn[1] == seqs
+    on.abort(seqs[0])
+    assert on.core._drawn is None, "an abort lets go of the kept plan"
+    for s in seqs[1:]:
+        on.abort(s)
+    while on.has_unfinished():
+        on.step()
+    assert on.core._drawn is None
+    assert_clean(on)
 
 
 def test_a_running_request_keeps_the_params_it_was_added_with(pair):

@@ -532,6 +532,7 @@ class EngineCore:
         whatever cache it holds goes back, and each unfinished sample gets a last event with
         finish_reason "abort". A request already finished is left as it is."""
         with self.lock:
+            self._drawn = None  # the kept draw plan lets go of its sequences (`_draws`)
             if isinstance(request, Sequence):
                 seq = request.root
             elif isinstance(request, str):
@@ -690,6 +691,8 @@ class EngineCore:
             root = seq.root
             if root is seq and not seq.is_finished:  # a request's first sample, still running: not done
                 continue
+            if seq.is_finished:
+                self._drawn = None  # the kept draw plan lets go of its sequences (`_draws`)
             if (_done(root) and (root.beam_search is None or root.beam_search.done)
                     and self._requests.get(root.request_id) is root):
                 self._retire(root)
@@ -757,7 +760,9 @@ class EngineCore:
         """The sampling rows' DrawPlan and this step's draw keys (`_keys`'s). The plan is kept while the rows
         are the same sequences in the same order, as they are from one decode step to the next: a sequence's
         params and seed never change once it is made (its params are the engine's copy, `new_sequence`). The
-        sequences are held with it, so no other object can take one of their ids meanwhile."""
+        sequences are held with it, so no other object can take one of their ids meanwhile; it lets go of them
+        as soon as one finishes or is aborted, so no finished sequence outlives its step here (a frozen heap,
+        gc_pause.py, would otherwise keep it for good)."""
         ids = list(map(id, seqs))
         if self._drawn is None or self._drawn[0] != ids:
             plan = DrawPlan([s.params for s in seqs])
@@ -842,7 +847,7 @@ class EngineCore:
 
     def _drain(self) -> list[tuple[Sequence, int, str]]:
         """Finish the step in flight the plain way (nothing is scheduled behind it)."""
-        t, self._inflight = self._inflight, None
+        t, self._inflight, self._drawn = self._inflight, None, None
         if t is None:
             return []
         return self._release(t, self._finish_step(t.batch, t.logits, t.seqs))
@@ -882,7 +887,7 @@ class EngineCore:
                                                                      placeholders dropped (sampled again)
         Tokens already sampled stay: each came from correct logits. Nothing else is lost but time (and the
         prefix cache's content, which a fresh engine would not have either)."""
-        self._reset_pending = False
+        self._reset_pending, self._drawn = False, None
         if self.speculator is not None:  # drafts still in the tokens leave them
             self.speculator.strip_all()
         if self._inflight is not None or self._placeholders:  # drain: the device finishes what it was given
