@@ -10,14 +10,16 @@ nearly all the mass at T = 0.6), others spread their nucleus over tens to hundre
 record gives the nucleus sizes it produced.
 
 Checks first: the sampler's tokens equal the reference's (`_sample_nucleus`, the sorted top-p path
-the CPU took before the block search; selected by raising MIN_BLOCKED_VOCAB past the vocabulary) for
---checks draws of every row (each a different position, so different noise); the record counts the
-rows the block search could not vouch for and left to the sorted path. Then, for each thread count,
-five runs take turns --repeats rounds:
+the CPU took before the block search; selected by `sampler.CPU_TOP_P = "sorted"`) for --checks draws of
+every row (each a different position, so different noise), on the sampler's own path (the C path where
+this machine builds it, minikv/engine/cpu_topp.c) and on the block search in torch ops; the record counts
+the rows each could not vouch for and left to the sorted path. Then, for each thread count, six runs take
+turns --repeats rounds:
 
     greedy     sample() with greedy params (torch's max over the vocabulary)
     argmax     logits.argmax(-1), greedy as it was before (the same index, about three times slower)
-    sampled    sample() at temperature 0.6, top-p 0.95
+    sampled    sample() at temperature 0.6, top-p 0.95, on the sampler's own path (the record names it)
+    torch_path the same on the block search in torch ops (`CPU_TOP_P = "blocks"`: the path without a compiler)
     reference  the sorted path on the same rows
     exp_pass   torch.exp of the logits into a buffer: one pass of exp, which any exact top-p draw needs
                (every token's probability enters the normaliser), the floor of a sampled step
@@ -104,18 +106,27 @@ def engine_logits(rows: int, step: int = 8) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def reference_path():
-    """Top-p rows take the sorted path (`_sample_nucleus`) whatever the vocabulary."""
-    saved = sampler.MIN_BLOCKED_VOCAB
-    sampler.MIN_BLOCKED_VOCAB = 1 << 62
+def top_p_path(name: str):
+    """Top-p rows on the CPU take this path: "sorted" (`_sample_nucleus`, the reference), "blocks" or "c"."""
+    saved = sampler.CPU_TOP_P
+    sampler.CPU_TOP_P = name
     try:
         yield
     finally:
-        sampler.MIN_BLOCKED_VOCAB = saved
+        sampler.CPU_TOP_P = saved
+
+
+def reference_path():
+    return top_p_path("sorted")
 
 
 def reference_sample(logits, params, keys) -> list[int]:
     with reference_path():
+        return sample(logits, params, keys)
+
+
+def torch_path_sample(logits, params, keys) -> list[int]:
+    with top_p_path("blocks"):
         return sample(logits, params, keys)
 
 
@@ -150,23 +161,34 @@ def main() -> None:
         redone.append(scaled.shape[0])
         return block_search(scaled, *rest)
 
-    equal = 0
+    path = sampler._cpu_top_p_path(logits)
+    equal, equal_torch, redone_torch = 0, 0, 0
     for position in range(args.checks):
         keys = draw_keys(seeds, [position] * args.rows)
+        want = reference_sample(logits, sampled, keys)
         sampler._sample_nucleus = counting
         got = sample(logits, sampled, keys)
+        mark = len(redone)
+        got_torch = torch_path_sample(logits, sampled, keys)
         sampler._sample_nucleus = block_search
-        equal += sum(a == b for a, b in zip(got, reference_sample(logits, sampled, keys)))
+        redone_torch += sum(redone[mark:])
+        del redone[mark:]
+        equal += sum(a == b for a, b in zip(got, want))
+        equal_torch += sum(a == b for a, b in zip(got_torch, want))
     total = args.checks * args.rows
-    print(f"tokens equal to the reference: {equal}/{total} ({sum(redone)} rows left to the sorted path); "
-          f"nucleus sizes min {sizes[0]}, median {sizes[len(sizes) // 2]}, max {sizes[-1]}")
-    assert equal == total, "the sampler's tokens differ from the reference's"
+    from minikv.engine import cpu_topp
+    print(f"the sampler's path: {path}{'' if path == 'c' else f' ({cpu_topp.why_not()})'}; tokens equal to the "
+          f"reference: {equal}/{total} ({sum(redone)} rows left to the sorted path), on the torch path "
+          f"{equal_torch}/{total} ({redone_torch}); nucleus sizes min {sizes[0]}, median {sizes[len(sizes) // 2]}, "
+          f"max {sizes[-1]}")
+    assert equal == total and equal_torch == total, "the sampler's tokens differ from the reference's"
 
     keys = draw_keys(seeds, [0] * args.rows)
     buffer = torch.empty_like(logits)
     temperature = torch.full((args.rows,), SAMPLED["temperature"])
     runs = {"greedy": lambda: sample(logits, greedy, keys), "argmax": lambda: logits.argmax(-1).tolist(),
             "sampled": lambda: sample(logits, sampled, keys),
+            "torch_path": lambda: torch_path_sample(logits, sampled, keys),
             "reference": lambda: reference_sample(logits, sampled, keys),
             "exp_pass": lambda: torch.exp(logits, out=buffer),
             "lse_pass": lambda: sampler._lse_and_block_max(logits, seeds, temperature)}
@@ -187,6 +209,7 @@ def main() -> None:
         row = {"threads": threads, "median_ms": med,
                "sampled_over_greedy": med["sampled"] / med["greedy"],
                "sampled_over_argmax": med["sampled"] / med["argmax"],
+               "torch_path_over_greedy": med["torch_path"] / med["greedy"],
                "reference_over_argmax": med["reference"] / med["argmax"],
                "exp_pass_over_greedy": med["exp_pass"] / med["greedy"],
                "exp_pass_over_argmax": med["exp_pass"] / med["argmax"],
@@ -194,7 +217,8 @@ def main() -> None:
         results.append(row)
         print(f"{threads} thread(s): greedy {med['greedy']:.1f} ms, argmax {med['argmax']:.1f} ms, sampled "
               f"{med['sampled']:.1f} ms ({row['sampled_over_greedy']:.2f}x greedy, "
-              f"{row['sampled_over_argmax']:.2f}x argmax), reference {med['reference']:.1f} ms "
+              f"{row['sampled_over_argmax']:.2f}x argmax), torch path {med['torch_path']:.1f} ms "
+              f"({row['torch_path_over_greedy']:.2f}x greedy), reference {med['reference']:.1f} ms "
               f"({row['reference_over_argmax']:.2f}x argmax), one exp pass {med['exp_pass']:.1f} ms, the sampler's "
               f"pass over the vocabulary {med['lse_pass']:.1f} ms")
     if args.out:
@@ -202,7 +226,9 @@ def main() -> None:
                   "args": vars(args) | {"out": str(args.out)},
                   "logits": (engine_logits if args.engine_rows else model_like_logits).__doc__,
                   "sampling": SAMPLED,
-                  "tokens_equal_reference": [equal, total], "rows_left_to_sorted_path": sum(redone),
+                  "path": path, "tokens_equal_reference": [equal, total], "rows_left_to_sorted_path": sum(redone),
+                  "torch_path_tokens_equal_reference": [equal_torch, total],
+                  "torch_path_rows_left_to_sorted_path": redone_torch,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
                   "nucleus_sizes": {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]},
                   "load_average": list(os.getloadavg()), "results": results}

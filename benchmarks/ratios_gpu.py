@@ -410,7 +410,7 @@ def cpu_sampling(rows: int = 64, vocab: int = 151_936, repeats: int = 9, checks:
     row = record["results"][0]
     return {"rows": rows, "vocab": vocab, "cpu": record["environment"]["device"],
             "sampled_over_greedy": row["sampled_over_greedy"], "median_ms": row["median_ms"],
-            "tokens_equal_reference": record["tokens_equal_reference"]}
+            "tokens_equal_reference": record["tokens_equal_reference"], "path": record.get("path", "blocks")}
 
 
 def decode_rows(r: dict) -> list[tuple[str, str, str]]:
@@ -436,7 +436,8 @@ def sampling_row(r: dict) -> tuple[str, str, str]:
     """The table's row of the sampling part (`cpu_sampling`'s figures)."""
     med, (equal, total) = r["median_ms"], r["tokens_equal_reference"]
     return ("CPU sampling, top-p / greedy (1 thread)", ratio_text(r["sampled_over_greedy"]),
-            f"{med['sampled']:.1f} / {med['greedy']:.1f} ms, {r['rows']} rows of {r['vocab']:,}, {r['cpu']}; "
+            f"{med['sampled']:.1f} / {med['greedy']:.1f} ms ({r.get('path', 'blocks')} path; the block search in "
+            f"torch ops {med.get('torch_path', float('nan')):.1f} ms), {r['rows']} rows of {r['vocab']:,}, {r['cpu']}; "
             f"tokens equal to the sorted path {equal}/{total}")
 
 

@@ -1,6 +1,8 @@
-"""The CPU's top-p path (candidates from block maxima, `_sample_nucleus_cpu`) draws the sorted path's
-token (`_sample_nucleus`, the reference) on random and edge-case rows, and reads a row of logits a
-bounded number of times, with no int64 or float64 temporary of a row's size."""
+"""The CPU's top-p paths draw the sorted path's token (`_sample_nucleus`, the reference) on random and
+edge-case rows: the C path (minikv/engine/cpu_topp.c, compiled on first use) and the block search in torch
+ops (candidates from block maxima, `_sample_nucleus_cpu`), which also reads a row of logits a bounded
+number of times, with no int64 or float64 temporary of a row's size. tests/test_cpu_topp.py tests what is
+the C path's own."""
 import contextlib
 
 import pytest
@@ -9,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minikv.engine.sampler as sampler
 from minikv import SamplingParams
+from minikv.engine import cpu_topp
 from minikv.engine.sampler import draw_keys, sample
 
 VOCAB = 20_011  # past MIN_BLOCKED_VOCAB, and not a multiple of the block: the last block is short
@@ -16,12 +19,27 @@ VOCAB = 20_011  # past MIN_BLOCKED_VOCAB, and not a multiple of the block: the l
 
 @contextlib.contextmanager
 def reference_path():
-    saved = sampler.MIN_BLOCKED_VOCAB
-    sampler.MIN_BLOCKED_VOCAB = 1 << 62
+    saved = sampler.CPU_TOP_P
+    sampler.CPU_TOP_P = "sorted"
     try:
         yield
     finally:
-        sampler.MIN_BLOCKED_VOCAB = saved
+        sampler.CPU_TOP_P = saved
+
+
+@pytest.fixture(params=["c", "blocks"])
+def path(request, monkeypatch):
+    """Each CPU top-p path in turn (the C one where this machine can build it)."""
+    if request.param == "c" and cpu_topp.library() is None:
+        pytest.skip(f"the C path cannot be built here: {cpu_topp.why_not()}")
+    monkeypatch.setattr(sampler, "CPU_TOP_P", request.param)
+    return request.param
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """The block search in torch ops, whatever "auto" would take."""
+    monkeypatch.setattr(sampler, "CPU_TOP_P", "blocks")
 
 
 def both(logits, params, position=0):
@@ -40,7 +58,7 @@ def model_like(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_block_search_draws_the_sorted_paths_token_on_model_like_rows(threads):
+def test_top_p_paths_draw_the_sorted_paths_token_on_model_like_rows(threads, path):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -54,7 +72,7 @@ def test_block_search_draws_the_sorted_paths_token_on_model_like_rows(threads):
         torch.set_num_threads(saved)
 
 
-def test_block_search_matches_on_edge_cases():
+def test_top_p_paths_match_on_edge_cases(path):
     """Ties at the nucleus' edge (bf16-like logits and whole rows of one value), a flat row whose nucleus
     is most of the vocabulary, top_p 1 and top-k rows beside top-p rows, a tiny temperature, -inf logits,
     greedy rows, and rows given out of order."""
@@ -84,7 +102,7 @@ def test_block_search_matches_on_edge_cases():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_log_sum_exp_is_torchs_to_1e_5_and_its_bits_where_the_maximum_is_taken_off(threads):
+def test_log_sum_exp_is_torchs_to_1e_5_and_its_bits_where_the_maximum_is_taken_off(threads, blocks):
     """Where exp(x / T) is safe (the largest x / T within 60 of 0), the pass sums exp2(x / (T ln 2)): the
     log-sum-exp is torch's to 1e-5, far inside the search's slack (1e-4 of the mass). Where x / T is
     large (T = 0.05, T = 1e-5), the maximum is taken off first, as torch does: its bits, since an ulp of
@@ -131,7 +149,7 @@ class RowReads(TorchDispatchMode):
         return out
 
 
-def test_sampled_rows_read_the_vocabulary_a_bounded_number_of_times():
+def test_sampled_rows_read_the_vocabulary_a_bounded_number_of_times(blocks):
     """Greedy reads each row once (its max). A top-p row the block search draws costs six row-sized reads
     or writes, all float32: the block maxima, x / T (read x, write a buffer of a few rows), - m and exp in
     place, sum. The candidates are gathered by index, a few per block. (The sorted path: six or more,
@@ -165,7 +183,7 @@ def heavy_tailed(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_whose_nucleus_holds_thousands_of_tokens_draw_the_sorted_paths_token_without_its_sort(
-        threads, monkeypatch):
+        threads, path, monkeypatch):
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -205,7 +223,7 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_sampled_step_with_two_threads_runs_no_op_per_row():
+def test_a_sampled_step_with_two_threads_runs_no_op_per_row(blocks):
     """With several threads every op over a whole row opens a parallel region, where libgomp's idle
     threads spin and, on a busy machine, the region waits for a core: so the log-sum-exp takes chunks
     of up to 16 rows and the rest of the step works on all rows at once. Four times the rows add the
@@ -228,7 +246,7 @@ def test_a_sampled_step_with_two_threads_runs_no_op_per_row():
         torch.set_num_threads(saved)
 
 
-def test_a_row_whose_top_token_alone_holds_top_p_draws_it_without_looking_for_a_nucleus(monkeypatch):
+def test_a_row_whose_top_token_alone_holds_top_p_draws_it_without_looking_for_a_nucleus(blocks, monkeypatch):
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(4, VOCAB, generator=g)
     for row, token in enumerate([0, 7_777, VOCAB - 1, VOCAB - 2]):  # the last two in the short last block

@@ -185,8 +185,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
             continue
         temperature, top_p = mine[:, :TOP_K].to(torch.int32).view(torch.float32).unbind(1)
         key = mine[:, KEY]
-        if how == "top_p" and dev.type == "cpu" and vocab >= MIN_BLOCKED_VOCAB:
-            choice[g] = _sample_nucleus_cpu(logits, [sampled_rows[j] for j in group], temperature, key, top_p)
+        if how == "top_p" and dev.type == "cpu" and _cpu_top_p_path(logits) != "sorted":
+            choice[g] = _sample_top_p_cpu(logits, [sampled_rows[j] for j in group], temperature, key, top_p)
             continue
         scaled = logits.index_select(0, mine[:, ROW]).float() / temperature[:, None]
         if how == "plain":  # the whole vocabulary
@@ -194,7 +194,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
         elif how == "top_k":  # the set always lies among the largest top_k logits
             k_cap = min(vocab, max(params[sampled_rows[j]].top_k for j in group))
             lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-            choice[g] = _draw_among(scaled, lse, key, mine[:, TOP_K], top_p, k_cap)[0]
+            choice[g] = _draw_among(scaled, lse, key, mine[:, TOP_K], top_p, k_cap, ties_by_key=True)[0]
         else:
             choice[g] = _sample_nucleus(scaled, key, top_p)
     if len(sampled_rows) == logits.shape[0]:  # no greedy row: no argmax to compute
@@ -299,6 +299,46 @@ GROUP = 8
 LOG2E = 1.4426950408889634
 HISTOGRAM_BINS = 8  # bins per unit of scaled logit below a row's maximum, over 64 units; the rest share the last
 MIN_BLOCKED_VOCAB = BLOCK * (CANDIDATES[-1] + 1)  # below this, the blocks would hold much of the vocabulary
+
+
+# How the CPU draws top-p rows: "auto" takes the C path (cpu_topp.c) where it is built, else the block search
+# in torch ops past MIN_BLOCKED_VOCAB; "c", "blocks" and "sorted" (the reference) force one.
+CPU_TOP_P = "auto"
+
+
+def _cpu_top_p_path(logits: torch.Tensor) -> str:
+    from minikv.engine import cpu_topp
+
+    want, vocab = CPU_TOP_P, logits.shape[-1]
+    if want in ("auto", "c") and vocab >= BLOCK and logits.dtype == torch.float32 and logits.stride(-1) == 1 \
+            and cpu_topp.library() is not None:
+        return "c"
+    if want == "c":
+        raise RuntimeError(f"sampler.CPU_TOP_P is 'c' but the C path cannot run here: {cpu_topp.why_not() or ''} "
+                           f"(it reads float32 logits with contiguous rows of at least {BLOCK} tokens; got "
+                           f"{logits.dtype}, {vocab} tokens, strides {logits.stride()})")
+    if want in ("auto", "blocks") and vocab >= MIN_BLOCKED_VOCAB:
+        return "blocks"
+    return "sorted"
+
+
+def _sample_top_p_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p rows on the CPU, the sorted path's tokens: the C path (two passes over each row and a few
+    tokens' work, minikv/engine/cpu_topp.c) or the block search in torch ops (`_sample_nucleus_cpu`). The
+    rows the C path is not sure of (near the nucleus' edge, a near tie, a flat row, a logit not finite)
+    take the sorted path."""
+    if _cpu_top_p_path(logits) != "c":
+        return _sample_nucleus_cpu(logits, rows, temperature, key, top_p)
+    from minikv.engine import cpu_topp
+
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    choice, sure = cpu_topp.top_p_rows(logits, rows_t, temperature, key, top_p, _mass_slack(logits.shape[-1]))
+    redo = (~sure).nonzero()[:, 0]
+    if redo.numel():
+        scaled = logits.index_select(0, rows_t[redo]) / temperature[redo, None]
+        choice[redo] = _sample_nucleus(scaled, key[redo], top_p[redo])
+    return choice
 
 
 def _sample_nucleus_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
@@ -549,10 +589,7 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float,
         s = logits.take(rows[r] * vocab + tokens).float() / temperature[r]
         above = s > edge[r, 0]
         r, tokens, s = r[above], tokens[above], s[above]
-    # the sorted path's order (scaled logit descending, id ascending) as one int64 key per token: the
-    # float's bits made monotonic (+ 0.0: -0.0 orders as 0.0), then the id reversed
-    bits = (s + 0.0).view(torch.int32).long()
-    order = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - tokens)
+    order = _order_key(s, tokens)
     probs = torch.exp(s.double() - lse[r, 0].double())
     scores = s - torch.log(-torch.log(uniform_noise(key[r], tokens[:, None])[:, 0]))
     # packed to the left:  [0, count)  a row's tokens above its edge     [count, c)  padding
@@ -579,15 +616,36 @@ def _draw_above(logits, rows, temperature, lse, key, top_p, edge, slack: float,
     return choice, enough & (before < top_p.double() - slack) & clear
 
 
+def _order_key(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The sorted path's order (scaled logit descending, vocab id ascending) as one int64 per token, the larger
+    first: the float32's bits made monotonic (+ 0.0: -0.0 orders as 0.0), then the id reversed."""
+    bits = (s.float() + 0.0).view(torch.int32).long()
+    return (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - ids)
+
+
 def _float_below(x: torch.Tensor) -> torch.Tensor:
     """The largest float32 at or below each float64 of x: a float32 is above it only when above x."""
     f = x.float()
     return torch.where(f.double() > x, torch.nextafter(f, torch.tensor(float("-inf"))), f)
 
 
-def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw among each row's k_cap most likely tokens; `exact` says whose whole set lay among them."""
-    vals, ids = scaled.topk(k_cap, dim=-1)  # sorted, most likely first
+def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int, ties_by_key: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw among each row's k_cap most likely tokens, in the sorted path's order (ties by vocab id, the lower
+    first); `exact` says whose whole set surely lay among them. topk leaves the order of tied logits unset,
+    so its k_cap come back re-sorted by id within a tie; a row whose set reaches the k_cap-th logit may have
+    left out a tie of lower id, and is not exact. ties_by_key: take the topk of `_order_key` instead, exact
+    across the k_cap-th place too, at the price of an int64 key per token (top-k rows: their caller does
+    not ask the device which rows are exact)."""
+    vocab = scaled.shape[-1]
+    if ties_by_key:
+        ids = _order_key(scaled, torch.arange(vocab, device=scaled.device)).topk(k_cap, dim=-1)[1]
+        vals = scaled.gather(1, ids)
+    else:
+        vals, ids = scaled.topk(k_cap, dim=-1)
+        ids, by_id = ids.sort(dim=-1)
+        vals, by_value = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, by_value)  # most likely first, ties by id
     probs = torch.exp(vals - lse)  # true probabilities
     rank = torch.arange(k_cap, device=scaled.device)[None, :]
     outside = rank >= torch.where(top_k > 0, top_k, k_cap)[:, None]
@@ -597,6 +655,8 @@ def _draw_among(scaled, lse, key, top_k, top_p, k_cap: int) -> tuple[torch.Tenso
     outside |= (kept.cumsum(-1) - kept) >= top_p[:, None]
     choice = ids.gather(1, gumbel_argmax(vals.masked_fill(outside, float("-inf")), key, ids)[:, None])[:, 0]
     exact = (top_k > 0) | (top_p >= 1.0) | (probs.sum(-1) >= top_p)
+    if not ties_by_key and k_cap < vocab:  # the set reaches a logit tied with the k_cap-th: a lower id may be out
+        exact &= ~(~outside & (vals == vals[:, -1:])).any(-1)
     return choice, exact
 
 
