@@ -174,3 +174,21 @@ def test_the_library_is_built_once_per_source_and_machine_then_loaded(tmp_path):
     off = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                          env=env | {"MINIKV_CPU_TOPP": "torch"})
     assert off.stdout.startswith("False MINIKV_CPU_TOPP=torch")
+
+
+@needs_c
+def test_rows_mostly_minus_infinity_are_drawn_and_a_nan_anywhere_is_not_sure():
+    """A row read a segment at a time (16 segments of vocab // 16 ids, and the tail): segments that hold
+    only -inf add nothing, wherever they lie; a NaN in a segment of -inf still leaves the row to the sorted
+    path."""
+    vocab = 16 * 500 + 7
+    x = torch.full((4, vocab), float("-inf"))
+    x[0, [3, 4_200, vocab - 1]] = torch.tensor([1.0, 2.0, 1.5])  # three finite tokens, the last in the tail
+    x[1, 7_999] = 0.0  # one finite token: it is the draw
+    x[2, 10] = 2.0
+    x[2, 700] = float("nan")  # a segment of -inf and a NaN, after a finite one
+    x[3, [7_000, 7_001]] = 3.0
+    x[3, 1_200] = float("nan")  # before the first finite segment
+    choice, sure, want = c_draws(x, 1.0, 0.9)
+    assert sure.tolist() == [True, True, False, False]
+    assert torch.equal(choice[:2], want[:2]) and choice[1] == 7_999

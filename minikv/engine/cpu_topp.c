@@ -9,11 +9,11 @@
    where the nucleus is the shortest prefix of the vocabulary ordered by (s descending, id ascending)
    whose mass reaches top_p. A row here costs two passes over its logits and work on a few tokens:
 
-     1. from memory: the maximum of every block of 16 strided ids (ids c, c + nb, ..., c + 15 nb) and the
-        row's maximum m (one vectorised max per block lane, as sampler.py's _strided_max);
-     2. from the cache: Z = sum of exp(s_j - s_max), as 2^t with t = (s_j - s_max) log2 e, and beside it
-        the mass above each of LEVELS (t >= -level): the smallest level whose mass reaches
-        top_p + 2 slack is the edge;
+     1. one read from memory, a segment of nb = V / 16 ids at a time: the maximum of every block of 16
+        strided ids (ids c, c + nb, ..., c + 15 nb, as sampler.py's _strided_max), the row's maximum m
+        and, from the cache, Z = sum of exp(s_j - s_max) as powers of 2;
+     2. the edge: the first of LEVELS (in log2 units below the top) whose blocks' maxima alone weigh
+        top_p + 2 slack;
      3. the candidates, every token above the edge, from the blocks whose maximum lies above it;
      4. the draw: the best score among the candidates, with the mass ahead of it summed in float64. Below
         top_p - slack it is in the nucleus and it is the token; at top_p + slack or more it and every
@@ -75,37 +75,54 @@ static inline int ahead(const Candidate* a, const Candidate* b) {
     return a->s > b->s || (a->s == b->s && a->id < b->id);
 }
 
-/* One row; returns 1 with *out set when sure. bm: nb + 1 floats; cand: room for V candidates. */
+/* One row; returns 1 with *out set when sure. Scratch: bm and bp, nb + 1 floats; ids and cand, room for V. */
 static int draw_row(const float* x, int64_t V, float T, uint64_t key, float top_p, double slack, float* bm,
-                    float* bp, Candidate* cand, int64_t* out) {
+                    float* bp, int32_t* ids, Candidate* cand, int64_t* out) {
     const int64_t nb = V / BLOCK, tail = V % BLOCK;
-    /* 1. block maxima, a lane of 16 strided ids per block */
-    memcpy(bm, x, (size_t)nb * sizeof(float));
-    for (int64_t i = 1; i < BLOCK; i++) {
-        const float* xi = x + i * nb;
-        for (int64_t c = 0; c < nb; c++) bm[c] = xi[c] > bm[c] ? xi[c] : bm[c];
-    }
-    int64_t nblocks = nb;
-    if (tail) {
-        float t = x[BLOCK * nb];
-        for (int64_t j = BLOCK * nb + 1; j < V; j++) t = x[j] > t ? x[j] : t;
-        bm[nb] = t;
-        nblocks++;
-    }
-    float m = bm[0];
-    for (int64_t c = 1; c < nblocks; c++) m = bm[c] > m ? bm[c] : m;
-    const float s_max = m / T; /* division by T > 0 keeps the order: the largest x / T */
-    /* 2. Z = sum of exp(s_j - s_max), in powers of 2 (x - m) log2 e / T: within ~1e-6 of the sorted
-       path's sum, whose slack is 1e-4 and more */
+    /* 1 and 2 in one read of the row from memory, a segment at a time: segment i holds ids i nb .. i nb + nb - 1,
+       lane i of every block (the tail, ids past 16 nb, is a segment of its own). Its maximum m_i first; then,
+       from the cache, the blocks' maxima and its sum of 2^((x - m_i) log2 e / T) (float32 over CHUNK terms,
+       then float64); the segments' sums are brought to the row's maximum m as they come. */
     const float k2 = LOG2E / T;
+    const int64_t nblocks = nb + (tail > 0);
+    float m = -INFINITY;
     double z = 0.0;
-    for (int64_t a = 0; a < V; a += CHUNK) {
-        const int64_t b = a + CHUNK < V ? a + CHUNK : V;
-        float zc = 0.f;
+    for (int64_t i = 0; i <= BLOCK; i++) {
+        const float* xi = x + i * nb;
+        const int64_t len = i < BLOCK ? nb : tail;
+        if (len == 0) continue;
+        float mi = -INFINITY;
+#pragma omp simd reduction(max : mi)
+        for (int64_t c = 0; c < len; c++) mi = xi[c] > mi ? xi[c] : mi;
+        const float mref = mi == -INFINITY ? 0.f : mi; /* a segment all -inf: its terms are 0, not NaN */
+        double zi = 0.0;
+        for (int64_t a = 0; a < len; a += CHUNK) {
+            const int64_t b = a + CHUNK < len ? a + CHUNK : len;
+            float zc = 0.f;
+            if (i == 0) {
 #pragma omp simd reduction(+ : zc)
-        for (int64_t j = a; j < b; j++) zc += exp2_neg((x[j] - m) * k2);
-        z += zc;
+                for (int64_t c = a; c < b; c++) bm[c] = xi[c], zc += exp2_neg((xi[c] - mref) * k2);
+            } else if (i < BLOCK) {
+#pragma omp simd reduction(+ : zc)
+                for (int64_t c = a; c < b; c++) bm[c] = xi[c] > bm[c] ? xi[c] : bm[c], zc += exp2_neg((xi[c] - mref) * k2);
+            } else {
+#pragma omp simd reduction(+ : zc)
+                for (int64_t c = a; c < b; c++) zc += exp2_neg((xi[c] - mref) * k2);
+            }
+            zi += zc;
+        }
+        if (i == BLOCK) bm[nb] = mi;
+        /* a segment of -inf adds nothing, a NaN anywhere makes z NaN (z * 0.0 keeps it): the row is not sure */
+        if (mi == -INFINITY) {
+            z += zi * 0.0;
+        } else if (mi > m) {  /* the sum so far, brought down to the new maximum */
+            z = (m == -INFINITY ? z * 0.0 : z * exp2((double)(m - mi) * k2)) + zi;
+            m = mi;
+        } else {
+            z += zi * exp2((double)(mi - m) * k2);
+        }
     }
+    const float s_max = m / T; /* division by T > 0 keeps the order: the largest x / T */
     if (!isfinite(z) || !isfinite(s_max)) return 0;
     const double lse = (double)s_max + log(z);
     /* the sorted path rounds its log-sum-exp to float32: every mass it computes may be off by an ulp of it */
@@ -135,22 +152,30 @@ static int draw_row(const float* x, int64_t V, float T, uint64_t key, float top_
         float x_edge = s_edge * T;
         while (x_edge / T >= s_edge) x_edge = nextafterf(x_edge, -INFINITY);
         while (x_edge / T < s_edge) x_edge = nextafterf(x_edge, INFINITY);
-        k = 0;
-        held = 0.0;
-        for (int64_t c = 0; c < nblocks; c++) {
-            if (bm[c] < x_edge) continue;
-            const int64_t first = c < nb ? c : BLOCK * nb, step = c < nb ? nb : 1;
-            const int64_t count = c < nb ? BLOCK : tail;
-            for (int64_t i = 0; i < count; i++) {
-                const int64_t j = first + i * step;
-                if (x[j] < x_edge) continue;
-                const float s = x[j] / T;
-                cand[k].id = (int32_t)j;
-                cand[k].s = s;
-                cand[k].p = exp2_neg((s - s_max) * LOG2E) / z; /* its mass, within ~2e-6 of itself */
-                held += cand[k].p;
-                k++;
+        /* their ids: from the blocks above the edge, or, where those are an eighth of the blocks or more
+           (a flat row), from the row read in order, which costs less than as many scattered reads */
+        int64_t above = 0, n = 0;
+        for (int64_t c = 0; c < nblocks; c++) above += bm[c] >= x_edge;
+        if (above * 8 >= nblocks) {
+            for (int64_t j = 0; j < V; j++) ids[n] = (int32_t)j, n += x[j] >= x_edge;
+        } else {
+            for (int64_t c = 0; c < nblocks; c++) {
+                if (bm[c] < x_edge) continue;
+                const int64_t first = c < nb ? c : BLOCK * nb, step = c < nb ? nb : 1;
+                const int64_t count = c < nb ? BLOCK : tail;
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t j = first + i * step;
+                    ids[n] = (int32_t)j, n += x[j] >= x_edge;
+                }
             }
+        }
+        held = 0.0;
+        for (k = 0; k < n; k++) {
+            const float s = x[ids[k]] / T;
+            cand[k].id = ids[k];
+            cand[k].s = s;
+            cand[k].p = exp2_neg((s - s_max) * LOG2E) / z; /* its mass, within ~2e-6 of itself */
+            held += cand[k].p;
         }
         if (held >= (double)top_p + slack) break;
         if (level == NLEVELS - 1) return 0; /* the candidates may not hold the nucleus */
@@ -224,18 +249,20 @@ static void* work(void* arg) {
     const int64_t V = job->V;
     float* bm = malloc((size_t)(V / BLOCK + 1) * sizeof(float));
     float* bp = malloc((size_t)(V / BLOCK + 1) * sizeof(float));
+    int32_t* ids = malloc((size_t)V * sizeof(int32_t));
     Candidate* cand = malloc((size_t)V * sizeof(Candidate));
-    if (!bm || !bp || !cand) {
+    if (!bm || !bp || !ids || !cand) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
         for (int64_t r; (r = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n;)
             if (job->temperature[r] > 0.f && V >= BLOCK)
                 job->sure[r] = (uint8_t)draw_row(job->logits + job->rows[r] * job->stride, V, job->temperature[r],
-                                                 (uint64_t)job->keys[r], job->top_p[r], job->slack, bm, bp, cand,
+                                                 (uint64_t)job->keys[r], job->top_p[r], job->slack, bm, bp, ids, cand,
                                                  &job->choice[r]);
     }
     free(bm);
     free(bp);
+    free(ids);
     free(cand);
     return NULL;
 }
