@@ -8,8 +8,8 @@ it in two passes over each row, vectorised by the compiler, and draws the same t
 The library is built once per machine with the C compiler the environment names (CC, else cc, gcc or
 clang), for this CPU (-march=native), into the build/ folder of the model cache (MINIKV_CACHE, else
 ~/.cache/minikv), named by a hash of the source, the flags and the CPU, so that a changed file or another
-machine builds anew; once built, it loads without a compiler. Without one and no library built, or with MINIKV_CPU_TOPP=torch,
-`library()` is None and the sampler keeps its torch path; `why_not()` says why.
+machine builds anew; once built, it loads without a compiler. Without one and no library built, or with
+MINIKV_CPU_TOPP=torch, `library()` is None and the sampler keeps its torch path; `why_not()` says why.
 """
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_topp.c")
 FLAGS = ["-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
-# tried in turn: a compiler without -march=native or without OpenMP (clang without libomp) builds with less
-CHOICES = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+# tried in turn: a compiler without -march=native or without OpenMP (clang without libomp) builds with less.
+# 512-bit vectors where the CPU has them: gcc's tuning for Intel's AVX-512 cores prefers 256 bits, and the
+# pass over a row ran 1.2x faster with 512 on a Sapphire Rapids host (2026-11-29, benchmarks/NOTES_sampler.md)
+CHOICES = (["-march=native", "-mprefer-vector-width=512", "-fopenmp"], ["-march=native", "-fopenmp"], ["-fopenmp"],
+           ["-march=native"], [])
 _state: dict = {}
 
 
