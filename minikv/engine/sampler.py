@@ -19,7 +19,9 @@ from a CUDA graph, and sample i of SamplingParams(n, seed=s) equals a request ru
 
 Nothing waits for the device. On a GPU, rows without a top-k go to one Triton kernel that finds the
 top-p set by pivoting instead of sorting (minikv/kernels/sample.py); it draws the same token as the
-torch code here, which the CPU runs.
+torch code here, which the CPU runs, except its top-p rows: those are drawn in C where the machine has
+a compiler (minikv/engine/cpu_topp.c, the same tokens), else by a block search in torch ops
+(`_sample_nucleus_cpu`).
 """
 from __future__ import annotations
 
