@@ -7,21 +7,23 @@
        argmax over the nucleus of  s_j + g_j,   s_j = x_j / T (float32),  g_j = -log(-log(u(key, j)))
 
    where the nucleus is the shortest prefix of the vocabulary ordered by (s descending, id ascending)
-   whose mass reaches top_p. A row here costs two passes over its logits and work on a few tokens:
+   whose mass reaches top_p. A row here costs one read of its logits from memory and work on a few tokens:
 
      1. one read from memory, a segment of nb = V / 16 ids at a time: the maximum of every block of 16
         strided ids (ids c, c + nb, ..., c + 15 nb, as sampler.py's _strided_max), the row's maximum m
         and, from the cache, Z = sum of exp(s_j - s_max) as powers of 2;
      2. the edge: the first of LEVELS (in log2 units below the top) whose blocks' maxima alone weigh
         top_p + 2 slack;
-     3. the candidates, every token above the edge, from the blocks whose maximum lies above it;
+     3. the candidates, every token above the edge, from the blocks whose maximum lies above it (or from
+        the row read in order where those blocks are many); in a flat row, those above a finer cut;
      4. the draw: the best score among the candidates, with the mass ahead of it summed in float64. Below
         top_p - slack it is in the nucleus and it is the token; at top_p + slack or more it and every
         token after it are out (look again); between, or a near tie of scores, the row is not sure and
         Python draws it on the sorted path. `slack` bounds how far the sorted path's float32 sums may lie
         from exact ones (sampler.py: _mass_slack).
 
-   Nothing here is sure of a row whose logits hold a NaN or an infinity (Z is then not finite). */
+   Nothing here is sure of a row whose logits hold a NaN or +inf, or only -inf (Z or its maximum is then
+   not finite). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

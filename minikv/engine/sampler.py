@@ -187,8 +187,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], keys: l
             continue
         temperature, top_p = mine[:, :TOP_K].to(torch.int32).view(torch.float32).unbind(1)
         key = mine[:, KEY]
-        if how == "top_p" and dev.type == "cpu" and _cpu_top_p_path(logits) != "sorted":
-            choice[g] = _sample_top_p_cpu(logits, [sampled_rows[j] for j in group], temperature, key, top_p)
+        if how == "top_p" and dev.type == "cpu" and (path := _cpu_top_p_path(logits)) != "sorted":
+            choice[g] = _sample_top_p_cpu(logits, [sampled_rows[j] for j in group], temperature, key, top_p, path)
             continue
         scaled = logits.index_select(0, mine[:, ROW]).float() / temperature[:, None]
         if how == "plain":  # the whole vocabulary
@@ -325,12 +325,12 @@ def _cpu_top_p_path(logits: torch.Tensor) -> str:
 
 
 def _sample_top_p_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, key: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p rows on the CPU, the sorted path's tokens: the C path (two passes over each row and a few
-    tokens' work, minikv/engine/cpu_topp.c) or the block search in torch ops (`_sample_nucleus_cpu`). The
-    rows the C path is not sure of (near the nucleus' edge, a near tie, a flat row, a logit not finite)
-    take the sorted path."""
-    if _cpu_top_p_path(logits) != "c":
+                      top_p: torch.Tensor, path: str) -> torch.Tensor:
+    """Top-p rows on the CPU, the sorted path's tokens, by `_cpu_top_p_path`'s choice: the C path (one read of
+    each row from memory and a few tokens' work, minikv/engine/cpu_topp.c) or the block search in torch ops
+    (`_sample_nucleus_cpu`). The rows the C path is not sure of (near the nucleus' edge, a near tie, a logit
+    not finite, a log-sum-exp too large for float32's rounding) take the sorted path."""
+    if path != "c":
         return _sample_nucleus_cpu(logits, rows, temperature, key, top_p)
     from minikv.engine import cpu_topp
 
