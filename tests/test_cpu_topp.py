@@ -14,16 +14,9 @@ from minikv import SamplingParams
 from minikv.engine import cpu_topp
 from minikv.engine.sampler import _mass_slack, _sample_nucleus, draw_keys, sample
 
+from test_sampler_cpu_blocks import model_like  # (tests/ is on the path) a normal tail at five scales, a head of 30
+
 needs_c = pytest.mark.skipif(cpu_topp.library() is None, reason=f"no C path here: {cpu_topp.why_not()}")
-
-
-def model_like(rows: int, vocab: int, seed: int) -> torch.Tensor:
-    """A normal tail at five scales under a head of 30 tokens at random ids: peaked to flat rows."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.tensor([0.05, 0.5, 1.0, 2.0, 4.0]).repeat(rows // 5 + 1)[:rows, None]
-    logits = torch.randn(rows, vocab, generator=g) * scale
-    ids = torch.randint(0, vocab, (rows, 30), generator=g)
-    return logits.scatter_(1, ids, torch.randn(rows, 30, generator=g).abs() * 4 + 6 * scale)
 
 
 def c_draws(logits, temperature, top_p, position=0, threads=1):
