@@ -126,6 +126,8 @@ def test_input_it_cannot_read_gets_a_clear_error():
         cpu_topp.top_p_rows(x.half(), torch.arange(2), *args)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_topp.top_p_rows(x.t().contiguous().t(), torch.arange(2), *args)
+    with pytest.raises(ValueError, match=r"\[rows, vocab\]"):
+        cpu_topp.top_p_rows(x[0], torch.arange(1), *[a[:1] if isinstance(a, torch.Tensor) else a for a in args])
     with pytest.raises(IndexError, match=r"rows must lie in \[0, 2\)"):
         cpu_topp.top_p_rows(x, torch.tensor([0, 2]), *args)
     with pytest.raises(ValueError, match="one per row"):
@@ -137,6 +139,14 @@ def test_without_a_compiler_the_torch_path_samples_and_asking_for_c_says_why(mon
     monkeypatch.setattr(cpu_topp, "_state", {})
     monkeypatch.setattr(cpu_topp, "_compiler", lambda: None)
     assert cpu_topp.library() is None and "no C compiler" in cpu_topp.why_not()
+    monkeypatch.setenv("MINIKV_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(cpu_topp, "_state", {})
+    monkeypatch.setattr(cpu_topp, "_compiler", lambda: "/usr/bin/cc")
+    assert cpu_topp.library() is None and "point MINIKV_CACHE at a folder you can write" in cpu_topp.why_not()
+    monkeypatch.setattr(cpu_topp, "_state", {})
+    monkeypatch.setattr(cpu_topp, "_compiler", lambda: None)
+    assert cpu_topp.library() is None
     logits = model_like(4, 20_011, seed=1)
     params = [SamplingParams(temperature=0.6, top_p=0.95, seed=i) for i in range(4)]
     keys = draw_keys(list(range(4)), [0] * 4)

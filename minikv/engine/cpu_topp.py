@@ -83,7 +83,9 @@ def _load():
                 return None, "no C compiler (set CC, or install gcc): the torch path samples"
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
+    except OSError as e:
+        return None, f"cannot build or load {path} ({e}); point MINIKV_CACHE at a folder you can write"
+    except RuntimeError as e:
         return None, str(e)
     fn = lib.minikv_top_p_rows
     fn.restype = ctypes.c_int
@@ -115,9 +117,9 @@ def top_p_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tens
     fn = library()
     if fn is None:
         raise RuntimeError(f"the C top-p path is not available: {why_not()}")
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or logits.device.type != "cpu":
-        raise ValueError("top_p_rows reads float32 CPU logits whose rows are contiguous; got "
-                         f"{logits.dtype} on {logits.device} with strides {logits.stride()}")
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1 or logits.device.type != "cpu":
+        raise ValueError("top_p_rows reads float32 CPU logits [rows, vocab] whose rows are contiguous; got "
+                         f"{logits.dtype} {tuple(logits.shape)} on {logits.device} with strides {logits.stride()}")
     rows = rows.to(torch.int64).contiguous()
     temperature = temperature.to(torch.float32).contiguous()
     key = key.to(torch.int64).contiguous()
