@@ -54,6 +54,7 @@ if __name__ == "__main__":  # run as a script: minikv from this checkout, instal
 import minikv.engine.sampler as sampler  # noqa: E402
 from minikv import SamplingParams  # noqa: E402
 from minikv.bench import environment  # noqa: E402
+from minikv.engine import cpu_topp  # noqa: E402
 from minikv.engine.sampler import draw_keys, filtered_probs, sample  # noqa: E402
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.95}
@@ -176,7 +177,6 @@ def main() -> None:
         equal += sum(a == b for a, b in zip(got, want))
         equal_torch += sum(a == b for a, b in zip(got_torch, want))
     total = args.checks * args.rows
-    from minikv.engine import cpu_topp
     print(f"the sampler's path: {path}{'' if path == 'c' else f' ({cpu_topp.why_not()})'}; tokens equal to the "
           f"reference: {equal}/{total} ({sum(redone)} rows left to the sorted path), on the torch path "
           f"{equal_torch}/{total} ({redone_torch}); nucleus sizes min {sizes[0]}, median {sizes[len(sizes) // 2]}, "
