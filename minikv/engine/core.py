@@ -142,12 +142,15 @@ def _done(seq: Sequence) -> bool:
     return not seq.num_pending_forks and all(s.is_finished for s in samples_of(seq))
 
 
-def _keys(seqs: list[Sequence]) -> np.ndarray:
-    """The draw keys of these sequences, int64 (greedy ones draw nothing: 0, and are not hashed)."""
+def _keys(seqs: list[Sequence], rows: list[int] | None = None, seeds=None) -> np.ndarray:
+    """The draw keys of these sequences, int64 (greedy ones draw nothing: 0, and are not hashed). rows and
+    seeds: the drawing rows and their seeds, where already known (a kept DrawPlan's, `EngineCore._draws`)."""
     keys = np.zeros(len(seqs), dtype=np.int64)
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows is None:
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:
-        keys[rows] = draw_keys([seqs[i].seed for i in rows], [len(seqs[i].output_token_ids) for i in rows])
+        keys[rows] = draw_keys([seqs[i].seed for i in rows] if seeds is None else seeds,
+                               [len(seqs[i].output_token_ids) for i in rows])
     return keys
 
 
@@ -768,10 +771,7 @@ class EngineCore:
             plan = DrawPlan([s.params for s in seqs])
             self._drawn = (ids, seqs, plan, np.array([seqs[i].seed for i in plan.sampled_rows], dtype=np.uint64))
         _, _, plan, seeds = self._drawn
-        keys = np.zeros(len(seqs), dtype=np.int64)
-        if plan.sampled_rows:
-            keys[plan.rows] = draw_keys(seeds, [len(seqs[i].output_token_ids) for i in plan.sampled_rows])
-        return plan, keys
+        return plan, _keys(seqs, plan.sampled_rows, seeds)
 
     def _can_overlap(self, t: InFlight) -> bool:
         """Can step t+1 be scheduled before t's tokens are known? (the cases in overlap.py's docstring)"""

@@ -77,9 +77,9 @@ static inline int ahead(const Candidate* a, const Candidate* b) {
     return a->s > b->s || (a->s == b->s && a->id < b->id);
 }
 
-/* One row; returns 1 with *out set when sure. Scratch: bm and bp, nb + 1 floats; ids and cand, room for V. */
+/* One row; returns 1 with *out set when sure. Scratch: bm and bt, nb + 1 floats; ids and cand, room for V. */
 static int draw_row(const float* x, int64_t V, float T, uint64_t key, float top_p, double slack, float* bm,
-                    float* bp, int32_t* ids, Candidate* cand, int64_t* out) {
+                    float* bt, int32_t* ids, Candidate* cand, int64_t* out) {
     const int64_t nb = V / BLOCK, tail = V % BLOCK;
     /* 1 and 2 in one read of the row from memory, a segment at a time: segment i holds ids i nb .. i nb + nb - 1,
        lane i of every block (the tail, ids past 16 nb, is a segment of its own). Its maximum m_i first; then,
@@ -132,8 +132,7 @@ static int draw_row(const float* x, int64_t V, float T, uint64_t key, float top_
     const double need = (double)top_p + 2.0 * slack;
     if (need >= 1.0) return 0;
     /* the edge: the first level whose blocks' maxima alone weigh `need` (each block above it holds at least
-       its maximum's mass), else the last. bp: each block maximum's term, in place of its t */
-    float* bt = bp;
+       its maximum's mass), else the last. bt: each block maximum's exponent t, in log2 units below the top */
     for (int64_t c = 0; c < nblocks; c++) bt[c] = (bm[c] - m) * k2;
     int level = 0;
     for (; level < NLEVELS - 1; level++) {
@@ -250,20 +249,20 @@ static void* work(void* arg) {
     Job* job = arg;
     const int64_t V = job->V;
     float* bm = malloc((size_t)(V / BLOCK + 1) * sizeof(float));
-    float* bp = malloc((size_t)(V / BLOCK + 1) * sizeof(float));
+    float* bt = malloc((size_t)(V / BLOCK + 1) * sizeof(float));
     int32_t* ids = malloc((size_t)V * sizeof(int32_t));
     Candidate* cand = malloc((size_t)V * sizeof(Candidate));
-    if (!bm || !bp || !ids || !cand) {
+    if (!bm || !bt || !ids || !cand) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
     } else {
         for (int64_t r; (r = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->n;)
             if (job->temperature[r] > 0.f && V >= BLOCK)
                 job->sure[r] = (uint8_t)draw_row(job->logits + job->rows[r] * job->stride, V, job->temperature[r],
-                                                 (uint64_t)job->keys[r], job->top_p[r], job->slack, bm, bp, ids, cand,
+                                                 (uint64_t)job->keys[r], job->top_p[r], job->slack, bm, bt, ids, cand,
                                                  &job->choice[r]);
     }
     free(bm);
-    free(bp);
+    free(bt);
     free(ids);
     free(cand);
     return NULL;

@@ -45,8 +45,8 @@ def _cpu_signature() -> str:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        if name and (path := shutil.which(name)):
+            return path
     return None
 
 

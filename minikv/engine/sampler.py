@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minikv.engine import cpu_topp
 from minikv.engine.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -309,8 +310,6 @@ CPU_TOP_P = "auto"
 
 
 def _cpu_top_p_path(logits: torch.Tensor) -> str:
-    from minikv.engine import cpu_topp
-
     want, vocab = CPU_TOP_P, logits.shape[-1]
     if want in ("auto", "c") and vocab >= BLOCK and logits.dtype == torch.float32 and logits.stride(-1) == 1 \
             and cpu_topp.library() is not None:
@@ -332,8 +331,6 @@ def _sample_top_p_cpu(logits: torch.Tensor, rows: list[int], temperature: torch.
     not finite, a log-sum-exp too large for float32's rounding) take the sorted path."""
     if path != "c":
         return _sample_nucleus_cpu(logits, rows, temperature, key, top_p)
-    from minikv.engine import cpu_topp
-
     rows_t = torch.tensor(rows, dtype=torch.long)
     choice, sure = cpu_topp.top_p_rows(logits, rows_t, temperature, key, top_p, _mass_slack(logits.shape[-1]))
     redo = (~sure).nonzero()[:, 0]
